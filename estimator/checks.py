@@ -1,0 +1,84 @@
+"""Checks that need more than one param, or the DataFrame's schema. All run before any Spark job."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
+from torch import nn
+
+from estimator.params import param_error
+
+OWNER = "TorchEstimator"
+
+
+def check_params(p: Dict[str, Any]) -> None:
+    n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
+    for name, count, what in (("input_shapes", n_features, "feature_cols"), ("label_shapes", n_labels, "label_cols")):
+        if p[name] is not None and len(p[name]) != count:
+            raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
+    losses = p["loss"] if isinstance(p["loss"], (list, tuple)) else [p["loss"]]
+    if len(losses) not in (1, n_labels):
+        raise ValueError(param_error(OWNER, "loss", f"one loss, or a list of {n_labels} (one per label column)",
+                                     p["loss"]))
+    if p["loss_weights"] is not None and len(p["loss_weights"]) != n_labels:
+        raise ValueError(param_error(OWNER, "loss_weights", f"a list of {n_labels} numbers, one per label column",
+                                     p["loss_weights"]))
+    if p["sample_weight_col"]:
+        bad = [fn for fn in losses if not (isinstance(fn, nn.Module) and hasattr(fn, "reduction"))]
+        if bad:
+            raise ValueError(param_error(
+                OWNER, "loss", "torch.nn loss modules (with a 'reduction' attribute) when sample_weight_col is set, "
+                "so that per-row losses can be weighted", p["loss"]))
+    used = list(p["feature_cols"]) + list(p["label_cols"])
+    overlap = sorted({c for c in used if used.count(c) > 1})
+    if overlap:
+        raise ValueError(f"Columns {overlap} appear in both feature_cols and label_cols of {OWNER}; "
+                         "a column can be a feature or a label, not both.")
+
+
+def check_schema(p: Dict[str, Any], schema: StructType) -> None:
+    """Every named column exists and has a type the estimator can train on."""
+    available = schema.names
+    roles: List[tuple] = [(c, "feature_cols") for c in p["feature_cols"]]
+    roles += [(c, "label_cols") for c in p["label_cols"]]
+    if p["sample_weight_col"]:
+        roles.append((p["sample_weight_col"], "sample_weight_col"))
+    if isinstance(p["validation"], str):
+        roles.append((p["validation"], "validation"))
+    for column, param in roles:
+        if column not in available:
+            raise ValueError(f"Column {column!r} (from {param}) is not in the DataFrame. "
+                             f"Available columns: {', '.join(available)}.")
+        dtype = schema[column].dataType
+        scalar_only = param in ("sample_weight_col", "validation")
+        if not _trainable(dtype, scalar_only):
+            allowed = ("a number or boolean" if scalar_only
+                       else "numeric, boolean, an array of numbers, or an ml Vector")
+            raise ValueError(f"Column {column!r} (from {param}) has type {dtype.simpleString()}; it must be "
+                             f"{allowed}. Convert it first (StringIndexer for strings, VectorAssembler for "
+                             "several numeric columns).")
+
+
+def _trainable(dtype: DataType, scalar_only: bool) -> bool:
+    if isinstance(dtype, (NumericType, BooleanType)):
+        return True
+    if scalar_only:
+        return False
+    if isinstance(dtype, VectorUDT):
+        return True
+    while isinstance(dtype, ArrayType):
+        dtype = dtype.elementType
+        if isinstance(dtype, (NumericType, BooleanType)):
+            return True
+    return False
+
+
+def as_list(value: Optional[Any]) -> List[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:
+    return None if value is None else tuple(tuple(int(d) for d in s) for s in value)

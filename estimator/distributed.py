@@ -1,0 +1,85 @@
+"""Who am I, who are my peers: process-group setup and teardown for one rank. torch only.
+
+The launcher finds the peers (Spark barrier tasks, or local processes) and hands each rank a
+connected `TCPStore`; everything after that is the same everywhere.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("estimator")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str  # "cpu" or "cuda:N"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+
+class RankFailed(RuntimeError):
+    """A rank's training raised; carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, formatted: str):
+        super().__init__(f"Training failed on rank {rank}:\n{formatted}")
+        self.rank = rank
+        self.formatted = formatted
+
+
+def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank: int,
+                  assigned_gpu: Optional[str]) -> str:
+    """The same decision on every rank, from every rank's GPU count (gathered at rendezvous)."""
+    everyone_has_gpu = len(gpu_counts) > 0 and all(n > 0 for n in gpu_counts)
+    if use_gpu and not everyone_has_gpu:
+        missing = [rank for rank, n in enumerate(gpu_counts) if n == 0]
+        raise RuntimeError(f"use_gpu=True but ranks {missing} see no CUDA device. Set use_gpu=False "
+                           "(or leave it None to use GPUs only when every rank has one).")
+    if not everyone_has_gpu or use_gpu is False:
+        return "cpu"
+    index = int(assigned_gpu) if assigned_gpu is not None else local_rank % max(1, torch.cuda.device_count())
+    return f"cuda:{index}"
+
+
+def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], T],
+             timeout: timedelta = timedelta(minutes=30)) -> T:
+    """Init the process group, run `work`, and always tear the group down cleanly.
+
+    The order matters: DistributedDataParallel must be garbage before destroy_process_group
+    (a live DDP object at destroy time deadlocks), and the group must not outlive the task,
+    because Spark reuses its Python workers for the next job.
+    """
+    os.environ.update(MASTER_ADDR=ctx.master_addr, MASTER_PORT=str(ctx.master_port), RANK=str(ctx.rank),
+                      WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.local_rank))
+    if ctx.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(ctx.device))
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    failure: Optional[str] = None
+    result: Optional[T] = None
+    try:
+        result = work(ctx)
+        dist.barrier()  # nobody tears down while a peer still needs the group
+    except Exception:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
+        failure = traceback.format_exc()
+    # The traceback (and the frames holding DDP) is released once the except block ends.
+    gc.collect()
+    dist.destroy_process_group()
+    if failure is not None:
+        raise RankFailed(ctx.rank, failure)
+    return result  # type: ignore[return-value]

@@ -1,0 +1,107 @@
+"""Batched prediction on executors: Arrow arrays in, an Arrow struct of outputs out. No pyspark.
+
+The model is unpickled once per Python worker (Spark reuses workers) and kept in a small cache
+keyed by the model's content hash, so each Arrow batch costs only the conversion and the forward.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import cloudpickle
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from estimator.data import column_to_numpy, reshape, torch_dtype_array
+
+_CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
+_CACHE_SIZE = 2
+PREDICTION_FIELD = "_prediction"
+
+
+@dataclass(frozen=True)
+class InferenceLayout:
+    feature_cols: Tuple[str, ...]
+    input_shapes: Optional[Tuple[Tuple[int, ...], ...]]
+    output_names: Tuple[str, ...]
+    output_is_vector: Tuple[bool, ...]
+    prediction_of: Optional[int]  # index of the output whose argmax is the prediction column
+    batch_size: int
+    use_gpu: Optional[bool]
+
+
+def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
+    if (key, device) not in _CACHE:
+        model = cloudpickle.loads(blob).to(device).eval()
+        _CACHE[(key, device)] = model
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end((key, device))
+    return _CACHE[(key, device)]
+
+
+def device_for(use_gpu: Optional[bool]) -> str:
+    return "cuda" if use_gpu is not False and torch.cuda.is_available() else "cpu"
+
+
+def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
+    device = device_for(layout.use_gpu)
+    model = cached_model(key, blob, device)
+    arrays = []
+    for i, (name, column) in enumerate(zip(layout.feature_cols, columns)):
+        shape = layout.input_shapes[i] if layout.input_shapes else None
+        values = column_to_numpy(pa.chunked_array([column]), name)
+        arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
+    outputs = predict_numpy(model, arrays, layout.batch_size, device)
+    return to_struct(outputs, layout)
+
+
+def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str):
+    rows = arrays[0].shape[0] if arrays else 0
+    chunks = []
+    with torch.inference_mode():
+        for start in range(0, rows, batch_size):
+            batch = [torch.from_numpy(a[start:start + batch_size]).to(device) for a in arrays]
+            out = model(*batch)
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            chunks.append([o.detach().float().reshape(o.shape[0], -1).cpu().numpy() for o in out])
+    if not chunks:
+        return []
+    return [np.concatenate([c[i] for c in chunks]) for i in range(len(chunks[0]))]
+
+
+def arrow_type(layout: InferenceLayout) -> pa.StructType:
+    fields = [pa.field(n, pa.list_(pa.float32()) if v else pa.float64())
+              for n, v in zip(layout.output_names, layout.output_is_vector)]
+    if layout.prediction_of is not None:
+        fields.append(pa.field(PREDICTION_FIELD, pa.float64()))
+    return pa.struct(fields)
+
+
+def to_struct(outputs: Sequence[np.ndarray], layout: InferenceLayout) -> pa.StructArray:
+    if not outputs:
+        return pa.array([], type=arrow_type(layout))
+    rows = outputs[0].shape[0]
+    fields = []
+    for values, is_vector in zip(outputs, layout.output_is_vector):
+        if is_vector:
+            width = values.shape[1]
+            offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+            fields.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32())))
+        else:
+            fields.append(pa.array(values.reshape(-1).astype(np.float64)))
+    if layout.prediction_of is not None:
+        fields.append(pa.array(outputs[layout.prediction_of].argmax(axis=1).astype(np.float64)))
+    return pa.StructArray.from_arrays(fields, fields=list(arrow_type(layout)))
+
+
+def make_predict(key: str, blob: bytes, layout: InferenceLayout):
+    """The function an Arrow UDF runs: typed, since pyspark reads the type hints."""
+
+    def predict(*columns: pa.Array) -> pa.Array:
+        return predict_arrow(key, blob, layout, *columns)
+
+    return predict

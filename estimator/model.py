@@ -1,0 +1,122 @@
+"""TorchModel: a trained nn.Module as a Spark ML Model with batched Arrow inference."""
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+from pyspark.ml import Model
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.linalg import VectorUDT
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
+from torch import nn
+
+from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict
+from estimator.params import (DeclaredParams, ParamSpec, declare, is_instance, is_int, is_shape_list, is_str_list,
+                              optional)
+from estimator.persistence import ModelReader, ParamsWriter
+from estimator.pickling import dumps
+
+MODEL_PARAMS = [
+    ParamSpec("model", "the trained torch.nn.Module", None, is_instance(nn.Module), "a torch.nn.Module", json=False),
+    ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),
+              "a non-empty list of column names"),
+    ParamSpec("label_cols", "the label columns the model was trained on (one per output)", None, is_str_list(),
+              "a non-empty list of column names"),
+    ParamSpec("output_cols", "names of the output columns; default '<label>__output'", None,
+              optional(is_str_list()), "a list of column names (one per label column) or None"),
+    ParamSpec("prediction_col", "argmax column for classification outputs ('' for none)", "prediction",
+              is_instance(str), "a column name or ''"),
+    ParamSpec("input_shapes", "shape of each feature batch (-1: the batch)", None, optional(is_shape_list),
+              "a list of shapes or None"),
+    ParamSpec("output_shapes", "per-row shape of each model output, measured at fit time", None,
+              optional(lambda v: isinstance(v, list)), "a list of shapes"),
+    ParamSpec("history", "per-epoch training and validation loss and metrics", [],
+              lambda v: isinstance(v, list), "a list of dicts"),
+    ParamSpec("run_id", "the training run that produced the model", None, optional(is_instance(str)),
+              "a string or None"),
+    ParamSpec("batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
+    ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
+              optional(lambda v: isinstance(v, bool)), "True, False or None"),
+]
+
+
+class TorchModel(DeclaredParams, Model, MLReadable, MLWritable):
+    """A trained model: `transform` adds one output column per label (and `prediction`)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+
+    def getOutputColumns(self) -> List[str]:
+        return list(self.getOutputCols() or [f"{c}__output" for c in self.getLabelCols()])
+
+    def getFeatureColumns(self) -> List[str]:
+        return list(self.getFeatureCols())
+
+    def getLabelColumns(self) -> List[str]:
+        return list(self.getLabelCols())
+
+    def output_schema(self) -> StructType:
+        """The columns transform adds, from params alone (no Spark job)."""
+        layout = self._layout(self.validated())
+        fields = [StructField(name, ArrayType(FloatType(), False) if vec else DoubleType(), False)
+                  for name, vec in zip(self.getOutputColumns(), layout.output_is_vector)]
+        if layout.prediction_of is not None:
+            fields.append(StructField(self.getPredictionCol(), DoubleType(), False))
+        return StructType(fields)
+
+    def _layout(self, p: Dict[str, Any]) -> InferenceLayout:
+        outputs = self.getOutputColumns()
+        if len(outputs) != len(p["label_cols"]):
+            raise ValueError(f"The 'output_cols' parameter of TorchModel must list {len(p['label_cols'])} names, "
+                             f"one per label column {p['label_cols']}. Got {outputs} instead.")
+        shapes = p["output_shapes"] or [[]] * len(outputs)
+        is_vector = tuple(int(np.prod(s)) > 1 for s in shapes)
+        classify = (len(outputs) == 1 and is_vector[0] and len(shapes[0]) == 1 and bool(p["prediction_col"]))
+        return InferenceLayout(
+            feature_cols=tuple(p["feature_cols"]),
+            input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
+            output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
+            prediction_of=0 if classify else None, batch_size=p["batch_size"], use_gpu=p["use_gpu"])
+
+    def _transform(self, df: DataFrame) -> DataFrame:
+        p = self.validated()
+        layout = self._layout(p)
+        schema = self.output_schema()
+        for column in p["feature_cols"]:
+            if column not in df.columns:
+                raise ValueError(f"Column {column!r} (from feature_cols) is not in the DataFrame. "
+                                 f"Available columns: {', '.join(df.columns)}.")
+        clash = [f.name for f in schema.fields if f.name in df.columns]
+        if clash:
+            raise ValueError(f"Output columns {clash} already exist in the DataFrame; choose other names with "
+                             "setOutputCols(...) / setPredictionCol(...), or drop them first.")
+        blob = self._model_blob()
+        key = hashlib.sha256(blob).hexdigest()
+        internal = StructType([StructField(n, f.dataType, False) for n, f in
+                               zip(list(layout.output_names) + [PREDICTION_FIELD], schema.fields)])
+        predict = F.arrow_udf(make_predict(key, blob, layout), internal).asNondeterministic()
+        inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
+                  for c in p["feature_cols"]]
+        tmp = f"__torch_{uuid.uuid4().hex[:8]}"
+        with_struct = df.withColumn(tmp, predict(*inputs))
+        added = [F.col(tmp).getField(n).alias(f.name) for n, f in zip(internal.names, schema.fields)]
+        return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *added)
+
+    def _model_blob(self) -> bytes:
+        model = self.getModel()
+        return dumps(model.cpu().eval(), "model", roots=[model])
+
+    def write(self) -> ParamsWriter:
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ModelReader:
+        return ModelReader(cls)
+
+
+declare(TorchModel, MODEL_PARAMS)

@@ -1,0 +1,175 @@
+"""Every Param of TorchEstimator and TorchModel, declared once in a table.
+
+`declare(cls, specs)` attaches the pyspark `Param` objects and generates `getX`/`setX`, the way
+pyspark generates its shared params from a table. Validation runs at fit time, never in a
+constructor, and every message has one form:
+"The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 0 instead."
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from pyspark.ml.param import Param, Params
+
+Check = Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    doc: str
+    default: Any = None
+    check: Optional[Check] = None  # True when the value is allowed
+    allowed: str = ""  # what the message says is allowed: "an int >= 1"
+    json: bool = True  # False: persisted by pickling (modules, callables, stores)
+
+
+# -- checks ------------------------------------------------------------------------------------
+def is_int(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
+    def check(v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            return False
+        return (lo is None or v >= lo) and (hi is None or v <= hi)
+
+    return check
+
+
+def optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def is_instance(*types: type) -> Check:
+    return lambda v: isinstance(v, types)
+
+
+def is_str_list(nonempty: bool = True) -> Check:
+    def check(v: Any) -> bool:
+        return (isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)
+                and (len(v) > 0 or not nonempty) and len(set(v)) == len(v))
+
+    return check
+
+
+def is_shape_list(v: Any) -> bool:
+    """A list of shapes; each a non-empty list of ints >= 1, where -1 may stand (once) for the batch."""
+    if not isinstance(v, (list, tuple)):
+        return False
+    for shape in v:
+        if not isinstance(shape, (list, tuple)) or not shape:
+            return False
+        if not all(is_int()(d) and (d >= 1 or d == -1) for d in shape):
+            return False
+        if list(shape).count(-1) > 1:
+            return False
+    return True
+
+
+def is_callable_or_list(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return len(v) > 0 and all(callable(f) for f in v)
+    return callable(v)
+
+
+def is_metric_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(callable(m) or m in ("accuracy",) for m in v)
+
+
+def is_number_list(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(
+        isinstance(x, numbers.Real) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def is_validation(v: Any) -> bool:
+    if v is None or (isinstance(v, str) and v):
+        return True
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 <= v < 1
+
+
+def is_run_id(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and 0 < len(v) <= 200 and "/" not in v and "\\" not in v
+                         and v not in (".", "..") and ".." not in v and not v.startswith("."))
+
+
+def is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+# -- declaring ---------------------------------------------------------------------------------
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
+    """Attach Params, getters and setters for `specs` to `cls` (a pyspark `Params` subclass)."""
+    cls._param_specs = {s.name: s for s in specs}  # type: ignore[attr-defined]
+    for spec in specs:
+        setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc))
+        setattr(cls, "get" + _camel(spec.name), _getter(spec.name))
+        setattr(cls, "set" + _camel(spec.name), _setter(spec.name))
+    params = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default) for s in specs]
+    cls.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + params)
+    return cls
+
+
+def _getter(name: str) -> Callable[[Params], Any]:
+    def get(self: Params) -> Any:
+        return self.getOrDefault(getattr(self, name))
+
+    get.__name__ = "get" + _camel(name)
+    get.__doc__ = f"Gets the value of `{name}`."
+    return get
+
+
+def _setter(name: str) -> Callable[[Params, Any], Params]:
+    def set_(self: Params, value: Any) -> Params:
+        return self._set(**{name: value})
+
+    set_.__name__ = "set" + _camel(name)
+    set_.__doc__ = f"Sets the value of `{name}`."
+    return set_
+
+
+class DeclaredParams(Params):
+    """Base for classes whose params come from a `declare` table: records kwargs, nothing else."""
+
+    _param_specs: Dict[str, ParamSpec] = {}
+
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        self._setDefault(**{name: spec.default for name, spec in self._param_specs.items()})
+        self.setParams(**kwargs)
+
+    def setParams(self, **kwargs: Any) -> "DeclaredParams":
+        unknown = [k for k in kwargs if k not in self._param_specs]
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], list(self._param_specs), n=1)
+            raise TypeError(f"{type(self).__name__} got an unexpected parameter {unknown[0]!r}."
+                            + (f" Did you mean {hint[0]!r}?" if hint else "")
+                            + f" Known parameters: {', '.join(sorted(self._param_specs))}.")
+        return self._set(**kwargs)
+
+    def validated(self) -> Dict[str, Any]:
+        """All param values, each checked against its spec; raises ValueError naming the first bad one."""
+        values = {}
+        for name, spec in self._param_specs.items():
+            value = self.getOrDefault(getattr(self, name))
+            if spec.check is not None and not spec.check(value):
+                raise ValueError(param_error(type(self).__name__, name, spec.allowed, value))
+            values[name] = value
+        return values
+
+
+def param_error(owner: str, name: str, allowed: str, value: Any) -> str:
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return f"The {name!r} parameter of {owner} must be {allowed}. Got {shown} instead."
+
+
+def names(specs: Sequence[ParamSpec]) -> List[str]:
+    return [s.name for s in specs]

@@ -1,0 +1,87 @@
+"""Save and load TorchEstimator and TorchModel.
+
+Layout of a saved instance at `path`:
+  metadata/     pyspark's DefaultParamsWriter JSON (class, uid, JSON params), so Pipeline and
+                PipelineModel can save and load us like any other stage
+  objects.pkl   the params that are Python objects (optimizer, loss, metrics, store without credentials)
+  model.pkl     the nn.Module (its class and structure; cloudpickle)
+  weights.pt    its state_dict, loaded with torch.load(weights_only=True)
+Loading runs code from model.pkl/objects.pkl: load only what you (or your pipeline) saved.
+"""
+from __future__ import annotations
+
+import io
+import posixpath
+from typing import Any, Dict, Tuple
+
+import cloudpickle
+import torch
+from fsspec.core import url_to_fs
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+
+from estimator.pickling import dumps
+from store import Store
+
+
+class ParamsWriter(MLWriter):
+    def __init__(self, instance: Any):
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        json_params, objects = split_params(self.instance)
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, paramMap=json_params)
+        fs, root = url_to_fs(path)
+        model = objects.pop("model", None)
+        if isinstance(objects.get("store"), Store):
+            objects["store"] = objects["store"].without_credentials()
+        _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values()))
+        if model is not None:
+            _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model]))
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            _write(fs, posixpath.join(root, "weights.pt"), buffer.getvalue())
+
+
+class ParamsReader(MLReader):
+    def __init__(self, cls: type):
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> Any:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        instance = self.cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        fs, root = url_to_fs(path)
+        objects = cloudpickle.loads(_read(fs, posixpath.join(root, "objects.pkl")))
+        if fs.exists(posixpath.join(root, "model.pkl")):
+            model = cloudpickle.loads(_read(fs, posixpath.join(root, "model.pkl")))
+            weights = torch.load(io.BytesIO(_read(fs, posixpath.join(root, "weights.pt"))), map_location="cpu",
+                                 weights_only=True)
+            model.load_state_dict(weights)
+            objects["model"] = model
+        instance._set(**objects)
+        return instance
+
+
+EstimatorReader = ModelReader = ParamsReader
+
+
+def split_params(instance: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(JSON params, object params) among the explicitly set params."""
+    specs = instance._param_specs
+    json_params, objects = {}, {}
+    for param, value in instance._paramMap.items():
+        (json_params if specs[param.name].json else objects)[param.name] = value
+    return json_params, objects
+
+
+def _write(fs: Any, path: str, data: bytes) -> None:
+    with fs.open(path, "wb") as f:
+        f.write(data)
+
+
+def _read(fs: Any, path: str) -> bytes:
+    with fs.open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,111 @@
+"""Turning the user's objects into bytes a worker can load, with errors that say the fix.
+
+Classes defined in a notebook (`__main__`) are pickled by value by cloudpickle already. Classes from
+a module that exists only on the driver (a .py file next to the notebook) would fail to import on
+executors, so their modules are registered for pickling by value for the duration of the dump.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import site
+import sys
+import sysconfig
+from types import ModuleType
+from typing import Any, Iterable, List, Sequence, Set
+
+import cloudpickle
+import torch
+from torch import nn
+
+from estimator.spec import UserObjects
+
+# Our own packages are installed on executors wherever the estimator runs.
+_INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "builtins"}
+
+
+def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer, losses: List[Any],
+                 loss_weights: List[float], metrics: List[Any]) -> UserObjects:
+    """A copy of everything the ranks need; the user's own model and optimizer are not touched."""
+    groups = optimizer_groups(optimizer, model)
+    return UserObjects(model=copy.deepcopy(model).cpu(), optimizer_cls=type(optimizer), optimizer_groups=groups,
+                       optimizer_defaults=constructor_defaults(optimizer),
+                       optimizer_state=copy.deepcopy(optimizer.state_dict()),
+                       losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics))
+
+
+def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> List[List[int]]:
+    """Per param group, the indices of its params in `list(model.parameters())`.
+
+    The optimizer may hold this model's params, or those of another instance of the same
+    architecture (`optim.SGD(Net().parameters())`): then params are matched by position and shape.
+    """
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(id(p) in index for p in held):
+        return [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if len(held) == len(params) and all(a.shape == b.shape for a, b in zip(held, params)):
+        groups, start = [], 0
+        for group in optimizer.param_groups:
+            groups.append(list(range(start, start + len(group["params"]))))
+            start += len(group["params"])
+        return groups
+    raise ValueError(
+        "The 'optimizer' parameter of TorchEstimator must optimize the parameters of 'model' "
+        f"(it holds {len(held)} tensors, the model has {len(params)} with other shapes). "
+        "Build it as optim.SGD(model.parameters(), ...) over the model you pass.")
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults that its constructor accepts (load_state_dict restores the rest)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def dumps(obj: Any, what: str, roots: Iterable[Any] = ()) -> bytes:
+    """cloudpickle `obj`, pickling driver-only modules of `roots` by value."""
+    modules = driver_only_modules(roots)
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure gets the same advice
+        raise ValueError(
+            f"The {what} cannot be sent to the Spark executors: {type(exc).__name__}: {exc}. Objects that "
+            "hold open files, locks, sockets, generators or Spark objects (SparkSession, DataFrame) cannot be "
+            "pickled; keep such state out of the model, loss and metrics.") from None
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:
+    names: Set[str] = set()
+    for root in roots:
+        items: Sequence[Any] = list(root.modules()) if isinstance(root, nn.Module) else [root]
+        for item in items:
+            names.add(getattr(item, "__module__", None) or type(item).__module__)
+            names.add(type(item).__module__)
+    found = []
+    for name in sorted(n for n in names if n):
+        top = name.split(".")[0]
+        module = sys.modules.get(top)
+        if top in _INSTALLED_EVERYWHERE or top == "__main__" or module is None:
+            continue
+        if not _is_installed(module):
+            found.append(module)
+    return found
+
+
+def _is_installed(module: ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    if path is None:  # built-in or namespace package
+        return True
+    path = os.path.realpath(path)
+    roots = {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    return any(path.startswith(os.path.realpath(r) + os.sep) for r in roots if r)

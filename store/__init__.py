@@ -1,0 +1,8 @@
+"""Where a run keeps its data, checkpoints and logs: one class over fsspec.
+
+No Spark and no torch here: the store is used by the driver and by every rank.
+"""
+from store.layout import RunLayout, DataLayout
+from store.store import LocalStore, Store
+
+__all__ = ["Store", "LocalStore", "RunLayout", "DataLayout"]

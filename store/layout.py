@@ -1,0 +1,52 @@
+"""The paths of a run and of materialized data, in one place. Pure string functions."""
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Materialized training data, keyed by what produced it.
+
+    Each attempt writes under its own `attempt-<id>/` folder; the commit marker, written last,
+    names the attempt that completed. Readers use only what a marker names, so an interrupted
+    write is never read.
+    """
+
+    root: str
+
+    def attempt(self, attempt_id: str) -> str:
+        return posixpath.join(self.root, f"attempt-{attempt_id}")
+
+    def train(self, attempt_id: str) -> str:
+        return posixpath.join(self.attempt(attempt_id), "train")
+
+    def val(self, attempt_id: str) -> str:
+        return posixpath.join(self.attempt(attempt_id), "val")
+
+    @property
+    def commit_marker(self) -> str:
+        return posixpath.join(self.root, "_COMMITTED.json")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The files of one training run (one run_id)."""
+
+    root: str
+
+    @property
+    def checkpoint(self) -> str:
+        return posixpath.join(self.root, "checkpoint.pt")
+
+    @property
+    def metadata(self) -> str:
+        return posixpath.join(self.root, "metadata.json")
+
+    @property
+    def logs(self) -> str:
+        return posixpath.join(self.root, "logs")
+
+    def log_file(self, rank: int) -> str:
+        return posixpath.join(self.logs, f"rank-{rank}.log")

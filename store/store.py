@@ -1,0 +1,144 @@
+"""One Store class for every fsspec URL: local paths, file://, hdfs://, abfs://, s3://, memory://."""
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from typing import Any, Dict, Iterator, List, Optional
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from store.layout import DataLayout, RunLayout
+
+_REDACTED = "***"
+
+
+class Store:
+    """A prefix URL plus the fsspec filesystem that serves it.
+
+    The constructor only records; the filesystem is resolved lazily so that a Store pickles
+    cheaply to executors (each process builds its own client).
+    """
+
+    def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None):
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"Store prefix must be a non-empty URL or path. Got {prefix!r} instead.")
+        self.prefix = prefix
+        self.storage_options = dict(storage_options or {})
+        self._fs: Optional[fsspec.AbstractFileSystem] = None
+        self._root: Optional[str] = None
+
+    @classmethod
+    def create(cls, prefix: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> "Store":
+        """A store for any fsspec URL or local path."""
+        return cls(prefix, storage_options=storage_options, **kwargs)
+
+    # -- filesystem ---------------------------------------------------------------------------
+    def _resolve(self) -> None:
+        if self._fs is None:
+            prefix = os.path.abspath(os.path.expanduser(self.prefix)) if _is_plain_path(self.prefix) else self.prefix
+            try:
+                self._fs, root = url_to_fs(prefix, **self.storage_options)
+            except (ValueError, ImportError) as exc:
+                raise ValueError(
+                    f"Store cannot open {self.prefix!r}: {exc}. Use a local path or an fsspec URL "
+                    "(file://, hdfs://, abfs://, s3://, memory://) with its filesystem package installed."
+                ) from None
+            self._root = root.rstrip("/") or "/"
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        self._resolve()
+        return self._fs  # type: ignore[return-value]
+
+    @property
+    def root(self) -> str:
+        """The prefix as a path inside `fs` (no protocol)."""
+        self._resolve()
+        return self._root  # type: ignore[return-value]
+
+    def path(self, *parts: str) -> str:
+        """A path inside `fs` under the prefix."""
+        return posixpath.join(self.root, *parts)
+
+    def url(self, path: str) -> str:
+        """A full URL for a path of this store, as other tools (Spark, pyarrow) name it."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        if protocol in ("file", "local"):
+            return "file://" + path
+        return self.fs.unstrip_protocol(path)
+
+    @property
+    def is_local(self) -> bool:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return protocol in ("file", "local")
+
+    # -- layout -------------------------------------------------------------------------------
+    def run(self, run_id: str) -> RunLayout:
+        return RunLayout(self.path("runs", run_id))
+
+    def data(self, key: str) -> DataLayout:
+        return DataLayout(self.path("data", key))
+
+    # -- small I/O helpers --------------------------------------------------------------------
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as f:
+            return f.read()
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Write to a temporary name beside `path`, then move it into place.
+
+        On local disk and HDFS the move is atomic; on object stores the final object appears only
+        when its upload completes, so a reader never sees a half-written file either way.
+        """
+        parent = posixpath.dirname(path)
+        self.makedirs(parent)
+        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+
+    def ls(self, path: str) -> List[str]:
+        return [p for p in self.fs.ls(path, detail=False)]
+
+    def find(self, path: str, suffix: str = "") -> Iterator[str]:
+        for p in sorted(self.fs.find(path)):
+            if p.endswith(suffix):
+                yield p
+
+    def rm(self, path: str) -> None:
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def without_credentials(self) -> "Store":
+        """The same prefix with no storage_options (what gets persisted with a saved estimator)."""
+        return type(self)(self.prefix)
+
+    # -- pickling and display: credentials stay out of reprs --------------------------------------
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"] = None
+        state["_root"] = None
+        return state
+
+    def __repr__(self) -> str:
+        opts = {k: _REDACTED for k in self.storage_options}
+        return f"{type(self).__name__}({self.prefix!r}, storage_options={opts})"
+
+
+class LocalStore(Store):
+    """A store on a local (or shared, mounted) path."""
+
+    def __init__(self, prefix_path: str, storage_options: Optional[Dict[str, Any]] = None):
+        super().__init__(prefix_path, storage_options)
+
+
+def _is_plain_path(prefix: str) -> bool:
+    return "://" not in prefix
