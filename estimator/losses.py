@@ -21,7 +21,7 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         predicted = output.argmax(dim=-1)
     else:
         predicted = (output.reshape(-1) >= 0.5).long()
-    return (predicted.reshape(-1) == target.reshape(-1).long()).float().mean()
+    return (predicted.reshape(-1) == target.reshape(-1).long()).double().mean()  # exact counts
 
 
 BUILTIN_METRICS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"accuracy": accuracy}

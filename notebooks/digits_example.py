@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's digits with 2 Spark barrier tasks; print test accuracy.
 
-    python examples/digits.py [--epochs 5] [--store /tmp/runs]
+    python notebooks/digits_example.py [--epochs 8] [--store /tmp/runs]
 """
 from __future__ import annotations
 

@@ -1,0 +1,64 @@
+"""Models and data helpers for the tests. This module exists only on the driver (it is not
+installed), so every model here also exercises pickling of driver-only classes by value."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, inputs: int = 64, hidden: int = 32, outputs: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+
+    def forward(self, x):
+        return self.head(self.conv(x))
+
+
+class TwoInputs(nn.Module):
+    """forward(pixels, bias): two feature columns map to two forward() arguments in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+        self.scale = nn.Linear(1, 10)
+
+    def forward(self, pixels, extra):
+        return self.body(pixels) + self.scale(extra.reshape(-1, 1))
+
+
+class TwoOutputs(nn.Module):
+    """A digit classifier head and a regression head ('is the digit >= 5', as a float)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.classes = nn.Linear(32, 10)
+        self.big = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.classes(h), self.big(h)
+
+
+def write_parquet(path: str, features: np.ndarray, labels: np.ndarray, rows_per_group: int) -> None:
+    table = pa.table({"features": pa.array(list(features)), "label": pa.array(labels)})
+    pq.write_table(table, path, row_group_size=rows_per_group)
+
+
+def seeded(model_cls, *args, seed: int = 0):
+    torch.manual_seed(seed)
+    return model_cls(*args)

@@ -1,0 +1,101 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from estimator.data import ShardBatches, column_to_numpy, list_pieces, plan_steps, read_rows, reshape, shard_range
+from helpers import write_parquet
+from store import Store
+
+
+@pytest.mark.parametrize("total, world", [(10, 3), (7, 2), (2, 2), (100, 4), (5, 1)])
+def test_shards_cover_every_row_once_and_differ_by_at_most_one(total, world):
+    ranges = [shard_range(total, r, world) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _dataset(tmp_path, rows=103, groups=(20, 33)):
+    store = Store.create(str(tmp_path))
+    features = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    labels = np.arange(rows, dtype=np.int64)
+    store.makedirs(store.path("d"))
+    half = rows // 2
+    write_parquet(store.path("d", "a.parquet"), features[:half], labels[:half], groups[0])
+    write_parquet(store.path("d", "b.parquet"), features[half:], labels[half:], groups[1])
+    return store, features, labels
+
+
+def test_pieces_are_row_groups_in_order(tmp_path):
+    store, _, labels = _dataset(tmp_path)
+    pieces = list_pieces(store, store.path("d"))
+    assert [p.num_rows for p in pieces] == [20, 20, 11, 33, 19]
+    assert sum(p.num_rows for p in pieces) == len(labels)
+
+
+@pytest.mark.parametrize("start, stop", [(0, 103), (5, 6), (18, 45), (50, 103), (40, 40)])
+def test_read_rows_is_exactly_the_global_slice(tmp_path, start, stop):
+    store, features, labels = _dataset(tmp_path)
+    pieces = list_pieces(store, store.path("d"))
+    arrays = read_rows(store, pieces, start, stop, ["features", "label"])
+    np.testing.assert_array_equal(arrays["label"], labels[start:stop])
+    if stop > start:
+        np.testing.assert_array_equal(arrays["features"], features[start:stop])
+
+
+def test_ranks_together_read_everything(tmp_path):
+    store, _, labels = _dataset(tmp_path)
+    pieces = list_pieces(store, store.path("d"))
+    seen = np.concatenate([read_rows(store, pieces, *shard_range(103, r, 3), ["label"])["label"] for r in range(3)])
+    np.testing.assert_array_equal(seen, labels)
+
+
+def test_ragged_arrays_and_nulls_are_named():
+    ragged = pa.chunked_array([pa.array([[1.0, 2.0], [3.0]])])
+    with pytest.raises(ValueError, match="Column 'f' holds arrays of different lengths"):
+        column_to_numpy(ragged, "f")
+    with pytest.raises(ValueError, match="Column 'y' has 1 null values"):
+        column_to_numpy(pa.chunked_array([pa.array([1, None])]), "y")
+    fixed = pa.chunked_array([pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, 4], pa.float32()), 2)])
+    np.testing.assert_array_equal(column_to_numpy(fixed, "f"), [[1, 2], [3, 4]])
+
+
+def test_list_slices_with_offsets_are_correct():
+    arr = pa.array([[1, 2], [3, 4], [5, 6]]).slice(1, 2)
+    np.testing.assert_array_equal(column_to_numpy(pa.chunked_array([arr]), "f"), [[3, 4], [5, 6]])
+
+
+def test_reshape_to_input_shapes_and_clear_mismatch():
+    values = np.zeros((4, 64), dtype=np.float32)
+    assert reshape(values, [-1, 1, 8, 8], "f").shape == (4, 1, 8, 8)
+    assert reshape(values, [1, 8, 8, -1], "f").shape == (1, 8, 8, 4)
+    with pytest.raises(ValueError, match=r"Column 'f' has 64 values per row, but its shape \[-1, 1, 28, 28\] needs 784"):
+        reshape(values, [-1, 1, 28, 28], "f")
+
+
+def test_every_rank_gets_the_same_number_of_equal_batches():
+    steps, items = plan_steps(total_rows=101, world_size=2, batch_size=10, steps_per_epoch=None)
+    assert (steps, items) == (6, 51)
+    sizes = []
+    for rows in (51, 50):  # the two shards of 101 rows
+        shard = ShardBatches({"x": np.arange(rows)}, rows)
+        batches = list(shard.epoch(10, steps, items, shuffle=True, seed=1))
+        sizes.append([len(b["x"]) for b in batches])
+        assert len(np.unique(np.concatenate([b["x"] for b in batches]))) == rows  # every row seen
+    assert sizes[0] == sizes[1] == [10, 10, 10, 10, 10, 1]
+
+
+def test_fixed_steps_cycle_the_shard():
+    shard = ShardBatches({"x": np.arange(5)}, 5)
+    batches = list(shard.epoch(4, 3, 12, shuffle=False, seed=0))
+    assert [b["x"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 0, 1, 2], [3, 4, 0, 1]]
+
+
+def test_shuffle_differs_per_seed_and_is_reproducible():
+    shard = ShardBatches({"x": np.arange(50)}, 50)
+    first = [b["x"].tolist() for b in shard.epoch(50, 1, 50, True, 1)]
+    again = [b["x"].tolist() for b in shard.epoch(50, 1, 50, True, 1)]
+    other = [b["x"].tolist() for b in shard.epoch(50, 1, 50, True, 2)]
+    assert first == again and first != other and sorted(first[0]) == list(range(50))

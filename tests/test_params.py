@@ -1,0 +1,89 @@
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from estimator import TorchEstimator, TorchModel
+from store import Store
+
+
+def test_defaults_and_generated_accessors():
+    est = TorchEstimator()
+    assert est.getBatchSize() == 32 and est.getEpochs() == 1 and est.getShuffle() is True
+    assert est.getNumProc() is None and est.getMetrics() == []
+    assert est.setBatchSize(7) is est and est.getBatchSize() == 7
+    assert TorchModel().getPredictionCol() == "prediction"
+
+
+def test_constructor_only_records():
+    model = nn.Linear(2, 1)
+    est = TorchEstimator(model=model, batch_size=0)  # invalid, but nothing is checked yet
+    assert est.getModel() is model and est.getBatchSize() == 0
+
+
+def test_signature_lists_every_param():
+    params = inspect.signature(TorchEstimator.__init__).parameters
+    for name in ("num_proc", "store", "model", "optimizer", "loss", "loss_weights", "metrics", "feature_cols",
+                 "label_cols", "input_shapes", "label_shapes", "sample_weight_col", "validation", "batch_size",
+                 "val_batch_size", "epochs", "train_steps_per_epoch", "validation_steps_per_epoch", "shuffle",
+                 "random_seed", "run_id", "use_gpu", "verbose"):
+        assert name in params
+        assert est_has_param(name)
+
+
+def est_has_param(name):
+    return TorchEstimator().hasParam(name)
+
+
+def test_unknown_param_suggests_the_close_one():
+    with pytest.raises(TypeError, match="unexpected parameter 'batchsize'. Did you mean 'batch_size'"):
+        TorchEstimator(batchsize=3)
+
+
+def _valid(**overrides):
+    model = nn.Linear(4, 2)
+    kwargs = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss=nn.MSELoss(),
+                  feature_cols=["x"], label_cols=["y"])
+    kwargs.update(overrides)
+    return TorchEstimator(**kwargs)
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("batch_size", 0, "an int >= 1"),
+    ("epochs", -1, "an int >= 1"),
+    ("batch_size", True, "an int >= 1"),
+    ("validation", 1.0, "a float in [0, 1), a column name, or None"),
+    ("validation", -0.1, "a float in [0, 1), a column name, or None"),
+    ("run_id", "../escape", "a name without"),
+    ("run_id", "a/b", "a name without"),
+    ("feature_cols", [], "a non-empty list of distinct column names"),
+    ("feature_cols", ["a", "a"], "a non-empty list of distinct column names"),
+    ("input_shapes", [[-1, -1, 3]], "a list of shapes"),
+    ("model", "not a module", "a torch.nn.Module"),
+    ("store", "/tmp/path", "a store.Store"),
+    ("verbose", 3, "0, 1 or 2"),
+])
+def test_validation_message_names_param_value_and_what_is_allowed(name, value, allowed):
+    with pytest.raises(ValueError) as info:
+        _valid(**{name: value}).validated()
+    message = str(info.value)
+    assert message.startswith(f"The {name!r} parameter of TorchEstimator must be")
+    assert allowed in message and f"Got {value!r} instead." in message
+
+
+def test_exact_message_form():
+    with pytest.raises(ValueError) as info:
+        _valid(batch_size=0).validated()
+    assert str(info.value) == "The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 0 instead."
+
+
+def test_copy_keeps_values_and_extra_overrides():
+    est = _valid(epochs=3)
+    other = est.copy({est.epochs: 5})
+    assert other.getEpochs() == 5 and est.getEpochs() == 3
+    assert other.getModel() is est.getModel()
+
+
+def test_store_param_accepts_store():
+    assert _valid(store=Store.create("memory://x")).validated()["store"].prefix == "memory://x"

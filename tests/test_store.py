@@ -1,0 +1,61 @@
+import pickle
+
+import pytest
+
+from store import LocalStore, RunLayout, Store
+
+
+def test_local_path_store(tmp_path):
+    store = Store.create(str(tmp_path / "runs"))
+    assert store.is_local and store.root == str(tmp_path / "runs")
+    assert store.url(store.path("a")) == f"file://{tmp_path}/runs/a"
+    path = store.path("x", "y.bin")
+    store.write_bytes_atomic(path, b"hello")
+    assert store.read_bytes(path) == b"hello"
+    assert [p for p in store.ls(store.path("x"))] == [path]  # no temporary file left behind
+
+
+def test_relative_and_file_url(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert Store.create("rel").root == str(tmp_path / "rel")
+    assert Store.create(f"file://{tmp_path}/u").root == f"{tmp_path}/u"
+    assert isinstance(LocalStore(str(tmp_path)), Store)
+
+
+def test_memory_store_and_layout():
+    store = Store.create("memory://bucket/prefix")
+    assert not store.is_local
+    run = store.run("r1")
+    assert isinstance(run, RunLayout)
+    assert run.checkpoint == "/bucket/prefix/runs/r1/checkpoint.pt"
+    assert store.url(run.checkpoint) == "memory:///bucket/prefix/runs/r1/checkpoint.pt"
+    data = store.data("key")
+    assert data.train("a1") == "/bucket/prefix/data/key/attempt-a1/train"
+    assert data.commit_marker == "/bucket/prefix/data/key/_COMMITTED.json"
+    store.write_bytes_atomic(run.checkpoint, b"x")
+    assert store.exists(run.checkpoint)
+    store.rm(store.path("runs"))
+    assert not store.exists(run.checkpoint)
+
+
+def test_credentials_never_in_repr_or_without_credentials():
+    store = Store.create("memory://b", storage_options={"sas_token": "sv=SECRET", "account_key": "KEY"})
+    assert "SECRET" not in repr(store) and "KEY" not in repr(store)
+    assert store.without_credentials().storage_options == {}
+
+
+def test_pickles_without_the_filesystem_client(tmp_path):
+    store = Store.create(str(tmp_path))
+    store.fs  # resolve
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone._fs is None and clone.root == store.root
+
+
+def test_unknown_scheme_is_a_clear_error():
+    with pytest.raises(ValueError, match="Store cannot open 'nosuchfs://x'"):
+        Store.create("nosuchfs://x").fs
+
+
+def test_empty_prefix_rejected():
+    with pytest.raises(ValueError, match="non-empty URL"):
+        Store.create("")

@@ -1,0 +1,108 @@
+"""The per-rank loop, without Spark: in-process (world size 1) and spawned processes (world size 2)."""
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from estimator.data import list_pieces
+from estimator.distributed import RankFailed
+from estimator.launcher import LocalLauncher
+from estimator.pickling import dumps, user_objects
+from estimator.spec import DataSpec, TrainSpec
+from estimator.worker import build_optimizer
+from helpers import MLP, seeded, write_parquet
+
+
+def _spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None):
+    X, y = digits
+    store.makedirs(store.path("train"))
+    store.makedirs(store.path("val"))
+    write_parquet(store.path("train", "part.parquet"), X[:train_rows], y[:train_rows], rows_per_group=300)
+    write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
+    data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
+                    ("features",), ("label",))
+    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
+    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run).root, batch, 50, epochs, seed=3)
+
+
+def _checkpoint(store, run="r"):
+    return torch.load(io.BytesIO(store.read_bytes(store.run(run).checkpoint)), weights_only=True)
+
+
+def test_one_rank_in_process_trains_and_checkpoints(store, digits):
+    model = seeded(MLP)
+    spec = _spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                 train_rows=1000, val_rows=200, epochs=3)
+    (result,) = LocalLauncher().run(spec, 1)
+    history = result.history
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    assert history[-1]["loss"] < history[0]["loss"] and history[-1]["val_accuracy"] > 0.75
+    checkpoint = _checkpoint(store)
+    assert checkpoint["epoch"] == 3 and set(checkpoint) >= {"model", "optimizer", "history"}
+    assert not dist.is_initialized()  # torn down, so the next run in this process works
+    (again,) = LocalLauncher().run(spec, 1)
+    assert len(again.history) == 3
+
+
+def test_two_ranks_uneven_shards_report_exact_validation(store, digits):
+    """1001 train rows and 151 val rows over 2 ranks: equal steps, no hang, and val metrics that
+    equal a direct computation over all val rows with the checkpointed weights."""
+    model = seeded(MLP)
+    spec = _spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.01), train_rows=1001,
+                 val_rows=151, epochs=2)
+    results = LocalLauncher().run(spec, 2)
+    assert [r.train_rows for r in results] == [501, 500]
+    assert results[0].history == results[1].history  # every rank holds the reduced numbers
+    trained = MLP()
+    trained.load_state_dict(_checkpoint(store)["model"])
+    X, y = digits
+    with torch.no_grad():
+        logits = trained(torch.from_numpy(X[-151:]))
+    expected_loss = nn.CrossEntropyLoss()(logits, torch.from_numpy(y[-151:])).item()
+    expected_acc = (logits.argmax(1).numpy() == y[-151:]).mean()
+    last = results[0].history[-1]
+    assert last["val_loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert last["val_accuracy"] == pytest.approx(expected_acc, abs=1e-9)
+
+
+def test_a_failing_rank_raises_with_its_traceback_and_leaves_no_group(store, digits):
+    def broken_loss(output, target):
+        raise ArithmeticError("boom in the loss")
+
+    model = seeded(MLP)
+    spec = _spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+                 losses=[broken_loss])
+    with pytest.raises(RankFailed, match="boom in the loss") as info:
+        LocalLauncher().run(spec, 1)
+    assert info.value.rank == 0 and "Traceback" in info.value.formatted
+    assert not dist.is_initialized()
+
+
+def test_optimizer_is_rebuilt_with_groups_hyperparameters_and_state():
+    model = seeded(MLP)
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    opt = torch.optim.SGD([{"params": first, "lr": 0.5}, {"params": rest}], lr=0.1, momentum=0.9)
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()  # creates momentum buffers
+    objs = user_objects(model, opt, [nn.CrossEntropyLoss()], [1.0], [])
+    replica = seeded(MLP)
+    rebuilt = build_optimizer(objs, replica)
+    assert type(rebuilt) is torch.optim.SGD
+    assert [g["lr"] for g in rebuilt.param_groups] == [0.5, 0.1]
+    assert rebuilt.param_groups[0]["params"][0] is list(replica.parameters())[0]
+    original = opt.state[first[0]]["momentum_buffer"]
+    np.testing.assert_array_equal(rebuilt.state[list(replica.parameters())[0]]["momentum_buffer"], original)
+
+
+def test_optimizer_over_another_instance_is_matched_by_position():
+    model, other = seeded(MLP), seeded(MLP, seed=1)
+    objs = user_objects(model, torch.optim.SGD(other.parameters(), lr=0.3), [nn.MSELoss()], [1.0], [])
+    assert objs.optimizer_groups == [[0, 1, 2, 3]]
+
+
+def test_optimizer_over_an_unrelated_model_is_rejected():
+    with pytest.raises(ValueError, match="The 'optimizer' parameter of TorchEstimator must optimize"):
+        user_objects(seeded(MLP), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1), [nn.MSELoss()], [1.0], [])
