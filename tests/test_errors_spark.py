@@ -1,0 +1,79 @@
+"""Bad input fails with a message naming the column/param and the fix, before any Spark job."""
+import pytest
+import torch
+from pyspark.sql import functions as F
+from torch import nn
+
+from estimator import TorchEstimator
+from helpers import MLP, seeded
+from spark_helpers import digits_frame, jobs_run_by
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def df(spark, digits):
+    return digits_frame(spark, digits).withColumn("name", F.lit("x"))
+
+
+def _est(store, **kw):
+    model = seeded(MLP)
+    params = dict(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"], epochs=1)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(feature_cols=["pixels"]), "Column 'pixels' (from feature_cols) is not in the DataFrame. Available columns: "
+                                    "features, label, ink"),
+    (dict(label_cols=["name"]), "Column 'name' (from label_cols) has type string"),
+    (dict(sample_weight_col="nope"), "Column 'nope' (from sample_weight_col) is not in the DataFrame"),
+    (dict(validation="features"), "Column 'features' (from validation) has type array<float>"),
+    (dict(input_shapes=[[-1, 64], [-1, 1]]), "The 'input_shapes' parameter of TorchEstimator must be a list of 1 shapes"),
+    (dict(loss_weights=[1.0, 2.0]), "The 'loss_weights' parameter of TorchEstimator must be a list of 1 numbers"),
+    (dict(batch_size=0), "The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 0 instead."),
+    (dict(feature_cols=["label"]), "appear in both feature_cols and label_cols"),
+    (dict(sample_weight_col="weight", loss=lambda o, t: nn.functional.cross_entropy(o, t)),
+     "torch.nn loss modules (with a 'reduction' attribute) when sample_weight_col is set"),
+])
+def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
+    errors = []
+
+    def fit():
+        with pytest.raises(ValueError) as info:
+            _est(store, **kw).fit(df)
+        errors.append(str(info.value))
+
+    assert jobs_run_by(spark, fit) == []
+    assert message in errors[0]
+    assert not store.exists(store.path("data"))  # nothing written
+
+
+def test_forward_that_does_not_fit_the_columns_fails_on_the_driver(spark, store, df):
+    with pytest.raises(ValueError, match=r"The model's forward\(\) failed on 2 training rows.*features: \(2, 1, 8, 8\)"):
+        _est(store, input_shapes=[[-1, 1, 8, 8]]).fit(df)  # an MLP cannot take images
+
+
+def test_input_shape_that_does_not_fit_the_data(spark, store, df):
+    with pytest.raises(ValueError, match=r"Column 'features' has 64 values per row, but its shape \[-1, 1, 28, 28\]"):
+        _est(store, input_shapes=[[-1, 1, 28, 28]]).fit(df)
+
+
+def test_unpicklable_loss_is_named(spark, store, df):
+    import threading
+
+    lock = threading.Lock()
+
+    def loss(output, target):
+        with lock:
+            return nn.functional.cross_entropy(output, target)
+
+    with pytest.raises(ValueError, match="cannot be sent to the Spark executors"):
+        _est(store, loss=loss).fit(df)
+
+
+def test_more_processes_than_training_rows(spark, store):
+    tiny = spark.createDataFrame([([0.0] * 64, 1)], "features array<float>, label long")
+    with pytest.raises(ValueError, match="The training split has 1 rows, fewer than num_proc=2"):
+        _est(store).fit(tiny)
