@@ -19,7 +19,7 @@ from torch import nn
 
 from estimator import checks
 from estimator.data import read_rows
-from estimator.launcher import SparkBarrierLauncher
+from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import Objective
 from estimator.materialize import materialize
 from estimator.model import TorchModel
@@ -102,6 +102,7 @@ class TorchEstimator(DeclaredParams, Estimator, MLReadable, MLWritable):
         num_proc = p["num_proc"] or spark.sparkContext.defaultParallelism
         seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
         run_id = p["run_id"] or new_run_id()
+        check_slots(spark.sparkContext, num_proc)
         data = self._materialize(df, p, store, seed, num_proc)
         output_shapes = dry_run(objs, data)
         spec = TrainSpec(data=data, payload=payload, run_root=store.run(run_id).root, batch_size=p["batch_size"],
@@ -111,6 +112,10 @@ class TorchEstimator(DeclaredParams, Estimator, MLReadable, MLWritable):
                          seed=seed, use_gpu=p["use_gpu"], verbose=p["verbose"])
         launch_started = time.perf_counter()
         results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
+        if p["verbose"]:
+            for row in results[0].history:
+                log.info("run %s epoch %d: %s", run_id, row["epoch"],
+                         " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch"))
         log.info("Trained run %s on %d ranks in %.1fs (fit total %.1fs)", run_id, num_proc,
                  time.perf_counter() - launch_started, time.perf_counter() - started)
         return self._model(p, store, run_id, output_shapes, results[0].history)

@@ -35,6 +35,7 @@ class SparkBarrierLauncher:
 
     def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
         sc = self.spark.sparkContext
+        check_slots(sc, num_proc)
         blob = sc.broadcast(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         sc.setJobDescription(f"{self.description}: train on {num_proc} ranks")
         try:
@@ -44,6 +45,20 @@ class SparkBarrierLauncher:
             sc.setJobDescription(None)
             blob.unpersist()
         return sorted((pickle.loads(p) for p in payloads), key=lambda r: r.rank)
+
+
+def task_slots(sc: Any) -> int:
+    """Tasks the cluster can run at once now (0 while no executor has registered)."""
+    jsc = sc._jsc.sc()
+    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+
+
+def check_slots(sc: Any, num_proc: int) -> None:
+    """A barrier stage needs all its tasks at once; Spark would otherwise retry for minutes."""
+    slots = task_slots(sc)
+    if 0 < slots < num_proc:
+        raise ValueError(f"The 'num_proc' parameter of TorchEstimator must be at most the {slots} task slots this "
+                         f"Spark application has. Got {num_proc} instead. Lower num_proc or add executors/cores.")
 
 
 def _spark_rank(spec_bytes: bytes) -> Iterator[bytes]:

@@ -77,3 +77,16 @@ def test_more_processes_than_training_rows(spark, store):
     tiny = spark.createDataFrame([([0.0] * 64, 1)], "features array<float>, label long")
     with pytest.raises(ValueError, match="The training split has 1 rows, fewer than num_proc=2"):
         _est(store).fit(tiny)
+
+
+def test_more_processes_than_task_slots_fails_fast(spark, store, df):
+    errors = []
+
+    def fit():
+        with pytest.raises(ValueError) as info:
+            _est(store, num_proc=3).fit(df)
+        errors.append(str(info.value))
+
+    assert jobs_run_by(spark, fit) == []
+    assert errors[0] == ("The 'num_proc' parameter of TorchEstimator must be at most the 2 task slots this Spark "
+                         "application has. Got 3 instead. Lower num_proc or add executors/cores.")

@@ -1,0 +1,27 @@
+"""TorchEstimator inside pyspark.ml.tuning.CrossValidator."""
+import pytest
+import torch
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from torch import nn
+
+from estimator import TorchEstimator, TorchModel
+from helpers import MLP, seeded
+from spark_helpers import digits_frame
+
+pytestmark = pytest.mark.spark
+
+
+def test_cross_validator_picks_the_better_learning_setup(spark, store, digits):
+    df = digits_frame(spark, digits).limit(800).cache()
+    model = seeded(MLP)
+    est = TorchEstimator(num_proc=2, store=store, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+                         loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         random_seed=3, verbose=0)
+    grid = ParamGridBuilder().addGrid(est.epochs, [1, 6]).build()
+    evaluator = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy")
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, evaluator=evaluator, numFolds=2, seed=1)
+    best = cv.fit(df)
+    assert isinstance(best.bestModel, TorchModel)
+    assert len(best.bestModel.getHistory()) == 6  # the 6-epoch setting won
+    assert best.avgMetrics[1] > best.avgMetrics[0]
