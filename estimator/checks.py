@@ -74,10 +74,9 @@ def _trainable(dtype: DataType, scalar_only: bool) -> bool:
     return False
 
 
-def as_list(value: Optional[Any]) -> List[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def losses_per_label(loss: Any, labels: int) -> List[Any]:
+    """One loss per label column: a single loss applies to every label."""
+    return list(loss) if isinstance(loss, (list, tuple)) else [loss] * labels
 
 
 def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:

@@ -93,7 +93,7 @@ class TorchEstimator(DeclaredParams, Estimator, MLReadable, MLWritable):
         p = self.validated()
         checks.check_params(p)
         checks.check_schema(p, df.schema)
-        losses = checks.as_list(p["loss"]) * (len(p["label_cols"]) if not isinstance(p["loss"], (list, tuple)) else 1)
+        losses = checks.losses_per_label(p["loss"], len(p["label_cols"]))
         loss_weights = list(p["loss_weights"] or [1.0] * len(p["label_cols"]))
         objs = user_objects(p["model"], p["optimizer"], losses, loss_weights, list(p["metrics"]))
         payload = dumps(objs, "model, optimizer, loss or metrics", roots=[objs.model, *losses, *p["metrics"]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import pickle
+import re
 from datetime import timedelta
 from typing import Any, Iterator, List, Optional, Protocol
 
@@ -41,10 +42,24 @@ class SparkBarrierLauncher:
         try:
             rdd = sc.parallelize(range(num_proc), num_proc).barrier()
             payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value)).collect()
+        except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Java text
+            failure = rank_failure(str(exc))
+            if failure is None:
+                raise
+            raise failure from None
         finally:
             sc.setJobDescription(None)
             blob.unpersist()
         return sorted((pickle.loads(p) for p in payloads), key=lambda r: r.rank)
+
+
+_RANK_FAILED = re.compile(r"RankFailed: Training failed on rank (\d+):\n(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)", re.S)
+
+
+def rank_failure(text: str) -> Optional[RankFailed]:
+    """The first rank's own error and Python traceback, out of Spark's job-failure text."""
+    match = _RANK_FAILED.search(text)
+    return RankFailed(int(match.group(1)), match.group(2).rstrip()) if match else None
 
 
 def task_slots(sc: Any) -> int:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from estimator.data import ShardBatches, plan_steps, read_rows, shard_range
+from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
 from estimator.losses import Objective
 from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult
@@ -73,8 +73,6 @@ def load_shard(data: DataSpec, pieces: Sequence[Piece], ctx: RankContext) -> Sha
 
 def prepare_arrays(data: DataSpec, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """Cast to torch-friendly dtypes and reshape to input/label shapes, once per shard."""
-    from estimator.data import reshape, torch_dtype_array
-
     out = {}
     for i, col in enumerate(data.feature_cols):
         shape = data.input_shapes[i] if data.input_shapes else None

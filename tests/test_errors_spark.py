@@ -90,3 +90,26 @@ def test_more_processes_than_task_slots_fails_fast(spark, store, df):
     assert jobs_run_by(spark, fit) == []
     assert errors[0] == ("The 'num_proc' parameter of TorchEstimator must be at most the 2 task slots this Spark "
                          "application has. Got 3 instead. Lower num_proc or add executors/cores.")
+
+
+def test_a_rank_failing_mid_training_raises_its_error_and_the_next_fit_works(spark, store, df):
+    """Rank 1 raises at its 4th step while rank 0 waits in a DDP collective: Spark aborts the
+    barrier stage, the user gets rank 1's own Python traceback, and Python workers stay usable."""
+    import os
+
+    from estimator.distributed import RankFailed
+
+    calls = {"n": 0}
+
+    def flaky(output, target):
+        calls["n"] += 1
+        if os.environ.get("RANK") == "1" and calls["n"] > 3:
+            raise ArithmeticError("rank 1 exploded at step 3")
+        return nn.functional.cross_entropy(output, target)
+
+    with pytest.raises(RankFailed) as info:
+        _est(store, loss=flaky, batch_size=16).fit(df)
+    assert info.value.rank == 1
+    assert "ArithmeticError: rank 1 exploded at step 3" in info.value.formatted
+    assert "org.apache.spark" not in str(info.value)
+    assert len(_est(store).fit(df).getHistory()) == 1
