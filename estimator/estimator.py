@@ -13,7 +13,6 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 from pyspark.ml import Estimator
-from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
@@ -26,7 +25,7 @@ from estimator.model import TorchModel
 from estimator.params import (DeclaredParams, ParamSpec, declare, is_bool, is_callable_or_list, is_instance, is_int,
                               is_metric_list, is_number_list, is_run_id, is_shape_list, is_str_list, is_validation,
                               optional)
-from estimator.persistence import EstimatorReader, ParamsWriter
+from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.spec import DataSpec, TrainSpec, UserObjects
 from estimator.worker import as_tuple, prepare_arrays, to_tensors
@@ -82,7 +81,7 @@ ESTIMATOR_PARAMS = [
 
 
 
-class TorchEstimator(DeclaredParams, Estimator, MLReadable, MLWritable):
+class TorchEstimator(DeclaredParams, Estimator, Persistable):
     """Distributed PyTorch training as a Spark ML Estimator. See README for every param."""
 
     def __init__(self, **kwargs: Any):
@@ -143,13 +142,6 @@ class TorchEstimator(DeclaredParams, Estimator, MLReadable, MLWritable):
                           history=[dict(h) for h in history], run_id=run_id,
                           batch_size=max(p["val_batch_size"] or p["batch_size"], 256), use_gpu=p["use_gpu"])
 
-    # -- persistence ---------------------------------------------------------------------------
-    def write(self) -> ParamsWriter:
-        return ParamsWriter(self)
-
-    @classmethod
-    def read(cls) -> EstimatorReader:
-        return EstimatorReader(cls)
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)

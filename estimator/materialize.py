@@ -22,7 +22,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from estimator.data import list_pieces
-from estimator.spec import Piece
+from estimator.spec import Piece, total_rows
 from store import Store
 
 log = logging.getLogger("estimator")
@@ -40,11 +40,11 @@ class Materialized:
 
     @property
     def train_rows(self) -> int:
-        return sum(p.num_rows for p in self.train)
+        return total_rows(self.train)
 
     @property
     def val_rows(self) -> int:
-        return sum(p.num_rows for p in self.val)
+        return total_rows(self.val)
 
 
 def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation: Union[None, float, str],

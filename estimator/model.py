@@ -9,7 +9,6 @@ import numpy as np
 from pyspark.ml import Model
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
-from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
@@ -18,7 +17,7 @@ from torch import nn
 from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict
 from estimator.params import (DeclaredParams, ParamSpec, declare, is_instance, is_int, is_shape_list, is_str_list,
                               optional)
-from estimator.persistence import ModelReader, ParamsWriter
+from estimator.persistence import Persistable
 from estimator.pickling import dumps
 
 MODEL_PARAMS = [
@@ -45,7 +44,7 @@ MODEL_PARAMS = [
 ]
 
 
-class TorchModel(DeclaredParams, Model, MLReadable, MLWritable):
+class TorchModel(DeclaredParams, Model, Persistable):
     """A trained model: `transform` adds one output column per label (and `prediction`)."""
 
     def __init__(self, **kwargs: Any):
@@ -111,12 +110,6 @@ class TorchModel(DeclaredParams, Model, MLReadable, MLWritable):
         model = self.getModel()
         return dumps(model.cpu().eval(), "model", roots=[model])
 
-    def write(self) -> ParamsWriter:
-        return ParamsWriter(self)
-
-    @classmethod
-    def read(cls) -> ModelReader:
-        return ModelReader(cls)
 
 
 declare(TorchModel, MODEL_PARAMS)

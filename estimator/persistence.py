@@ -17,7 +17,7 @@ from typing import Any, Dict, Tuple
 import cloudpickle
 import torch
 from fsspec.core import url_to_fs
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from estimator.pickling import dumps
 from store import Store
@@ -65,7 +65,15 @@ class ParamsReader(MLReader):
         return instance
 
 
-EstimatorReader = ModelReader = ParamsReader
+class Persistable(MLReadable, MLWritable):
+    """Mixin: `write()`/`read()` for classes whose params come from a `declare` table."""
+
+    def write(self) -> ParamsWriter:
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ParamsReader:
+        return ParamsReader(cls)
 
 
 def split_params(instance: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -18,6 +18,10 @@ class Piece:
     num_rows: int
 
 
+def total_rows(pieces: Tuple[Piece, ...]) -> int:
+    return sum(p.num_rows for p in pieces)
+
+
 @dataclass(frozen=True)
 class DataSpec:
     store: Store
@@ -31,11 +35,11 @@ class DataSpec:
 
     @property
     def train_rows(self) -> int:
-        return sum(p.num_rows for p in self.train)
+        return total_rows(self.train)
 
     @property
     def val_rows(self) -> int:
-        return sum(p.num_rows for p in self.val)
+        return total_rows(self.val)
 
     @property
     def columns(self) -> Tuple[str, ...]:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
 from estimator.losses import Objective
-from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult
+from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult, total_rows
 from store import RunLayout
 
 log = logging.getLogger("estimator")
@@ -65,7 +65,7 @@ def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimize
 
 
 def load_shard(data: DataSpec, pieces: Sequence[Piece], ctx: RankContext) -> ShardBatches:
-    total = sum(p.num_rows for p in pieces)
+    total = total_rows(pieces)
     start, stop = shard_range(total, ctx.rank, ctx.world_size)
     arrays = read_rows(data.store, pieces, start, stop, data.columns)
     return ShardBatches(prepare_arrays(data, arrays), stop - start)

@@ -1,0 +1,50 @@
+"""Batched inference on Arrow arrays, without Spark."""
+import cloudpickle
+import numpy as np
+import pyarrow as pa
+import torch
+
+from estimator import inference
+from estimator.inference import InferenceLayout, arrow_type, predict_arrow
+from helpers import MLP, TwoOutputs, seeded
+
+
+def _layout(**kw):
+    base = dict(feature_cols=("features",), input_shapes=None, output_names=("_0",), output_is_vector=(True,),
+                prediction_of=0, batch_size=7, use_gpu=False)
+    base.update(kw)
+    return InferenceLayout(**base)
+
+
+def test_outputs_and_argmax_match_a_direct_forward_across_batches():
+    model = seeded(MLP).eval()
+    x = np.random.default_rng(0).random((20, 64), dtype=np.float32)
+    column = pa.array(list(x), pa.list_(pa.float32()))
+    result = predict_arrow("k-mlp", cloudpickle.dumps(model), _layout(), column)
+    assert result.type == arrow_type(_layout())
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    scores = np.array(result.field("_0").to_pylist(), dtype=np.float32)
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(result.field("_prediction").to_numpy(), expected.argmax(1).astype(float))
+
+
+def test_model_is_unpickled_once_per_worker(monkeypatch):
+    loads = []
+    real = cloudpickle.loads
+    monkeypatch.setattr(inference.cloudpickle, "loads", lambda b: loads.append(1) or real(b))
+    blob = cloudpickle.dumps(seeded(MLP))
+    column = pa.array([[0.0] * 64] * 3, pa.list_(pa.float32()))
+    for _ in range(3):
+        predict_arrow("k-once", blob, _layout(), column)
+    assert len(loads) == 1
+
+
+def test_scalar_and_vector_outputs_and_empty_batches():
+    layout = _layout(output_names=("_0", "_1"), output_is_vector=(True, False), prediction_of=None)
+    blob = cloudpickle.dumps(seeded(TwoOutputs))
+    column = pa.array([[0.5] * 64] * 4, pa.list_(pa.float32()))
+    result = predict_arrow("k-two", blob, layout, column)
+    assert result.type.field("_1").type == pa.float64() and len(result) == 4
+    empty = predict_arrow("k-two", blob, layout, pa.array([], pa.list_(pa.float32())))
+    assert len(empty) == 0 and empty.type == arrow_type(layout)
