@@ -14,13 +14,22 @@ OWNER = "TorchEstimator"
 
 def check_params(p: Dict[str, Any]) -> None:
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
+    if (p["loss"] is None) == (p["loss_constructors"] is None):
+        raise ValueError(f"{OWNER} needs exactly one of 'loss' and 'loss_constructors'. Got "
+                         f"loss={p['loss']!r}, loss_constructors={p['loss_constructors']!r}.")
+    if p["backend"] is not None and p["num_proc"] is not None:
+        raise ValueError(f"{OWNER} takes 'num_proc' or 'backend', not both: the backend's num_processes() "
+                         f"({p['backend'].num_processes()}) sets the number of processes.")
     for name, count, what in (("input_shapes", n_features, "feature_cols"), ("label_shapes", n_labels, "label_cols")):
         if p[name] is not None and len(p[name]) != count:
             raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
-    losses = p["loss"] if isinstance(p["loss"], (list, tuple)) else [p["loss"]]
+    name = "loss" if p["loss"] is not None else "loss_constructors"
+    losses = p[name] if isinstance(p[name], (list, tuple)) else [p[name]]
     if len(losses) not in (1, n_labels):
-        raise ValueError(param_error(OWNER, "loss", f"one loss, or a list of {n_labels} (one per label column)",
-                                     p["loss"]))
+        raise ValueError(param_error(OWNER, name, f"one loss, or a list of {n_labels} (one per label column)",
+                                     p[name]))
+    if name == "loss_constructors":
+        losses = [make() for make in losses]
     if p["loss_weights"] is not None and len(p["loss_weights"]) != n_labels:
         raise ValueError(param_error(OWNER, "loss_weights", f"a list of {n_labels} numbers, one per label column",
                                      p["loss_weights"]))

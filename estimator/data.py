@@ -38,6 +38,11 @@ def list_pieces(store: Store, directory: str) -> Tuple[Piece, ...]:
     return tuple(p for p in pieces if p.num_rows > 0)
 
 
+def parquet_columns(store: Store, piece: Piece) -> List[str]:
+    fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=arrow_filesystem(store))
+    return list(fragment.physical_schema.names)
+
+
 def _row_groups(fragment: ds.ParquetFileFragment) -> List[Tuple[int, int]]:
     meta = fragment.metadata
     return [(i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]

@@ -9,76 +9,29 @@ import random
 import tempfile
 import time
 import uuid
-from typing import Any, Dict, List, Sequence
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from pyspark.ml import Estimator
-from pyspark.sql import DataFrame
-from torch import nn
+from pyspark.sql import DataFrame, SparkSession
 
 from estimator import checks
-from estimator.data import read_rows
+from estimator.compression import compression_name
+from estimator.data import list_pieces, parquet_columns, read_rows
 from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import Objective
 from estimator.materialize import materialize
 from estimator.model import TorchModel
-from estimator.params import (DeclaredParams, ParamSpec, declare, is_bool, is_callable_or_list, is_instance, is_int,
-                              is_metric_list, is_number_list, is_run_id, is_shape_list, is_str_list, is_validation,
-                              optional)
+from estimator.param_table import ESTIMATOR_PARAMS
+from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
-from estimator.spec import DataSpec, TrainSpec, UserObjects
-from estimator.worker import as_tuple, prepare_arrays, to_tensors
+from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
+from estimator.worker import as_tuple, build_optimizer, format_metrics, prepare_arrays, to_tensors
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
-
-ESTIMATOR_PARAMS = [
-    ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: the cluster's default "
-              "parallelism", None, optional(is_int(1)), "an int >= 1 or None"),
-    ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
-              None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
-    ParamSpec("model", "the torch.nn.Module to train (fit trains a copy)", None, is_instance(nn.Module),
-              "a torch.nn.Module", json=False),
-    ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank", None,
-              is_instance(torch.optim.Optimizer), "a torch.optim.Optimizer built over model.parameters()",
-              json=False),
-    ParamSpec("loss", "loss callable(output, label), or one per label column", None, is_callable_or_list,
-              "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False),
-    ParamSpec("loss_weights", "weight of each label's loss in the total; default all 1", None,
-              optional(is_number_list), "a list of numbers >= 0 (one per label column) or None"),
-    ParamSpec("metrics", "metrics per epoch: 'accuracy' or callables(output, label) -> number", [],
-              is_metric_list, "a list of 'accuracy' or callables(output, label)", json=False),
-    ParamSpec("feature_cols", "columns passed to model.forward(), in order", None, is_str_list(),
-              "a non-empty list of distinct column names"),
-    ParamSpec("label_cols", "label columns, one per model output", None, is_str_list(),
-              "a non-empty list of distinct column names"),
-    ParamSpec("input_shapes", "shape of each feature batch, e.g. [[-1, 1, 28, 28]] (-1: the batch)", None,
-              optional(is_shape_list), "a list of shapes like [[-1, 1, 28, 28]] or None"),
-    ParamSpec("label_shapes", "shape of each label batch (-1: the batch)", None, optional(is_shape_list),
-              "a list of shapes like [[-1, 3]] or None"),
-    ParamSpec("sample_weight_col", "column of per-row loss weights", None, optional(is_instance(str)),
-              "a column name or None"),
-    ParamSpec("validation", "fraction of rows held out (0 <= v < 1), or a column that is true for validation rows",
-              None, is_validation, "a float in [0, 1), a column name, or None"),
-    ParamSpec("batch_size", "rows per training batch on each rank", 32, is_int(1), "an int >= 1"),
-    ParamSpec("val_batch_size", "rows per validation batch; default batch_size", None, optional(is_int(1)),
-              "an int >= 1 or None"),
-    ParamSpec("epochs", "passes over the training data", 1, is_int(1), "an int >= 1"),
-    ParamSpec("train_steps_per_epoch", "batches per epoch on every rank; default: one pass over the largest shard",
-              None, optional(is_int(1)), "an int >= 1 or None"),
-    ParamSpec("validation_steps_per_epoch", "validation batches per epoch; default: all validation rows", None,
-              optional(is_int(1)), "an int >= 1 or None"),
-    ParamSpec("shuffle", "shuffle each rank's rows every epoch", True, is_bool, "True or False"),
-    ParamSpec("random_seed", "seed of the split, shuffling and dropout; default: drawn at fit time", None,
-              optional(is_int(0)), "an int >= 0 or None"),
-    ParamSpec("run_id", "name of the run folder in the store; default: a new unique id", None, is_run_id,
-              "a name without '/', '\\\\' or '..', or None"),
-    ParamSpec("use_gpu", "None: GPUs when every rank has one; True: require them; False: CPU", None,
-              optional(is_bool), "True, False or None"),
-    ParamSpec("verbose", "0: quiet, 1: per-epoch log lines, 2: more", 1, is_int(0, 2), "0, 1 or 2"),
-]
-
 
 
 class TorchEstimator(DeclaredParams, Estimator, Persistable):
@@ -88,63 +41,131 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         super().__init__(**kwargs)
 
     def _fit(self, df: DataFrame) -> TorchModel:
-        started = time.perf_counter()
+        p = self._checked()
+        checks.check_schema(p, df.schema)
+        run = self._prepare(p, df.sparkSession)
+        columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
+                                                                      else [])
+        m = materialize(df, run["store"], columns, p["validation"], run["seed"], run["num_proc"],
+                        p["partitions_per_process"])
+        data = DataSpec(run["store"], m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
+                        p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
+                        m.train_dir, m.val_dir)
+        return self._train(p, run, data, df.sparkSession)
+
+    def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
+        """Train on Parquet already in the store: folders (paths inside the store, or full URLs of it)
+        holding the feature, label and weight columns."""
+        p = self._checked()
+        spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+        run = self._prepare(p, spark)
+        store = run["store"]
+        train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
+        data = DataSpec(store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else (),
+                        tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
+                        checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]), train_dir, val_dir)
+        if not data.train:
+            raise ValueError(f"fit_on_parquet found no Parquet rows under {train_path!r} in {store!r}.")
+        available = parquet_columns(store, data.train[0])
+        missing = [c for c in data.columns if c not in available]
+        if missing:
+            raise ValueError(f"Columns {missing} are not in the Parquet files under {train_path!r}. "
+                             f"Available columns: {', '.join(available)}.")
+        return self._train(p, run, data, spark)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         checks.check_params(p)
-        checks.check_schema(p, df.schema)
-        losses = checks.losses_per_label(p["loss"], len(p["label_cols"]))
-        loss_weights = list(p["loss_weights"] or [1.0] * len(p["label_cols"]))
-        objs = user_objects(p["model"], p["optimizer"], losses, loss_weights, list(p["metrics"]))
-        payload = dumps(objs, "model, optimizer, loss or metrics", roots=[objs.model, *losses, *p["metrics"]])
-        spark = df.sparkSession
-        store = p["store"] or default_store()
-        num_proc = p["num_proc"] or spark.sparkContext.defaultParallelism
-        seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
-        run_id = p["run_id"] or new_run_id()
+        for name in ("shuffle_buffer_size", "mp_start_method"):
+            if p[name] is not None:
+                warnings.warn(f"TorchEstimator ignores {name}={p[name]!r} (accepted for Horovod compatibility; "
+                              "see README 'Migrating from Horovod').", UserWarning, stacklevel=4)
+        if p["reader"] == "petastorm":
+            from estimator.data_petastorm import check_petastorm
+
+            check_petastorm()
+        return p
+
+    def _prepare(self, p: Dict[str, Any], spark: SparkSession) -> Dict[str, Any]:
+        """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
+        losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else []
+        constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
+            if p["loss_constructors"] is not None else []
+        weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
+        objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]))
+        objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
+        objs.callbacks = list(p["callbacks"])
+        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn or callbacks",
+                        roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
+                               *p["callbacks"]])
+        num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
+        num_proc = num_proc or spark.sparkContext.defaultParallelism
         check_slots(spark.sparkContext, num_proc)
-        data = self._materialize(df, p, store, seed, num_proc)
-        output_shapes = dry_run(objs, data)
-        spec = TrainSpec(data=data, payload=payload, run_root=store.run(run_id).root, batch_size=p["batch_size"],
-                         val_batch_size=p["val_batch_size"] or p["batch_size"], epochs=p["epochs"],
-                         train_steps_per_epoch=p["train_steps_per_epoch"],
-                         validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"],
-                         seed=seed, use_gpu=p["use_gpu"], verbose=p["verbose"])
-        launch_started = time.perf_counter()
+        seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
+        return dict(objs=objs, payload=payload, num_proc=num_proc, seed=seed, store=p["store"] or default_store(),
+                    run_id=p["run_id"] or new_run_id())
+
+    def _train(self, p: Dict[str, Any], run: Dict[str, Any], data: DataSpec, spark: SparkSession) -> TorchModel:
+        started = time.perf_counter()
+        num_proc, store, run_id = run["num_proc"], run["store"], run["run_id"]
+        check_rows(data, num_proc, p["reader"])
+        output_shapes = dry_run(run["objs"], data)
+        spec = TrainSpec(
+            data=data, payload=run["payload"], run=store.run(run_id), batch_size=p["batch_size"],
+            val_batch_size=p["val_batch_size"] or p["batch_size"], epochs=p["epochs"],
+            train_steps_per_epoch=p["train_steps_per_epoch"],
+            validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"], seed=run["seed"],
+            use_gpu=p["use_gpu"], verbose=p["verbose"],
+            reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
+                              p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
+            backward_passes_per_step=p["backward_passes_per_step"],
+            compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"])
         results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
-        if p["verbose"]:
-            for row in results[0].history:
-                log.info("run %s epoch %d: %s", run_id, row["epoch"],
-                         " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch"))
-        log.info("Trained run %s on %d ranks in %.1fs (fit total %.1fs)", run_id, num_proc,
-                 time.perf_counter() - launch_started, time.perf_counter() - started)
-        return self._model(p, store, run_id, output_shapes, results[0].history)
+        self._report(p, run_id, results, time.perf_counter() - started)
+        model = self._model(p, run["objs"], store, run_id, output_shapes, results[0].history)
+        if not getattr(store, "save_runs", True):
+            store.rm(store.run(run_id).root)
+        return model
 
-    def _materialize(self, df: DataFrame, p: Dict[str, Any], store: Store, seed: int, num_proc: int) -> DataSpec:
-        columns = list(p["feature_cols"]) + list(p["label_cols"])
-        if p["sample_weight_col"]:
-            columns.append(p["sample_weight_col"])
-        m = materialize(df, store, columns, p["validation"], seed, num_proc)
-        if m.train_rows < num_proc:
-            raise ValueError(f"The training split has {m.train_rows} rows, fewer than num_proc={num_proc}: every "
-                             "rank needs at least one row. Use more data, a smaller validation, or fewer processes.")
-        return DataSpec(store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
-                        p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]))
+    def _report(self, p: Dict[str, Any], run_id: str, results: List[WorkerResult], seconds: float) -> None:
+        log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device, seconds)
+        if not p["verbose"]:
+            return
+        for row in results[0].history:
+            line = f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}"
+            if p["backend"] is not None and hasattr(p["backend"], "write"):
+                p["backend"].write(line)
+            else:
+                log.info(line)
 
-    def _model(self, p: Dict[str, Any], store: Store, run_id: str, output_shapes: List[tuple],
+    def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple],
                history: Sequence[Dict[str, float]]) -> TorchModel:
         checkpoint = torch.load(io.BytesIO(store.read_bytes(store.run(run_id).checkpoint)), map_location="cpu",
                                 weights_only=True)
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()
-        return TorchModel(model=trained, feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
-                          input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes],
-                          history=[dict(h) for h in history], run_id=run_id,
-                          batch_size=max(p["val_batch_size"] or p["batch_size"], 256), use_gpu=p["use_gpu"])
-
+        optimizer = build_optimizer(objs, trained)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        return TorchModel(model=trained, optimizer=optimizer, feature_cols=list(p["feature_cols"]),
+                          label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],
+                          output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
+                          run_id=run_id, batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
+                          use_gpu=p["use_gpu"])
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)
+
+
+def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:
+    if data.train_rows < num_proc:
+        raise ValueError(f"The training split has {data.train_rows} rows, fewer than num_proc={num_proc}: every "
+                         "rank needs at least one row. Use more data, a smaller validation, or fewer processes.")
+    if reader == "petastorm" and len(data.train) < num_proc:
+        raise ValueError(f"reader='petastorm' shards by Parquet row group, and the training data has "
+                         f"{len(data.train)} row groups for num_proc={num_proc}. Set partitions_per_process or "
+                         "repartition the DataFrame.")
 
 
 def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
@@ -163,7 +184,7 @@ def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
         raise ValueError(f"The model's forward() failed on {rows} training rows, called with the feature_cols "
                          f"in order ({shown}): {type(exc).__name__}: {exc}. Check feature_cols, input_shapes and "
                          "forward()'s arguments.") from None
-    objective = Objective(copy.deepcopy(objs.losses), objs.loss_weights, objs.metrics, data.label_cols,
+    objective = Objective(copy.deepcopy(objs.build_losses()), objs.loss_weights, objs.metrics, data.label_cols,
                           weighted=data.sample_weight_col is not None)
     try:
         objective(outputs, labels, weights)
@@ -183,3 +204,10 @@ def default_store() -> Store:
 
 def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def _in_store(store: Store, path: str) -> str:
+    """A folder of the store, from a path inside it or a full URL/path that names it."""
+    if "://" in path or path.startswith(store.root):
+        return store.fs._strip_protocol(path).rstrip("/")
+    return store.path(path.strip("/"))

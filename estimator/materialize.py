@@ -37,6 +37,8 @@ class Materialized:
     val: Tuple[Piece, ...]
     reused: bool
     seconds: float
+    train_dir: str = ""
+    val_dir: str = ""
 
     @property
     def train_rows(self) -> int:
@@ -48,16 +50,19 @@ class Materialized:
 
 
 def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation: Union[None, float, str],
-                seed: int, num_proc: int) -> Materialized:
+                seed: int, num_proc: int, partitions_per_process: Optional[int] = None) -> Materialized:
+    """Parquet for (df, columns, split) in the store, written now or reused. Files: exactly
+    num_proc * partitions_per_process when that is set, else the DataFrame's partitions, at least num_proc."""
     started = time.perf_counter()
-    key = data_key(df, columns, validation, seed, num_proc)
+    files = num_proc * partitions_per_process if partitions_per_process else -num_proc  # < 0: "at least"
+    key = data_key(df, columns, validation, seed, files)
     layout = store.data(key)
     if store.exists(layout.commit_marker):
         attempt = json.loads(store.read_bytes(layout.commit_marker))["attempt"]
         log.info("Reusing materialized data %s", key)
         return _committed(store, key, attempt, True, started)
     attempt = uuid.uuid4().hex[:12]
-    _write(df, store, key, attempt, columns, validation, seed, num_proc)
+    _write(df, store, key, attempt, columns, validation, seed, files)
     result = _committed(store, key, attempt, False, started)
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
               "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time()}
@@ -67,18 +72,18 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
 
 
 def data_key(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
-             num_proc: int) -> str:
+             files: int) -> str:
     """What produced the data: the analyzed plan (expression ids removed), its semantic hash (which
     covers inline data), the input files, the columns and the split. Not Python object identity."""
     plan = re.sub(r"#\d+L?", "", df._jdf.queryExecution().analyzed().toString())
     parts = [plan, str(df.semanticHash()), json.dumps(sorted(df.inputFiles())), json.dumps(list(columns)),
              repr(validation), str(seed if isinstance(validation, float) else None), str(FORMAT_VERSION)]
     digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
-    return f"{digest}-{max(num_proc, 1)}"
+    return f"{digest}-{abs(files)}"
 
 
 def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequence[str],
-           validation: Union[None, float, str], seed: int, num_proc: int) -> None:
+           validation: Union[None, float, str], seed: int, files: int) -> None:
     layout = store.data(key)
     selected = [_as_array(df, c) for c in columns]
     if isinstance(validation, str):
@@ -88,8 +93,9 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
     else:
         tag = F.lit(False)
     out = df.select(*selected, tag.alias(_VAL))
-    if out.rdd.getNumPartitions() < num_proc:  # at least one file (row group) per rank
-        out = out.repartition(num_proc)
+    partitions = out.rdd.getNumPartitions()
+    if (files > 0 and partitions != files) or partitions < -files:  # at least one file (row group) per rank
+        out = out.repartition(abs(files))
     spark = df.sparkSession
     spark.sparkContext.setJobDescription(f"TorchEstimator.fit: materialize {key}")
     try:
@@ -101,9 +107,9 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
 def _committed(store: Store, key: str, attempt: str, reused: bool, started: float) -> Materialized:
     layout = store.data(key)
     root = layout.attempt(attempt)
-    train = _pieces(store, f"{root}/{_VAL}=false")
-    val = _pieces(store, f"{root}/{_VAL}=true")
-    return Materialized(key, train, val, reused, time.perf_counter() - started)
+    train_dir, val_dir = f"{root}/{_VAL}=false", f"{root}/{_VAL}=true"
+    return Materialized(key, _pieces(store, train_dir), _pieces(store, val_dir), reused,
+                        time.perf_counter() - started, train_dir, val_dir)
 
 
 def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:

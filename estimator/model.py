@@ -15,33 +15,10 @@ from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, Str
 from torch import nn
 
 from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict
-from estimator.params import (DeclaredParams, ParamSpec, declare, is_instance, is_int, is_shape_list, is_str_list,
-                              optional)
+from estimator.params import DeclaredParams, declare
+from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
 from estimator.pickling import dumps
-
-MODEL_PARAMS = [
-    ParamSpec("model", "the trained torch.nn.Module", None, is_instance(nn.Module), "a torch.nn.Module", json=False),
-    ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),
-              "a non-empty list of column names"),
-    ParamSpec("label_cols", "the label columns the model was trained on (one per output)", None, is_str_list(),
-              "a non-empty list of column names"),
-    ParamSpec("output_cols", "names of the output columns; default '<label>__output'", None,
-              optional(is_str_list()), "a list of column names (one per label column) or None"),
-    ParamSpec("prediction_col", "argmax column for classification outputs ('' for none)", "prediction",
-              is_instance(str), "a column name or ''"),
-    ParamSpec("input_shapes", "shape of each feature batch (-1: the batch)", None, optional(is_shape_list),
-              "a list of shapes or None"),
-    ParamSpec("output_shapes", "per-row shape of each model output, measured at fit time", None,
-              optional(lambda v: isinstance(v, list)), "a list of shapes"),
-    ParamSpec("history", "per-epoch training and validation loss and metrics", [],
-              lambda v: isinstance(v, list), "a list of dicts"),
-    ParamSpec("run_id", "the training run that produced the model", None, optional(is_instance(str)),
-              "a string or None"),
-    ParamSpec("batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
-    ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
-              optional(lambda v: isinstance(v, bool)), "True, False or None"),
-]
 
 
 class TorchModel(DeclaredParams, Model, Persistable):

@@ -19,7 +19,7 @@ import torch
 from fsspec.core import url_to_fs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
-from estimator.pickling import dumps
+from estimator.pickling import dumps, rebind_optimizer
 from store import Store
 
 
@@ -61,6 +61,8 @@ class ParamsReader(MLReader):
                                  weights_only=True)
             model.load_state_dict(weights)
             objects["model"] = model
+            if objects.get("optimizer") is not None:  # pickled apart from the model: point it at its params
+                objects["optimizer"] = rebind_optimizer(objects["optimizer"], model)
         instance._set(**objects)
         return instance
 

@@ -58,6 +58,21 @@ def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> List
         "Build it as optim.SGD(model.parameters(), ...) over the model you pass.")
 
 
+def rebuild_optimizer(cls: type, groups: List[List[int]], defaults: dict, state: dict,
+                      model: nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of `cls` over `model`'s parameters, with the given groups, hyperparameters and state."""
+    params = list(model.parameters())
+    optimizer = cls([{"params": [params[i] for i in indices]} for indices in groups], **defaults)
+    optimizer.load_state_dict(state)
+    return optimizer
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """The same optimizer over another instance of its model (after unpickling both apart)."""
+    return rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, model), constructor_defaults(optimizer),
+                             optimizer.state_dict(), model)
+
+
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's defaults that its constructor accepts (load_state_dict restores the rest)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters

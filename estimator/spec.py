@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from store import Store
+from store import RunLayout, Store
 
 Shape = Tuple[int, ...]
 
@@ -32,6 +32,8 @@ class DataSpec:
     sample_weight_col: Optional[str] = None
     input_shapes: Optional[Tuple[Shape, ...]] = None
     label_shapes: Optional[Tuple[Shape, ...]] = None
+    train_dir: str = ""  # the folders holding `train` / `val` (the petastorm reader reads folders)
+    val_dir: str = ""
 
     @property
     def train_rows(self) -> int:
@@ -48,12 +50,24 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class ReaderSpec:
+    """How ranks read shards: 'arrow' (in memory) or 'petastorm' (its worker pool)."""
+
+    kind: str = "arrow"
+    train_workers: Optional[int] = None
+    val_workers: Optional[int] = None
+    pool_type: str = "thread"
+    inmemory_cache_all: bool = False
+    mp_start_method: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     """Everything one rank needs. `payload` is the cloudpickled user objects (see `UserObjects`)."""
 
     data: DataSpec
     payload: bytes
-    run_root: str
+    run: RunLayout  # where this run's checkpoint and logs go
     batch_size: int
     val_batch_size: int
     epochs: int
@@ -63,6 +77,10 @@ class TrainSpec:
     seed: int = 0
     use_gpu: Optional[bool] = None
     verbose: int = 1
+    reader: ReaderSpec = ReaderSpec()
+    backward_passes_per_step: int = 1
+    compression: str = "none"
+    terminate_on_nan: bool = False
 
 
 @dataclass
@@ -74,9 +92,15 @@ class UserObjects:
     optimizer_groups: List[List[int]]  # per param group: indices into list(model.parameters())
     optimizer_defaults: Dict[str, Any]
     optimizer_state: Dict[str, Any]
-    losses: List[Any]
+    losses: List[Any]  # empty when loss_constructors build them on each rank
     loss_weights: List[float]
     metrics: List[Any] = field(default_factory=list)
+    loss_constructors: List[Any] = field(default_factory=list)
+    transformation_fn: Any = None
+    callbacks: List[Any] = field(default_factory=list)
+
+    def build_losses(self) -> List[Any]:
+        return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)
 
 
 @dataclass(frozen=True)
@@ -86,3 +110,5 @@ class WorkerResult:
     device: str
     train_rows: int
     seconds: float
+    reader: str = "arrow"
+    optimizer_steps: int = 0

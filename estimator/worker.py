@@ -4,25 +4,29 @@ It runs the same inside a Spark barrier task and in a local process (tests, Loca
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import math
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
 from estimator.losses import Objective
+from estimator.pickling import rebuild_optimizer
 from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult, total_rows
-from store import RunLayout
 
 log = logging.getLogger("estimator")
+Batch = Dict[str, np.ndarray]
 
 
 def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
@@ -32,103 +36,183 @@ def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
     device = torch.device(ctx.device)
     model = objs.model.to(device)
     optimizer = build_optimizer(objs, model)
-    objective = Objective(objs.losses, objs.loss_weights, objs.metrics, spec.data.label_cols,
+    objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                           weighted=spec.data.sample_weight_col is not None)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    train = load_shard(spec.data, spec.data.train, ctx)
-    val = load_shard(spec.data, spec.data.val, ctx) if spec.data.val else None
-    steps, items = plan_steps(spec.data.train_rows, ctx.world_size, spec.batch_size, spec.train_steps_per_epoch)
+    if spec.compression == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    train, val = open_readers(spec, ctx)
+    loop = TrainLoop(spec, ctx, ddp, optimizer, objective, objs.transformation_fn)
+    callbacks = objs.callbacks if ctx.rank == 0 else []
+    _call(callbacks, "on_train_begin", {})
     history: List[Dict[str, float]] = []
-    for epoch in range(spec.epochs):
-        seed = [spec.seed, epoch, ctx.rank]
-        batches = train.epoch(spec.batch_size, steps, items, spec.shuffle, np.random.SeedSequence(seed).entropy)
-        sums = train_epoch(ddp, optimizer, objective, batches, spec.data, device)
+    try:
+        for epoch in range(spec.epochs):
+            sums = loop.train_epoch(epoch, train.epoch(epoch))
+            if val is not None:
+                sums = torch.cat([sums, loop.evaluate(model, val.epoch(epoch))])
+            row = {"epoch": float(epoch + 1), **objective.summarize(reduce_sums(sums), with_val=val is not None)}
+            history.append(row)
+            if ctx.rank == 0:
+                save_checkpoint(spec, model, optimizer, epoch + 1, history)
+                if spec.verbose:
+                    log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
+            _call(callbacks, "on_epoch_end", epoch, dict(row))
+    finally:
+        train.close()
         if val is not None:
-            sums = torch.cat([sums, evaluate(model, objective, val, spec, device)])
-        row = {"epoch": float(epoch + 1), **objective.summarize(reduce_sums(sums), with_val=val is not None)}
-        history.append(row)
-        if ctx.rank == 0:
-            save_checkpoint(spec, model, optimizer, epoch + 1, history)
-            if spec.verbose:
-                log.info("epoch %d/%d %s", epoch + 1, spec.epochs, _format(row))
-    del ddp  # the caller's teardown needs DDP gone before destroy_process_group
-    return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started)
+            val.close()
+    _call(callbacks, "on_train_end", {"history": history})
+    del ddp, loop  # the caller's teardown needs DDP gone before destroy_process_group
+    return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started,
+                        reader=train.describe(), optimizer_steps=optimizer_steps(optimizer))
+
+
+class TrainLoop:
+    """One epoch of training or validation over batches, with accumulation and NaN checks."""
+
+    def __init__(self, spec: TrainSpec, ctx: RankContext, ddp: nn.Module, optimizer: torch.optim.Optimizer,
+                 objective: Objective, transformation_fn: Any):
+        self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
+        self.objective, self.transformation_fn = objective, transformation_fn
+        self.device = torch.device(ctx.device)
+
+    def train_epoch(self, epoch: int, batches: Iterable[Batch]) -> torch.Tensor:
+        self.ddp.train()
+        every = self.spec.backward_passes_per_step
+        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for step, (batch, last) in enumerate(with_last(batches)):
+            features, labels, weights = self.tensors(batch)
+            stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
+            with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
+                loss, batch_sums = self.objective(as_tuple(self.ddp(*features)), labels, weights)
+                self.check_finite(loss, epoch, step)
+                (loss / every if every > 1 else loss).backward()
+            if stepping:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            sums += batch_sums
+        return sums
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Batch]) -> torch.Tensor:
+        """Exact validation over this rank's batches. Runs the plain module, not DDP: ranks may have
+        different numbers of validation batches, and no collective may run per batch."""
+        model.eval()
+        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for batch in batches:
+                features, labels, weights = self.tensors(batch)
+                sums += self.objective(as_tuple(model(*features)), labels, weights)[1]
+        return sums
+
+    def tensors(self, batch: Batch):
+        if self.transformation_fn is not None:
+            batch = transform_batch(self.transformation_fn, batch)
+        return to_tensors(batch, self.spec.data, self.device)
+
+    def check_finite(self, loss: torch.Tensor, epoch: int, step: int) -> None:
+        if self.spec.terminate_on_nan and not torch.isfinite(loss.detach()).all():
+            raise FloatingPointError(f"Loss is {loss.item()} at epoch {epoch + 1}, step {step + 1} on rank "
+                                     f"{self.ctx.rank}; stopping because terminate_on_nan=True.")
+
+
+class ArrowShard:
+    """A rank's shard read with pyarrow.dataset and kept in memory (see estimator.data)."""
+
+    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], ctx: RankContext, training: bool):
+        start, stop = shard_range(total_rows(pieces), ctx.rank, ctx.world_size)
+        self.shard = ShardBatches(prepare_arrays(spec.data, read_rows(spec.data.store, pieces, start, stop,
+                                                                      spec.data.columns)), stop - start)
+        self.rows, self.spec, self.ctx, self.training = stop - start, spec, ctx, training
+        self.total = total_rows(pieces)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        spec = self.spec
+        if self.training:
+            steps, items = plan_steps(self.total, self.ctx.world_size, spec.batch_size, spec.train_steps_per_epoch)
+            seed = np.random.SeedSequence([spec.seed, epoch, self.ctx.rank]).entropy
+            return self.shard.epoch(spec.batch_size, steps, items, spec.shuffle, seed)
+        steps = math.ceil(self.rows / spec.val_batch_size)
+        if spec.validation_steps_per_epoch is not None:
+            steps = min(steps, spec.validation_steps_per_epoch)
+        return self.shard.epoch(spec.val_batch_size, steps, min(self.rows, steps * spec.val_batch_size), False, 0)
+
+    def describe(self) -> str:
+        return "arrow"
+
+    def close(self) -> None:
+        pass
+
+
+def open_readers(spec: TrainSpec, ctx: RankContext) -> Tuple[Any, Optional[Any]]:
+    if spec.reader.kind == "petastorm":
+        from estimator.data_petastorm import PetastormShard
+
+        train = PetastormShard(spec, spec.data.train, ctx, training=True)
+        return train, PetastormShard(spec, spec.data.val, ctx, training=False) if spec.data.val else None
+    return ArrowShard(spec, spec.data.train, ctx, True), (ArrowShard(spec, spec.data.val, ctx, False)
+                                                          if spec.data.val else None)
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:
     """The user's optimizer rebuilt over this rank's model: same class, groups, hyperparams, state."""
-    params = list(model.parameters())
-    groups = [{"params": [params[i] for i in indices]} for indices in objs.optimizer_groups]
-    optimizer = objs.optimizer_cls(groups, **objs.optimizer_defaults)
-    optimizer.load_state_dict(objs.optimizer_state)
-    return optimizer
+    return rebuild_optimizer(objs.optimizer_cls, objs.optimizer_groups, objs.optimizer_defaults,
+                             objs.optimizer_state, model)
 
 
-def load_shard(data: DataSpec, pieces: Sequence[Piece], ctx: RankContext) -> ShardBatches:
-    total = total_rows(pieces)
-    start, stop = shard_range(total, ctx.rank, ctx.world_size)
-    arrays = read_rows(data.store, pieces, start, stop, data.columns)
-    return ShardBatches(prepare_arrays(data, arrays), stop - start)
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Steps taken, where the optimizer counts them (Adam, AdamW, ...); 0 otherwise."""
+    steps = [s.get("step") for s in optimizer.state.values() if "step" in s]
+    return int(max(float(s) for s in steps)) if steps else 0
 
 
-def prepare_arrays(data: DataSpec, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """Cast to torch-friendly dtypes and reshape to input/label shapes, once per shard."""
-    out = {}
-    for i, col in enumerate(data.feature_cols):
-        shape = data.input_shapes[i] if data.input_shapes else None
-        out[col] = reshape(torch_dtype_array(arrays[col]), shape, col)
-    for i, col in enumerate(data.label_cols):
-        shape = data.label_shapes[i] if data.label_shapes else None
-        out[col] = reshape(torch_dtype_array(arrays[col]), shape, col)
+def prepare_arrays(data: DataSpec, arrays: Dict[str, np.ndarray]) -> Batch:
+    """torch-friendly dtypes, writable and contiguous (Arrow hands out read-only buffers); once per shard."""
+    out = {c: torch_dtype_array(arrays[c]) for c in data.feature_cols + data.label_cols}
     if data.sample_weight_col:
         out[data.sample_weight_col] = arrays[data.sample_weight_col].astype(np.float32)
-    # Arrow hands out read-only buffers; torch wants writable, contiguous ones (copied once here).
     return {k: np.require(v, requirements=["C", "W"]) for k, v in out.items()}
 
 
-def to_tensors(batch: Dict[str, np.ndarray], data: DataSpec, device: torch.device
-               ) -> Tuple[List[torch.Tensor], List[torch.Tensor], "torch.Tensor | None"]:
-    def t(name: str) -> torch.Tensor:
-        return torch.from_numpy(batch[name]).to(device, non_blocking=True)
+def transform_batch(fn: Any, batch: Batch) -> Batch:
+    """Apply the user's transformation_fn to a batch as a pandas DataFrame (one row per sample;
+    array columns hold one numpy array per row, as petastorm gives them)."""
+    import pandas as pd
 
-    weights = t(data.sample_weight_col) if data.sample_weight_col else None
-    return [t(c) for c in data.feature_cols], [t(c) for c in data.label_cols], weights
-
-
-def train_epoch(ddp: nn.Module, optimizer: torch.optim.Optimizer, objective: Objective, batches,
-                data: DataSpec, device: torch.device) -> torch.Tensor:
-    ddp.train()
-    sums = torch.zeros(objective.width, dtype=torch.float64, device=device)
-    for batch in batches:
-        features, labels, weights = to_tensors(batch, data, device)
-        optimizer.zero_grad(set_to_none=True)
-        outputs = as_tuple(ddp(*features))
-        loss, batch_sums = objective(outputs, labels, weights)
-        loss.backward()
-        optimizer.step()
-        sums += batch_sums
-    return sums
+    frame = pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in batch.items()})
+    frame = fn(frame)
+    out = {}
+    for k in batch:
+        column = frame[k].to_numpy()
+        values = np.stack(column) if column.dtype == object else column
+        out[k] = np.require(torch_dtype_array(values), requirements=["C", "W"])
+    return out
 
 
-def evaluate(model: nn.Module, objective: Objective, val: ShardBatches, spec: TrainSpec,
-             device: torch.device) -> torch.Tensor:
-    """Exact validation over this rank's whole val shard (or validation_steps_per_epoch batches).
+def with_last(items: Iterable[Any]) -> Iterator[Tuple[Any, bool]]:
+    """(item, is_last) pairs, looking one item ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
 
-    Runs the plain module, not DDP: ranks may have different numbers of val batches, and no
-    collective may run per batch.
-    """
-    model.eval()
-    bs = spec.val_batch_size
-    steps = -(-val.rows // bs)
-    if spec.validation_steps_per_epoch is not None:
-        steps = min(steps, spec.validation_steps_per_epoch)
-    sums = torch.zeros(objective.width, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for batch in val.epoch(bs, steps, min(val.rows, steps * bs), False, 0):
-            features, labels, weights = to_tensors(batch, spec.data, device)
-            _, batch_sums = objective(as_tuple(model(*features)), labels, weights)
-            sums += batch_sums
-    return sums
+
+def to_tensors(batch: Batch, data: DataSpec, device: torch.device
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]:
+    def t(name: str, shape: Optional[Sequence[int]]) -> torch.Tensor:
+        values = reshape(batch[name], shape, name)
+        return torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
+
+    features = [t(c, data.input_shapes[i] if data.input_shapes else None) for i, c in enumerate(data.feature_cols)]
+    labels = [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)]
+    weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
+    return features, labels, weights
 
 
 def reduce_sums(sums: torch.Tensor) -> List[float]:
@@ -137,7 +221,7 @@ def reduce_sums(sums: torch.Tensor) -> List[float]:
     return sums.cpu().tolist()
 
 
-def as_tuple(outputs) -> Tuple[torch.Tensor, ...]:
+def as_tuple(outputs: Any) -> Tuple[torch.Tensor, ...]:
     return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
 
@@ -146,8 +230,15 @@ def save_checkpoint(spec: TrainSpec, model: nn.Module, optimizer: torch.optim.Op
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
                 "history": history}, buffer)
-    spec.data.store.write_bytes_atomic(RunLayout(spec.run_root).checkpoint, buffer.getvalue())
+    spec.data.store.write_bytes_atomic(spec.run.checkpoint, buffer.getvalue())
 
 
-def _format(row: Dict[str, float]) -> str:
+def format_metrics(row: Dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch")
+
+
+def _call(callbacks: Sequence[Any], method: str, *args: Any) -> None:
+    for callback in callbacks:
+        hook = getattr(callback, method, None)
+        if hook is not None:
+            hook(*args)

@@ -35,10 +35,11 @@ class RunLayout:
     """The files of one training run (one run_id)."""
 
     root: str
+    checkpoint_filename: str = "checkpoint.pt"
 
     @property
     def checkpoint(self) -> str:
-        return posixpath.join(self.root, "checkpoint.pt")
+        return posixpath.join(self.root, self.checkpoint_filename)
 
     @property
     def metadata(self) -> str:

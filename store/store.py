@@ -1,6 +1,7 @@
 """One Store class for every fsspec URL: local paths, file://, hdfs://, abfs://, s3://, memory://."""
 from __future__ import annotations
 
+import copy
 import os
 import posixpath
 import uuid
@@ -21,11 +22,16 @@ class Store:
     cheaply to executors (each process builds its own client).
     """
 
-    def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None):
+    def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None, save_runs: bool = True,
+                 checkpoint_filename: str = "checkpoint.pt"):
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"Store prefix must be a non-empty URL or path. Got {prefix!r} instead.")
+        if "/" in checkpoint_filename or not checkpoint_filename:
+            raise ValueError(f"checkpoint_filename must be a file name. Got {checkpoint_filename!r} instead.")
         self.prefix = prefix
         self.storage_options = dict(storage_options or {})
+        self.save_runs = save_runs  # False: a run's folder is removed once its TorchModel is built
+        self.checkpoint_filename = checkpoint_filename
         self._fs: Optional[fsspec.AbstractFileSystem] = None
         self._root: Optional[str] = None
 
@@ -76,7 +82,23 @@ class Store:
 
     # -- layout -------------------------------------------------------------------------------
     def run(self, run_id: str) -> RunLayout:
-        return RunLayout(self.path("runs", run_id))
+        return RunLayout(self.path("runs", run_id), self.checkpoint_filename)
+
+    # Horovod's Store names, for code that calls them
+    def get_run_path(self, run_id: str) -> str:
+        return self.url(self.run(run_id).root)
+
+    def get_checkpoint_path(self, run_id: str) -> str:
+        return self.get_run_path(run_id)
+
+    def get_checkpoint_filename(self) -> str:
+        return self.checkpoint_filename
+
+    def get_logs_path(self, run_id: str) -> str:
+        return self.url(self.run(run_id).logs)
+
+    def read(self, path: str) -> bytes:
+        return self.read_bytes(self.fs._strip_protocol(path))
 
     def data(self, key: str) -> DataLayout:
         return DataLayout(self.path("data", key))
@@ -119,7 +141,9 @@ class Store:
 
     def without_credentials(self) -> "Store":
         """The same prefix with no storage_options (what gets persisted with a saved estimator)."""
-        return type(self)(self.prefix)
+        clone = copy.copy(self)
+        clone.storage_options, clone._fs, clone._root = {}, None, None
+        return clone
 
     # -- pickling and display: credentials stay out of reprs --------------------------------------
     def __getstate__(self) -> Dict[str, Any]:
@@ -136,8 +160,8 @@ class Store:
 class LocalStore(Store):
     """A store on a local (or shared, mounted) path."""
 
-    def __init__(self, prefix_path: str, storage_options: Optional[Dict[str, Any]] = None):
-        super().__init__(prefix_path, storage_options)
+    def __init__(self, prefix_path: str, *args: Any, **kwargs: Any):
+        super().__init__(prefix_path, *args, **kwargs)
 
 
 def _is_plain_path(prefix: str) -> bool:

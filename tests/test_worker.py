@@ -25,7 +25,7 @@ def _spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, ep
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
                     ("features",), ("label",))
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
-    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run).root, batch, 50, epochs, seed=3)
+    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3)
 
 
 def _checkpoint(store, run="r"):

@@ -1,0 +1,126 @@
+"""The petastorm shard reader (`reader="petastorm"`), for the Spark 3.5 stack where petastorm runs.
+
+petastorm shards by row group (rank r reads row groups r, r + world, ...), so materialization
+always writes at least one row group per rank. Training streams an endless, row-group-shuffled
+reader and re-batches it into exactly the same number of equal batches on every rank; validation
+reads the rank's row groups exactly once per epoch. With inmemory_cache_all the shard is read once
+and then served from memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from estimator.data import ShardBatches, plan_steps
+from estimator.distributed import RankContext
+from estimator.spec import Piece, TrainSpec, total_rows
+
+PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
+
+
+def check_petastorm() -> None:
+    """A clear error, on the driver, when petastorm cannot run in this environment."""
+    try:
+        import pyarrow
+        import petastorm  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"reader='petastorm' needs petastorm, which is not importable here ({exc}). It runs on "
+                         f"{PINS}; or use the default reader='arrow'.") from None
+    if int(pyarrow.__version__.split(".")[0]) >= 15:
+        raise ValueError(f"reader='petastorm' needs pyarrow < 15 (found {pyarrow.__version__}); petastorm runs on "
+                         f"{PINS}. Use the default reader='arrow' on this stack.")
+
+
+class PetastormShard:
+    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], ctx: RankContext, training: bool):
+        self.spec, self.ctx, self.training = spec, ctx, training
+        self.directory = spec.data.train_dir if training else spec.data.val_dir
+        self.total = total_rows(pieces)
+        groups = range(ctx.rank, len(pieces), ctx.world_size)
+        self.rows = sum(pieces[i].num_rows for i in groups)
+        self.options = spec.reader
+        self.workers = (self.options.train_workers if training else self.options.val_workers) or 1
+        self.cache: Optional[ShardBatches] = None
+        self.stream: Optional[Iterator[Dict[str, np.ndarray]]] = None
+        self.readers: List[Any] = []
+
+    def _reader(self, num_epochs: Optional[int], seed: int):
+        from petastorm import make_batch_reader
+
+        reader = make_batch_reader(
+            self.spec.data.store.url(self.directory), schema_fields=list(self.spec.data.columns),
+            cur_shard=self.ctx.rank, shard_count=self.ctx.world_size, num_epochs=num_epochs,
+            shuffle_row_groups=self.spec.shuffle and self.training, seed=seed,
+            reader_pool_type=self.options.pool_type, workers_count=self.workers)
+        self.readers.append(reader)
+        return reader
+
+    def _row_groups(self, num_epochs: Optional[int], seed: int) -> Iterator[Dict[str, np.ndarray]]:
+        from estimator.worker import prepare_arrays
+
+        if self.rows == 0:
+            return iter(())
+        return (prepare_arrays(self.spec.data, batch._asdict()) for batch in self._reader(num_epochs, seed))
+
+    def _cached(self) -> ShardBatches:
+        if self.cache is None:
+            chunks = list(self._row_groups(1, self.spec.seed))
+            arrays = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]} if chunks else {}
+            self.cache = ShardBatches(arrays, self.rows)
+        return self.cache
+
+    def epoch(self, epoch: int) -> Iterator[Dict[str, np.ndarray]]:
+        spec = self.spec
+        if self.training:
+            steps, items = plan_steps(self.total, self.ctx.world_size, spec.batch_size, spec.train_steps_per_epoch)
+            if self.options.inmemory_cache_all:
+                seed = np.random.SeedSequence([spec.seed, epoch, self.ctx.rank]).entropy
+                return self._cached().epoch(spec.batch_size, steps, items, spec.shuffle, seed)
+            if self.stream is None:  # one endless reader for the whole run
+                self.stream = self._row_groups(None, spec.seed + self.ctx.rank)
+            return rebatch(self.stream, spec.batch_size, steps, spec.shuffle,
+                           np.random.default_rng([spec.seed, epoch, self.ctx.rank]))
+        steps = math.ceil(self.rows / spec.val_batch_size)
+        if spec.validation_steps_per_epoch is not None:
+            steps = min(steps, spec.validation_steps_per_epoch)
+        if self.options.inmemory_cache_all:
+            return self._cached().epoch(spec.val_batch_size, steps, min(self.rows, steps * spec.val_batch_size),
+                                        False, 0)
+        return rebatch(self._row_groups(1, 0), spec.val_batch_size, steps, False, None)
+
+    def describe(self) -> str:
+        cached = ", cached" if self.options.inmemory_cache_all else ""
+        return f"petastorm({self.options.pool_type}, workers={self.workers}{cached})"
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.stop()
+            reader.join()
+        self.readers = []
+
+
+def rebatch(chunks: Iterator[Dict[str, np.ndarray]], batch_size: int, steps: int, shuffle: bool,
+            rng: Optional[np.random.Generator]) -> Iterator[Dict[str, np.ndarray]]:
+    """Up to `steps` batches of `batch_size` rows from a stream of row groups (rows shuffled within
+    each row group when asked). A finite stream ends with its last, possibly smaller, batch."""
+    pending: List[Dict[str, np.ndarray]] = []
+    have = 0
+    for _ in range(steps):
+        while have < batch_size:
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            if shuffle and rng is not None:
+                order = rng.permutation(len(next(iter(chunk.values()))))
+                chunk = {k: v[order] for k, v in chunk.items()}
+            pending.append(chunk)
+            have += len(next(iter(chunk.values())))
+        if have == 0:
+            return
+        merged = {k: np.concatenate([c[k] for c in pending]) for k in pending[0]}
+        take = min(batch_size, have)
+        yield {k: v[:take] for k, v in merged.items()}
+        pending = [{k: v[take:] for k, v in merged.items()}] if have > take else []
+        have -= take
