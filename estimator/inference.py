@@ -48,15 +48,19 @@ def device_for(use_gpu: Optional[bool]) -> str:
 
 
 def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
+    values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(layout.feature_cols, columns)]
+    return to_struct(predict_columns(key, blob, layout, values), layout)
+
+
+def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Sequence[np.ndarray]):
+    """Model outputs, each (rows, width), for feature columns given as (rows,) or (rows, n) arrays."""
     device = device_for(layout.use_gpu)
     model = cached_model(key, blob, device)
     arrays = []
-    for i, (name, column) in enumerate(zip(layout.feature_cols, columns)):
+    for i, (name, values) in enumerate(zip(layout.feature_cols, columns)):
         shape = layout.input_shapes[i] if layout.input_shapes else None
-        values = column_to_numpy(pa.chunked_array([column]), name)
         arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
-    outputs = predict_numpy(model, arrays, layout.batch_size, device)
-    return to_struct(outputs, layout)
+    return predict_numpy(model, arrays, layout.batch_size, device)
 
 
 def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str):
@@ -99,9 +103,25 @@ def to_struct(outputs: Sequence[np.ndarray], layout: InferenceLayout) -> pa.Stru
 
 
 def make_predict(key: str, blob: bytes, layout: InferenceLayout):
-    """The function an Arrow UDF runs: typed, since pyspark reads the type hints."""
+    """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
 
     def predict(*columns: pa.Array) -> pa.Array:
         return predict_arrow(key, blob, layout, *columns)
+
+    return predict
+
+
+def make_predict_pandas(key: str, blob: bytes, layout: InferenceLayout):
+    """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out."""
+    import pandas as pd
+
+    def predict(*columns: pd.Series) -> pd.DataFrame:
+        values = [np.stack(c.to_numpy()) if c.dtype == object else c.to_numpy() for c in columns]
+        outputs = predict_columns(key, blob, layout, values)
+        frame = pd.DataFrame({name: list(out) if vec else out.reshape(-1).astype(np.float64)
+                              for name, vec, out in zip(layout.output_names, layout.output_is_vector, outputs)})
+        if layout.prediction_of is not None:
+            frame[PREDICTION_FIELD] = outputs[layout.prediction_of].argmax(axis=1).astype(np.float64)
+        return frame
 
     return predict

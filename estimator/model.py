@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+import warnings
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -14,7 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 from torch import nn
 
-from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict
+from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict, make_predict_pandas
 from estimator.params import DeclaredParams, declare
 from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
@@ -73,9 +74,15 @@ class TorchModel(DeclaredParams, Model, Persistable):
                              "setOutputCols(...) / setPredictionCol(...), or drop them first.")
         blob = self._model_blob()
         key = hashlib.sha256(blob).hexdigest()
-        internal = StructType([StructField(n, f.dataType, False) for n, f in
+        internal = StructType([StructField(n, f.dataType, True) for n, f in
                                zip(list(layout.output_names) + [PREDICTION_FIELD], schema.fields)])
-        predict = F.arrow_udf(make_predict(key, blob, layout), internal).asNondeterministic()
+        if hasattr(F, "arrow_udf"):
+            predict = F.arrow_udf(make_predict(key, blob, layout), internal).asNondeterministic()
+        else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "PandasUDFType will be deprecated"
+                predict = F.pandas_udf(make_predict_pandas(key, blob, layout), internal,
+                                       F.PandasUDFType.SCALAR).asNondeterministic()
         inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
                   for c in p["feature_cols"]]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"

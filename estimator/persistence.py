@@ -30,7 +30,7 @@ class ParamsWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:
         json_params, objects = split_params(self.instance)
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, paramMap=json_params)
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc, paramMap=json_params)
         fs, root = url_to_fs(path)
         model = objects.pop("model", None)
         if isinstance(objects.get("store"), Store):
@@ -49,7 +49,7 @@ class ParamsReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)

@@ -2,7 +2,8 @@
 
 No Spark and no torch here: the store is used by the driver and by every rank.
 """
-from store.layout import RunLayout, DataLayout
+from store.horovod import AdlsStore, DBFSLocalStore, HDFSStore
+from store.layout import DataLayout, RunLayout
 from store.store import LocalStore, Store
 
-__all__ = ["Store", "LocalStore", "RunLayout", "DataLayout"]
+__all__ = ["Store", "LocalStore", "HDFSStore", "DBFSLocalStore", "AdlsStore", "RunLayout", "DataLayout"]

@@ -37,7 +37,15 @@ class Store:
 
     @classmethod
     def create(cls, prefix: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> "Store":
-        """A store for any fsspec URL or local path."""
+        """A store for any fsspec URL or local path. Called on `Store` itself it picks the class a
+        Horovod user expects: DBFSLocalStore for `dbfs:/` and `/dbfs/`, HDFSStore for `hdfs://`."""
+        if cls is Store:
+            from store.horovod import DBFSLocalStore, HDFSStore
+
+            if prefix.startswith(("dbfs:", "/dbfs/")):
+                return DBFSLocalStore(prefix, storage_options, **kwargs)
+            if prefix.startswith("hdfs://"):
+                return HDFSStore(prefix, storage_options=storage_options, **kwargs)
         return cls(prefix, storage_options=storage_options, **kwargs)
 
     # -- filesystem ---------------------------------------------------------------------------

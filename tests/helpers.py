@@ -62,3 +62,24 @@ def write_parquet(path: str, features: np.ndarray, labels: np.ndarray, rows_per_
 def seeded(model_cls, *args, seed: int = 0):
     torch.manual_seed(seed)
     return model_cls(*args)
+
+
+def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None,
+              **spec_fields):
+    """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
+    from torch import nn
+
+    from estimator.data import list_pieces
+    from estimator.pickling import dumps, user_objects
+    from estimator.spec import DataSpec, TrainSpec
+
+    X, y = digits
+    store.makedirs(store.path("train"))
+    store.makedirs(store.path("val"))
+    write_parquet(store.path("train", "part.parquet"), X[:train_rows], y[:train_rows], rows_per_group=300)
+    write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
+    data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
+                    ("features",), ("label",), train_dir=store.path("train"), val_dir=store.path("val"))
+    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
+    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3,
+                     **spec_fields)

@@ -7,25 +7,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.data import list_pieces
 from estimator.distributed import RankFailed
 from estimator.launcher import LocalLauncher
-from estimator.pickling import dumps, user_objects
-from estimator.spec import DataSpec, TrainSpec
+from estimator.pickling import user_objects
 from estimator.worker import build_optimizer
-from helpers import MLP, seeded, write_parquet
-
-
-def _spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None):
-    X, y = digits
-    store.makedirs(store.path("train"))
-    store.makedirs(store.path("val"))
-    write_parquet(store.path("train", "part.parquet"), X[:train_rows], y[:train_rows], rows_per_group=300)
-    write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
-    data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
-                    ("features",), ("label",))
-    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
-    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3)
+from helpers import MLP, make_spec, seeded
 
 
 def _checkpoint(store, run="r"):
@@ -34,7 +20,7 @@ def _checkpoint(store, run="r"):
 
 def test_one_rank_in_process_trains_and_checkpoints(store, digits):
     model = seeded(MLP)
-    spec = _spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
                  train_rows=1000, val_rows=200, epochs=3)
     (result,) = LocalLauncher().run(spec, 1)
     history = result.history
@@ -51,7 +37,7 @@ def test_two_ranks_uneven_shards_report_exact_validation(store, digits):
     """1001 train rows and 151 val rows over 2 ranks: equal steps, no hang, and val metrics that
     equal a direct computation over all val rows with the checkpointed weights."""
     model = seeded(MLP)
-    spec = _spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.01), train_rows=1001,
+    spec = make_spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.01), train_rows=1001,
                  val_rows=151, epochs=2)
     results = LocalLauncher().run(spec, 2)
     assert [r.train_rows for r in results] == [501, 500]
@@ -73,7 +59,7 @@ def test_a_failing_rank_raises_with_its_traceback_and_leaves_no_group(store, dig
         raise ArithmeticError("boom in the loss")
 
     model = seeded(MLP)
-    spec = _spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
                  losses=[broken_loss])
     with pytest.raises(RankFailed, match="boom in the loss") as info:
         LocalLauncher().run(spec, 1)

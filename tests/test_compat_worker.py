@@ -1,0 +1,61 @@
+"""Horovod-compatible training options, checked on the per-rank loop (LocalLauncher, no Spark)."""
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from estimator.distributed import RankFailed
+from estimator.launcher import LocalLauncher
+from helpers import MLP, make_spec, seeded
+
+
+def _weights(store, run="r"):
+    return torch.load(io.BytesIO(store.read_bytes(store.run(run).checkpoint)), weights_only=True)["model"]
+
+
+def _run(store, digits, world=2, optimizer=torch.optim.SGD, **fields):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, optimizer(model.parameters(), lr=0.05), train_rows=600, val_rows=100,
+                     batch=50, epochs=2, shuffle=False, **fields)
+    return LocalLauncher().run(spec, world)
+
+
+def test_fp16_gradient_compression_changes_the_allreduce_and_still_trains(store, digits):
+    _run(store, digits)
+    plain = _weights(store)
+    _run(store, digits)
+    assert all(torch.equal(plain[k], v) for k, v in _weights(store).items()), "training is deterministic"
+    results = _run(store, digits, compression="fp16")
+    compressed = _weights(store)
+    differs = [k for k in plain if not torch.equal(plain[k], compressed[k])]
+    assert differs, "fp16 allreduce should round the averaged gradients"
+    assert all(torch.allclose(plain[k], compressed[k], atol=1e-2) for k in plain)
+    assert results[0].history[-1]["loss"] < results[0].history[0]["loss"]
+
+
+def test_backward_passes_per_step_accumulates_gradients(store, digits):
+    # 600 rows / 2 ranks / batch 50 = 6 batches per epoch: steps after batches 4 and 6 -> 2 per epoch
+    results = _run(store, digits, optimizer=torch.optim.Adam, backward_passes_per_step=4)
+    assert results[0].optimizer_steps == 4
+    assert _run(store, digits, optimizer=torch.optim.Adam)[0].optimizer_steps == 12
+
+
+def test_terminate_on_nan_stops_with_epoch_and_step(store, digits):
+    calls = {"n": 0}
+
+    def explodes(output, target):
+        calls["n"] += 1
+        loss = nn.functional.cross_entropy(output, target)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
+                     losses=[explodes], terminate_on_nan=True)
+    with pytest.raises(RankFailed, match=r"Loss is nan at epoch 1, step 3 on rank 0; stopping because "
+                                         r"terminate_on_nan=True"):
+        LocalLauncher().run(spec, 1)
+    calls["n"] = 0
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
+                     losses=[explodes], terminate_on_nan=False)
+    assert LocalLauncher().run(spec, 1)[0].history  # without it, training carries on
