@@ -1,0 +1,46 @@
+"""Seed 002 with only its imports changed, and the MNIST notebook executed headless."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.spark
+
+
+def _env(master):
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               PYSPARK_SUBMIT_ARGS=f"--master {master} pyspark-shell")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def test_seed_002_runs_with_only_its_imports_changed(tmp_path):
+    """The Synapse notebook's code: 3 processes (as its numExecutors), SparkBackend output with
+    timestamps, setOutputCols, an argmax udf over the output vectors, the evaluator."""
+    script = os.path.join(ROOT, "tests", "seeds", "seed_002_horovod_synapse.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
+                            env=_env("local[3]"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    epochs = re.findall(r"^\w{3} \w{3} [ \d]\d [\d:]{8} \d{4} run \S+ epoch (\d): loss=([\d.]+) val_loss=([\d.]+)$",
+                        result.stdout, re.MULTILINE)
+    assert [e[0] for e in epochs] == ["1", "2", "3"], result.stdout[-3000:]
+    accuracy = float(re.search(r"^Test accuracy: ([\d.]+)$", result.stdout, re.MULTILINE).group(1))
+    assert 0.0 <= accuracy <= 1.0  # learning is the notebook's test: 3 epochs on 4,000 raw-pixel rows is too few
+
+
+def test_mnist_notebook_executes_and_reaches_85_percent(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("PATH", _env("local[2]")["PATH"])  # the kernel runs this interpreter
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    notebook = nbformat.read(os.path.join(ROOT, "notebooks", "horovod_mnist.ipynb"), as_version=4)
+    nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises if a cell fails
+    text = "".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
+    accuracy = float(re.search(r"Test accuracy: ([\d.]+)", text).group(1))
+    assert accuracy >= 0.85
+    images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 1  # the training-history plot
