@@ -65,7 +65,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
     _call(callbacks, "on_train_end", {"history": history})
     del ddp, loop  # the caller's teardown needs DDP gone before destroy_process_group
     return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started,
-                        reader=train.describe(), optimizer_steps=optimizer_steps(optimizer))
+                        reader=train.describe() + (f"; val {val.describe()}" if val is not None else ""),
+                        optimizer_steps=optimizer_steps(optimizer))
 
 
 class TrainLoop:

@@ -41,6 +41,9 @@ def test_backend_sets_processes_and_receives_the_epoch_lines(spark, store, df):
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert re.match(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4} run " + fitted.getRunId() + r" epoch 1: loss=", lines[0])
+    quiet = io.StringIO()
+    _est(store, num_proc=None, backend=SparkBackend(num_proc=2, stdout=quiet), verbose=0, epochs=1).fit(df)
+    assert quiet.getvalue() == ""  # verbose=0: no epoch lines
     with pytest.raises(ValueError, match="must be at most the 2 task slots .* Got 3 instead"):
         _est(store, num_proc=None, backend=SparkBackend(num_proc=3)).fit(df)
     with pytest.raises(ValueError, match="takes 'num_proc' or 'backend', not both"):
@@ -179,3 +182,12 @@ def test_fit_on_parquet_trains_on_files_already_in_the_store(spark, store, digit
     assert fitted.getHistory()[-1]["val_accuracy"] > 0.8
     with pytest.raises(ValueError, match=r"Columns \['pixels'\] are not in the Parquet files"):
         _est(store, feature_cols=["pixels"]).fit_on_parquet("prepared/train")
+
+
+def test_random_seed_makes_fits_repeatable_and_run_id_names_the_run(spark, store, df):
+    first = _est(store, model=seeded(MLP), random_seed=11, run_id="seeded-a").fit(df)
+    again = _est(store, model=seeded(MLP), random_seed=11, run_id="seeded-b").fit(df)
+    other = _est(store, model=seeded(MLP), random_seed=12).fit(df)
+    assert first.getHistory() == again.getHistory()  # same split, shuffles and dropout
+    assert first.getHistory() != other.getHistory()
+    assert first.getRunId() == "seeded-a" and store.exists(store.path("runs", "seeded-a", "checkpoint.pt"))

@@ -38,7 +38,7 @@ def _spec(store, digits, reader, train_rows=1001, **fields):
 def test_petastorm_shards_train_with_equal_steps_and_exact_validation(store, digits):
     # train: row groups of 300, 300, 300, 101 -> ranks hold 600 and 401 rows, yet take the same steps
     results = LocalLauncher().run(_spec(store, digits, ReaderSpec("petastorm", 2, 1, "thread")), 2)
-    assert [r.reader for r in results] == ["petastorm(thread, workers=2)"] * 2
+    assert [r.reader for r in results] == ["petastorm(thread, workers=2); val petastorm(thread, workers=1)"] * 2
     assert results[0].history == results[1].history
     trained = MLP()
     trained.load_state_dict(torch.load(io.BytesIO(store.read_bytes(store.run("r").checkpoint)),
@@ -57,7 +57,7 @@ def test_petastorm_shards_train_with_equal_steps_and_exact_validation(store, dig
 def test_petastorm_in_memory_cache_and_dummy_pool(store, digits):
     results = LocalLauncher().run(_spec(store, digits, ReaderSpec("petastorm", None, None, "dummy",
                                                                   inmemory_cache_all=True)), 2)
-    assert results[0].reader == "petastorm(dummy, workers=1, cached)"
+    assert results[0].reader == "petastorm(dummy, workers=1, cached); val petastorm(dummy, workers=1, cached)"
     assert results[0].history[-1]["val_accuracy"] > 0.6
 
 

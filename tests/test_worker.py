@@ -92,3 +92,40 @@ def test_optimizer_over_another_instance_is_matched_by_position():
 def test_optimizer_over_an_unrelated_model_is_rejected():
     with pytest.raises(ValueError, match="The 'optimizer' parameter of TorchEstimator must optimize"):
         user_objects(seeded(MLP), torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1), [nn.MSELoss()], [1.0], [])
+
+
+def test_validation_steps_per_epoch_limits_each_rank_to_its_first_batches(store, digits):
+    """validation_steps_per_epoch=1, val_batch_size=10: each rank validates its first 10 rows only
+    (rank 0 holds val rows 0..75, rank 1 rows 76..150), and the reported loss is exact over those 20."""
+    import dataclasses
+
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.0), train_rows=300,
+                     val_rows=151, epochs=1, validation_steps_per_epoch=1)
+    spec = dataclasses.replace(spec, val_batch_size=10)
+    history = LocalLauncher().run(spec, 2)[0].history
+    X, y = digits
+    rows = np.r_[np.arange(10), 76 + np.arange(10)]
+    with torch.no_grad():
+        expected = nn.CrossEntropyLoss()(model(torch.from_numpy(X[-151:][rows])), torch.from_numpy(y[-151:][rows]))
+    assert history[0]["val_loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_train_steps_per_epoch_sets_the_optimizer_steps(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.01), train_rows=300,
+                     val_rows=50, epochs=3, train_steps_per_epoch=7)
+    assert LocalLauncher().run(spec, 1)[0].optimizer_steps == 21
+
+
+def test_label_shapes_reshape_labels_and_name_a_mismatch():
+    from estimator.spec import DataSpec
+    from estimator.worker import to_tensors
+
+    data = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 2, 2),))
+    batch = {"x": np.zeros((3, 5), np.float32), "y": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    _, (labels,), _ = to_tensors(batch, data, torch.device("cpu"))
+    assert labels.shape == (3, 2, 2)
+    bad = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 3),))
+    with pytest.raises(ValueError, match=r"Column 'y' has 4 values per row, but its shape \[-1, 3\] needs 3"):
+        to_tensors(batch, bad, torch.device("cpu"))
