@@ -10,6 +10,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -34,6 +35,18 @@ from store import LocalStore, Store
 log = logging.getLogger("estimator")
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """What the driver decides before any Spark job."""
+
+    objs: UserObjects
+    payload: bytes
+    num_proc: int
+    seed: int
+    store: Store
+    run_id: str
+
+
 class TorchEstimator(DeclaredParams, Estimator, Persistable):
     """Distributed PyTorch training as a Spark ML Estimator. See README for every param."""
 
@@ -46,9 +59,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run = self._prepare(p, df.sparkSession)
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
-        m = materialize(df, run["store"], columns, p["validation"], run["seed"], run["num_proc"],
-                        p["partitions_per_process"])
-        data = DataSpec(run["store"], m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
+        m = materialize(df, run.store, columns, p["validation"], run.seed, run.num_proc, p["partitions_per_process"])
+        data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                         m.train_dir, m.val_dir)
         return self._train(p, run, data, df.sparkSession)
@@ -59,7 +71,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p = self._checked()
         spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
         run = self._prepare(p, spark)
-        store = run["store"]
+        store = run.store
         train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
         data = DataSpec(store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else (),
                         tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
@@ -87,7 +99,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             check_petastorm()
         return p
 
-    def _prepare(self, p: Dict[str, Any], spark: SparkSession) -> Dict[str, Any]:
+    def _prepare(self, p: Dict[str, Any], spark: SparkSession) -> RunPlan:
         """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
         losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
@@ -103,19 +115,18 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         num_proc = num_proc or spark.sparkContext.defaultParallelism
         check_slots(spark.sparkContext, num_proc)
         seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
-        return dict(objs=objs, payload=payload, num_proc=num_proc, seed=seed, store=p["store"] or default_store(),
-                    run_id=p["run_id"] or new_run_id())
+        return RunPlan(objs, payload, num_proc, seed, p["store"] or default_store(), p["run_id"] or new_run_id())
 
-    def _train(self, p: Dict[str, Any], run: Dict[str, Any], data: DataSpec, spark: SparkSession) -> TorchModel:
+    def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
         started = time.perf_counter()
-        num_proc, store, run_id = run["num_proc"], run["store"], run["run_id"]
+        num_proc, store, run_id = run.num_proc, run.store, run.run_id
         check_rows(data, num_proc, p["reader"])
-        output_shapes = dry_run(run["objs"], data)
+        output_shapes = dry_run(run.objs, data)
         spec = TrainSpec(
-            data=data, payload=run["payload"], run=store.run(run_id), batch_size=p["batch_size"],
+            data=data, payload=run.payload, run=store.run(run_id), batch_size=p["batch_size"],
             val_batch_size=p["val_batch_size"] or p["batch_size"], epochs=p["epochs"],
             train_steps_per_epoch=p["train_steps_per_epoch"],
-            validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"], seed=run["seed"],
+            validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"], seed=run.seed,
             use_gpu=p["use_gpu"], verbose=p["verbose"],
             reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
@@ -123,7 +134,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"])
         results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
         self._report(p, run_id, results, time.perf_counter() - started)
-        model = self._model(p, run["objs"], store, run_id, output_shapes, results[0].history)
+        model = self._model(p, run.objs, store, run_id, output_shapes, results[0].history)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
