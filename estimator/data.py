@@ -29,10 +29,15 @@ def arrow_filesystem(store: Store) -> pafs.FileSystem:
 
 def list_pieces(store: Store, directory: str) -> Tuple[Piece, ...]:
     """The row groups of every Parquet file under `directory`, in a stable order (footers only)."""
+    return pieces_of_files(store, list(store.find(directory, suffix=".parquet")))
+
+
+def pieces_of_files(store: Store, paths: Sequence[str]) -> Tuple[Piece, ...]:
+    """The non-empty row groups of the given Parquet files, in the given order (footers only)."""
     fmt = ds.ParquetFileFormat()
     fs = arrow_filesystem(store)
     pieces = []
-    for path in store.find(directory, suffix=".parquet"):
+    for path in paths:
         fragment = fmt.make_fragment(path, filesystem=fs)
         pieces.extend(Piece(path, i, n) for i, n in _row_groups(fragment))
     return tuple(p for p in pieces if p.num_rows > 0)

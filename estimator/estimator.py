@@ -115,7 +115,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         num_proc = num_proc or spark.sparkContext.defaultParallelism
         check_slots(spark.sparkContext, num_proc)
         seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
-        return RunPlan(objs, payload, num_proc, seed, p["store"] or default_store(), p["run_id"] or new_run_id())
+        store = p["store"] or default_store()
+        store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
+        return RunPlan(objs, payload, num_proc, seed, store, p["run_id"] or new_run_id())
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
         started = time.perf_counter()

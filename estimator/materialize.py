@@ -14,20 +14,23 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import pyarrow as pa
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from estimator.data import list_pieces
+from estimator.data import list_pieces, pieces_of_files
 from estimator.spec import Piece, total_rows
 from store import Store
 
 log = logging.getLogger("estimator")
 _VAL = "__is_val"
 FORMAT_VERSION = 1
+SPARK_WRITES = ("file", "local", "hdfs", "viewfs")  # URLs Spark's own Parquet writer handles everywhere
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,14 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
     key = data_key(df, columns, validation, seed, files)
     layout = store.data(key)
     if store.exists(layout.commit_marker):
-        attempt = json.loads(store.read_bytes(layout.commit_marker))["attempt"]
+        marker = json.loads(store.read_bytes(layout.commit_marker))
         log.info("Reusing materialized data %s", key)
-        return _committed(store, key, attempt, True, started)
+        return _committed(store, key, marker["attempt"], marker.get("files"), True, started)
     attempt = uuid.uuid4().hex[:12]
-    _write(df, store, key, attempt, columns, validation, seed, files)
-    result = _committed(store, key, attempt, False, started)
+    written = _write(df, store, key, attempt, columns, validation, seed, files)
+    result = _committed(store, key, attempt, written, False, started)
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
-              "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time()}
+              "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written}
     store.write_bytes_atomic(layout.commit_marker, json.dumps(marker).encode())
     log.info("Materialized %d train / %d val rows in %.1fs", result.train_rows, result.val_rows, result.seconds)
     return result
@@ -83,7 +86,8 @@ def data_key(df: DataFrame, columns: Sequence[str], validation: Union[None, floa
 
 
 def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequence[str],
-           validation: Union[None, float, str], seed: int, files: int) -> None:
+           validation: Union[None, float, str], seed: int, files: int) -> Optional[Dict[str, List[str]]]:
+    """Write both splits; returns the files written when executors wrote them (None: Spark's writer)."""
     layout = store.data(key)
     selected = [_as_array(df, c) for c in columns]
     if isinstance(validation, str):
@@ -99,17 +103,68 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
     spark = df.sparkSession
     spark.sparkContext.setJobDescription(f"TorchEstimator.fit: materialize {key}")
     try:
-        out.write.mode("overwrite").partitionBy(_VAL).parquet(store.url(layout.attempt(attempt)))
+        if store.protocol in SPARK_WRITES:
+            out.write.mode("overwrite").partitionBy(_VAL).parquet(store.url(layout.attempt(attempt)))
+            return None
+        return _write_with_executors(out, store, layout.attempt(attempt))
     finally:
         spark.sparkContext.setJobDescription(None)
 
 
-def _committed(store: Store, key: str, attempt: str, reused: bool, started: float) -> Materialized:
+def _write_with_executors(out: DataFrame, store: Store, root: str) -> Dict[str, List[str]]:
+    """Executors write their partitions to the store through fsspec (for URLs the cluster's Hadoop
+    cannot write, such as s3:// or abfs:// without the connectors). Only the files of successful task
+    attempts come back here and go into the commit marker, so a retried task never duplicates rows."""
+    rows = out.mapInArrow(_partition_writer(store, root), "split string, path string").collect()
+    files: Dict[str, List[str]] = {"false": [], "true": []}
+    for row in rows:
+        files[row.split].append(row.path)
+    return {split: sorted(paths) for split, paths in files.items()}
+
+
+def _partition_writer(store: Store, root: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+        from pyspark import TaskContext
+
+        task = TaskContext.get()
+        name = f"part-{task.partitionId():05d}-{task.attemptNumber()}-{uuid.uuid4().hex[:8]}.parquet"
+        open_files: Dict[str, Tuple[Any, Any]] = {}
+        try:
+            for batch in batches:
+                table = pa.Table.from_batches([batch])
+                for split in ("false", "true"):
+                    part = table.filter(pc.equal(table.column(_VAL), split == "true"))
+                    part = part.select([c for c in part.column_names if c != _VAL])
+                    if part.num_rows == 0:
+                        continue
+                    if split not in open_files:
+                        path = f"{root}/{_VAL}={split}/{name}"
+                        store.makedirs(f"{root}/{_VAL}={split}")
+                        handle = store.fs.open(path, "wb")
+                        open_files[split] = (handle, pq.ParquetWriter(handle, part.schema), path)
+                    open_files[split][1].write_table(part)
+        finally:
+            for handle, writer, _ in open_files.values():
+                writer.close()
+                handle.close()
+        splits = list(open_files)
+        yield pa.RecordBatch.from_pydict({"split": splits, "path": [open_files[s][2] for s in splits]})
+
+    return write
+
+
+def _committed(store: Store, key: str, attempt: str, written: Optional[Dict[str, List[str]]], reused: bool,
+               started: float) -> Materialized:
     layout = store.data(key)
     root = layout.attempt(attempt)
     train_dir, val_dir = f"{root}/{_VAL}=false", f"{root}/{_VAL}=true"
-    return Materialized(key, _pieces(store, train_dir), _pieces(store, val_dir), reused,
-                        time.perf_counter() - started, train_dir, val_dir)
+    if written is not None:
+        train, val = pieces_of_files(store, written["false"]), pieces_of_files(store, written["true"])
+    else:
+        train, val = _pieces(store, train_dir), _pieces(store, val_dir)
+    return Materialized(key, train, val, reused, time.perf_counter() - started, train_dir, val_dir)
 
 
 def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import posixpath
+import threading
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -78,15 +79,18 @@ class Store:
 
     def url(self, path: str) -> str:
         """A full URL for a path of this store, as other tools (Spark, pyarrow) name it."""
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        if protocol in ("file", "local"):
+        if self.is_local:
             return "file://" + path
         return self.fs.unstrip_protocol(path)
 
     @property
+    def protocol(self) -> str:
+        protocol = self.fs.protocol
+        return protocol if isinstance(protocol, str) else protocol[0]
+
+    @property
     def is_local(self) -> bool:
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return protocol in ("file", "local")
+        return self.protocol in ("file", "local")
 
     # -- layout -------------------------------------------------------------------------------
     def run(self, run_id: str) -> RunLayout:
@@ -135,6 +139,44 @@ class Store:
             f.write(data)
         self.fs.mv(tmp, path)
 
+    def check_writable(self, timeout: float = 30.0) -> None:
+        """Write, read back and delete a small probe under the prefix, within `timeout` seconds.
+
+        Runs before any Spark job, so that a wrong URL, missing credentials or a dead endpoint fail in
+        seconds with a clear message instead of after materialization or inside every rank. Clients
+        that retry (botocore, adlfs) are cut off by the timeout.
+        """
+        outcome: List[BaseException] = []
+
+        def probe() -> None:
+            try:
+                path = self.path(f".probe-{uuid.uuid4().hex}")
+                self.makedirs(self.root)
+                with self.fs.open(path, "wb") as f:
+                    f.write(b"ok")
+                if self.read_bytes(path) != b"ok":
+                    raise OSError("the probe file read back different bytes")
+                self.fs.rm(path)
+            except BaseException as exc:  # noqa: BLE001 - reported below, redacted
+                outcome.append(exc)
+
+        worker = threading.Thread(target=probe, name="store-probe", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise StoreUnavailable(f"Store {self!r} did not answer within {timeout:.0f} s. Check the URL, the "
+                                   "endpoint and the network, or raise the timeout.")
+        if outcome:
+            exc = outcome[0]
+            raise StoreUnavailable(f"Store {self!r} is not reachable or not writable: "
+                                   f"{type(exc).__name__}: {self.redact(str(exc))}") from None
+
+    def redact(self, text: str) -> str:
+        """`text` with every credential-like value of storage_options replaced by ***."""
+        for value in _secret_values(self.storage_options):
+            text = text.replace(value, _REDACTED)
+        return text
+
     def ls(self, path: str) -> List[str]:
         return [p for p in self.fs.ls(path, detail=False)]
 
@@ -163,6 +205,21 @@ class Store:
     def __repr__(self) -> str:
         opts = {k: _REDACTED for k in self.storage_options}
         return f"{type(self).__name__}({self.prefix!r}, storage_options={opts})"
+
+
+class StoreUnavailable(ValueError):
+    """The store cannot be used: unreachable, unauthorized or not writable."""
+
+
+def _secret_values(options: Any) -> List[str]:
+    """String values of (nested) storage_options long enough to be secrets, longest first."""
+    found: List[str] = []
+    if isinstance(options, dict):
+        for value in options.values():
+            found.extend(_secret_values(value))
+    elif isinstance(options, str) and len(options) >= 4:
+        found.append(options)
+    return sorted(set(found), key=len, reverse=True)
 
 
 class LocalStore(Store):
