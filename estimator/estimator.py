@@ -28,7 +28,8 @@ from estimator.param_table import ESTIMATOR_PARAMS
 from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
+from estimator.progress import ProgressWatcher
+from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.worker import as_tuple, build_optimizer, format_metrics, prepare_arrays, to_tensors
 from store import LocalStore, Store
 
@@ -134,23 +135,25 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
             backward_passes_per_step=p["backward_passes_per_step"],
             compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"])
-        results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
-        self._report(p, run_id, results, time.perf_counter() - started)
+        with ProgressWatcher(store, spec.run, lambda row: self._report_epoch(p, run_id, row)):
+            results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
+        log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
+                 time.perf_counter() - started)
         model = self._model(p, run.objs, store, run_id, output_shapes, results[0].history)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
 
-    def _report(self, p: Dict[str, Any], run_id: str, results: List[WorkerResult], seconds: float) -> None:
-        log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device, seconds)
+    @staticmethod
+    def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
+        """One epoch's line, live on the driver: to the Horovod backend's stdout, else the log."""
         if not p["verbose"]:
             return
-        for row in results[0].history:
-            line = f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}"
-            if p["backend"] is not None and hasattr(p["backend"], "write"):
-                p["backend"].write(line)
-            else:
-                log.info(line)
+        line = f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}"
+        if p["backend"] is not None and hasattr(p["backend"], "write"):
+            p["backend"].write(line)
+        else:
+            log.info(line)
 
     def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple],
                history: Sequence[Dict[str, float]]) -> TorchModel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import time
@@ -55,6 +56,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
             history.append(row)
             if ctx.rank == 0:
                 save_checkpoint(spec, model, optimizer, epoch + 1, history)
+                spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(history).encode())
                 if spec.verbose:
                     log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
             _call(callbacks, "on_epoch_end", epoch, dict(row))

@@ -42,6 +42,11 @@ class RunLayout:
         return posixpath.join(self.root, self.checkpoint_filename)
 
     @property
+    def progress(self) -> str:
+        """Per-epoch history so far, rewritten by rank 0 after every epoch (the driver polls it)."""
+        return posixpath.join(self.root, "progress.json")
+
+    @property
     def metadata(self) -> str:
         return posixpath.join(self.root, "metadata.json")
 

@@ -2,6 +2,7 @@
 import io
 import json
 import re
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -191,3 +192,30 @@ def test_random_seed_makes_fits_repeatable_and_run_id_names_the_run(spark, store
     assert first.getHistory() == again.getHistory()  # same split, shuffles and dropout
     assert first.getHistory() != other.getHistory()
     assert first.getRunId() == "seeded-a" and store.exists(store.path("runs", "seeded-a", "checkpoint.pt"))
+
+
+class Stamped(io.StringIO):
+    """A stream that remembers when each line arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def write(self, text):
+        self.times.append(time.monotonic())
+        return super().write(text)
+
+
+class SlowEpochs:
+    def on_epoch_end(self, epoch, logs):
+        time.sleep(2.0)
+
+
+def test_epoch_lines_reach_the_driver_while_training_runs(spark, store, df):
+    out = Stamped()
+    _est(store, num_proc=None, backend=SparkBackend(num_proc=2, stdout=out), callbacks=[SlowEpochs()],
+         epochs=3).fit(df)
+    finished = time.monotonic()
+    lines = out.getvalue().splitlines()
+    assert [re.search(r"epoch (\d):", line).group(1) for line in lines] == ["1", "2", "3"]
+    assert finished - out.times[0] > 3.0  # epoch 1 was reported while epochs 2 and 3 still ran

@@ -1,7 +1,11 @@
-"""Stores Spark's own writer cannot reach: S3 through s3fs against a moto server on loopback that this
-test starts and stops. Executors write the Parquet through fsspec; ranks read it and checkpoint there."""
+"""Stores Spark's own writer cannot reach, end to end against local servers that these tests start and
+stop: S3 (s3fs) against moto, and Azure Data Lake (adlfs, abfs://) against Azurite. Executors write the
+Parquet through fsspec; ranks read it from the store and checkpoint there; credentials never leak."""
 import io
 import logging
+import os
+import socket
+import subprocess
 import time
 
 import pytest
@@ -11,37 +15,98 @@ from torch import nn
 from estimator import TorchEstimator, TorchModel
 from helpers import MLP, seeded
 from spark_helpers import digits_frame, jobs_run_by
-from store import Store, StoreUnavailable
+from store import AdlsStore, Store, StoreUnavailable
 
 pytestmark = pytest.mark.spark
-moto_server = pytest.importorskip("moto.server")
-pytest.importorskip("s3fs")
-SECRET = "s3cr3t-ACCESS-value"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AZURITE = os.path.join(ROOT, ".cache", "azurite", "node_modules", ".bin", "azurite-blob")
+S3_SECRET = "s3cr3t-ACCESS-value"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port, process, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: {process.stdout.read()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on port {port} after {seconds} s")
 
 
 @pytest.fixture(scope="module")
-def s3(monkeypatch_module):
-    monkeypatch_module.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+def s3_options():
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="AKIDTEST", aws_secret_access_key=SECRET,
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="AKIDTEST", aws_secret_access_key=S3_SECRET,
                  region_name="us-east-1").create_bucket(Bucket="runs")
-    yield endpoint
+    yield lambda url=endpoint: {"key": "AKIDTEST", "secret": S3_SECRET,
+                                "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
+def azure_options(tmp_path_factory):
+    assert os.path.exists(AZURITE), "Azurite is not installed: run `bash .ci/test` (or npm install --prefix " \
+                                    ".cache/azurite azurite) first"
+    port = _free_port()
+    process = subprocess.Popen([AZURITE, "--disableTelemetry", "--inMemoryPersistence", "--blobHost", "127.0.0.1",
+                                "--blobPort", str(port), "--skipApiVersionCheck", "--silent"],
+                               cwd=str(tmp_path_factory.mktemp("azurite")),  # its debug/log files go here
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_port(port, process)  # adlfs retries for ~80 s against a dead endpoint: wait first
+
+        def options(p=port):
+            return {"account_name": "devstoreaccount1", "connection_string": (
+                f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                f"BlobEndpoint=http://127.0.0.1:{p}/devstoreaccount1;")}
+
+        from azure.storage.blob import BlobServiceClient
+
+        BlobServiceClient.from_connection_string(options()["connection_string"]).create_container("runs")
+        yield options
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
-def _options(endpoint):
-    return {"key": "AKIDTEST", "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+@pytest.fixture(params=["s3", "abfs"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def remote(kind, request):
+    options = request.getfixturevalue("s3_options" if kind == "s3" else "azure_options")
+    return kind, options
+
+
+def _secret(kind):
+    return S3_SECRET if kind == "s3" else AZURITE_KEY
+
+
+def _make_store(kind, options, dead=False):
+    if kind == "s3":
+        opts = options("http://127.0.0.1:9") if dead else options()
+        return Store.create("s3://runs/experiments", storage_options=opts)
+    opts = options(9) if dead else options()
+    return AdlsStore.create("abfs://runs@devstoreaccount1.dfs.core.windows.net/experiments", storage_options=opts)
 
 
 def _est(store, **kw):
@@ -51,32 +116,32 @@ def _est(store, **kw):
                           label_cols=["label"], batch_size=64, epochs=3, validation=0.1, random_seed=4, **kw)
 
 
-def test_fit_transform_with_an_s3_store(spark, digits, s3, caplog, tmp_path):
-    store = Store.create("s3://runs/experiments", storage_options=_options(s3))
+def test_fit_transform_save_with_a_remote_store(spark, digits, remote, caplog, tmp_path):
+    kind, options = remote
+    store = _make_store(kind, options)
     df = digits_frame(spark, digits)
     with caplog.at_level(logging.DEBUG, logger="estimator"):
         fitted = _est(store).fit(df)
     assert fitted.getHistory()[-1]["val_accuracy"] > 0.8
     parquet = list(store.find(store.path("data"), suffix=".parquet"))
     assert len(parquet) >= 2 and all(p.startswith("runs/experiments/data/") for p in parquet)
-    assert store.exists(store.run(fitted.getRunId()).checkpoint)
     checkpoint = torch.load(io.BytesIO(store.read_bytes(store.run(fitted.getRunId()).checkpoint)), weights_only=True)
     assert checkpoint["epoch"] == 3
     assert fitted.transform(df).filter("prediction = label").count() > 0.8 * df.count()
     # a second fit reuses the committed files (the marker lists exactly the files of successful tasks)
     assert len(jobs_run_by(spark, lambda: _est(store).fit(df))) == 1
-    assert SECRET not in caplog.text
+    assert _secret(kind) not in caplog.text
     fitted.write().overwrite().save(str(tmp_path / "model"))
-    est_path = tmp_path / "estimator"
-    _est(store).save(str(est_path))
+    _est(store).save(str(tmp_path / "estimator"))
     for file in tmp_path.rglob("*"):
         if file.is_file():
-            assert SECRET.encode() not in file.read_bytes(), file
+            assert _secret(kind).encode() not in file.read_bytes(), file
     assert TorchModel.load(str(tmp_path / "model")).getRunId() == fitted.getRunId()
 
 
-def test_unreachable_store_fails_in_seconds_before_any_job(spark, digits):
-    dead = Store.create("s3://runs/x", storage_options=_options("http://127.0.0.1:9"))
+def test_unreachable_remote_store_fails_in_seconds_before_any_job(spark, digits, remote):
+    kind, options = remote
+    dead = _make_store(kind, options, dead=True)
     df = digits_frame(spark, digits)
     errors = []
 
@@ -88,5 +153,5 @@ def test_unreachable_store_fails_in_seconds_before_any_job(spark, digits):
 
     assert jobs_run_by(spark, fit) == []
     message, seconds = errors[0]
-    assert "s3://runs/x" in message and SECRET not in message and "***" in message
-    assert seconds < 45  # the probe is cut off at 30 s; botocore alone would retry longer
+    assert "runs" in message and _secret(kind) not in message and "***" in message
+    assert seconds < 45  # the probe is cut off at 30 s; the clients alone retry for longer
