@@ -59,3 +59,40 @@ def test_unknown_scheme_is_a_clear_error():
 def test_empty_prefix_rejected():
     with pytest.raises(ValueError, match="non-empty URL"):
         Store.create("")
+
+
+def test_horovod_store_names_resolve_like_horovod():
+    from store import AdlsStore, DBFSLocalStore, HDFSStore
+
+    dbfs = Store.create("dbfs:/ml/runs")
+    assert isinstance(dbfs, DBFSLocalStore) and dbfs.prefix == "/dbfs/ml/runs"
+    assert DBFSLocalStore("/dbfs/x").prefix == "/dbfs/x"
+    hdfs = Store.create("hdfs://namenode:8020/user/me/runs")
+    assert isinstance(hdfs, HDFSStore) and hdfs.prefix == "hdfs://namenode:8020/user/me/runs"
+    assert HDFSStore("/user/me", host="nn", port=8020, user="me", kerb_ticket="/tmp/krb").prefix == \
+        "hdfs://nn:8020/user/me"
+    assert HDFSStore("/user/me", user="me").storage_options == {"user": "me"}
+    assert HDFSStore("user/me").prefix == "hdfs://default/user/me"
+    adls = AdlsStore.create("abfs://c@acct.dfs.core.windows.net/p", storage_options={"account_name": "acct",
+                                                                                     "sas_token": "sv=SECRET"},
+                            save_runs=False)
+    assert isinstance(adls, AdlsStore) and adls.save_runs is False and "SECRET" not in repr(adls)
+
+
+def test_horovod_getters_and_checkpoint_filename(tmp_path):
+    store = Store.create(str(tmp_path), checkpoint_filename="model.ckpt")
+    assert store.get_checkpoint_filename() == "model.ckpt"
+    assert store.run("r1").checkpoint.endswith("/runs/r1/model.ckpt")
+    assert store.get_run_path("r1") == f"file://{tmp_path}/runs/r1"
+    with pytest.raises(ValueError, match="checkpoint_filename must be a file name"):
+        Store.create(str(tmp_path), checkpoint_filename="a/b.pt")
+
+
+def test_redaction_covers_nested_options_and_the_probe(tmp_path):
+    from store import StoreUnavailable
+
+    store = Store.create(str(tmp_path / "missing" / "deeper"), storage_options={"client_kwargs": {"token": "TOKEN123"}})
+    assert store.redact("auth TOKEN123 failed") == "auth *** failed"
+    store.check_writable()  # a local prefix that does not exist yet is created
+    with pytest.raises(StoreUnavailable, match="is not reachable or not writable: .*Error"):
+        Store.create("/proc/cannot-write-here").check_writable()
