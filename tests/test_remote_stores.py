@@ -4,7 +4,6 @@ Parquet through fsspec; ranks read it from the store and checkpoint there; crede
 import io
 import logging
 import os
-import socket
 import subprocess
 import time
 
@@ -14,6 +13,7 @@ from torch import nn
 
 from estimator import TorchEstimator, TorchModel
 from helpers import MLP, seeded
+from servers import free_port, wait_for_port
 from spark_helpers import digits_frame, jobs_run_by
 from store import AdlsStore, Store, StoreUnavailable
 
@@ -22,25 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AZURITE = os.path.join(ROOT, ".cache", "azurite", "node_modules", ".bin", "azurite-blob")
 S3_SECRET = "s3cr3t-ACCESS-value"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port, process, seconds=60):
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}: {process.stdout.read()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"nothing listens on port {port} after {seconds} s")
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +45,13 @@ def s3_options():
 def azure_options(tmp_path_factory):
     assert os.path.exists(AZURITE), "Azurite is not installed: run `bash .ci/test` (or npm install --prefix " \
                                     ".cache/azurite azurite) first"
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([AZURITE, "--disableTelemetry", "--inMemoryPersistence", "--blobHost", "127.0.0.1",
                                 "--blobPort", str(port), "--skipApiVersionCheck", "--silent"],
                                cwd=str(tmp_path_factory.mktemp("azurite")),  # its debug/log files go here
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_port(port, process)  # adlfs retries for ~80 s against a dead endpoint: wait first
+        wait_for_port(port, process)  # adlfs retries for ~80 s against a dead endpoint: wait first
 
         def options(p=port):
             return {"account_name": "devstoreaccount1", "connection_string": (

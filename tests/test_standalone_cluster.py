@@ -3,34 +3,16 @@ workers (1 core each, their own SPARK_WORKER_DIR), started and stopped by proces
 stage of 2 tasks on 1-core executors must put one rank on each executor."""
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 
 import pyspark
 import pytest
 
+from servers import free_port, wait_for_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.spark
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_port(port, process, seconds=90):
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        assert process.poll() is None, f"process exited with {process.returncode}"
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"nothing listens on {port} after {seconds} s")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +22,7 @@ def cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("cluster")
     env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                SPARK_LOG_DIR=str(base), SPARK_NO_DAEMONIZE="1")
-    port = _free_port()
+    port = free_port()
     processes = []
 
     def start(name, *args, **extra):
@@ -51,14 +33,14 @@ def cluster(tmp_path_factory):
 
     try:
         master = start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                       "--webui-port", str(_free_port()))
-        _wait_for_port(port, master)
+                       "--webui-port", str(free_port()))
+        wait_for_port(port, master)
         for i in range(2):
             work_dir = base / f"worker{i}"
             work_dir.mkdir()
             start(f"worker{i}", "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}", "--host",
                   "127.0.0.1", "--cores", "1", "--memory", "2g", "--work-dir", str(work_dir), "--webui-port",
-                  str(_free_port()), SPARK_WORKER_DIR=str(work_dir))
+                  str(free_port()), SPARK_WORKER_DIR=str(work_dir))
         yield f"spark://127.0.0.1:{port}", base
     finally:
         for process in reversed(processes):  # stop every process by its id
