@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ class RankContext:
     device: str  # "cpu" or "cuda:N"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    assigned_gpu: Optional[str] = None  # the GPU address Spark gave this task (resources()['gpu'])
 
     @property
     def backend(self) -> str:
@@ -37,10 +39,54 @@ class RankContext:
 class RankFailed(RuntimeError):
     """A rank's training raised; carries the rank and its formatted traceback."""
 
+    stage = "Training"
+
     def __init__(self, rank: int, formatted: str):
-        super().__init__(f"Training failed on rank {rank}:\n{formatted}")
+        super().__init__(f"{self.stage} failed on rank {rank}:\n{formatted}")
         self.rank = rank
         self.formatted = formatted
+
+
+class RendezvousFailed(RankFailed):
+    """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""
+
+    stage = "Rendezvous"
+
+
+def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float, poll: float = 0.05) -> None:
+    """Every rank checks in at rank 0's store before the process group starts.
+
+    Rank 0 waits for all of them and, after `timeout` seconds, names the ranks (and hosts) that did not
+    arrive; the others wait for rank 0's verdict. Without this a missing rank shows up as a generic
+    store timeout minutes later.
+    """
+    store.set(f"checkin/{rank}", hosts[rank])
+    if rank == 0:
+        deadline = time.monotonic() + timeout
+        waiting = list(range(1, len(hosts)))
+        while True:
+            waiting = [r for r in waiting if not store.check([f"checkin/{r}"])]
+            if not waiting:
+                store.set("checkin/verdict", "ok")
+                return
+            if time.monotonic() > deadline:
+                missing = ", ".join(f"rank {r} (host {hosts[r]})" for r in waiting)
+                verdict = (f"{missing} did not arrive within rendezvous_timeout={timeout:g} s; {len(hosts) - len(waiting)}"
+                           f" of {len(hosts)} ranks did. A rank is late when loading the model/data spec or "
+                           "initializing its device takes longer: raise rendezvous_timeout, or look at that "
+                           "executor's log.")
+                store.set("checkin/verdict", verdict)
+                time.sleep(0.5)  # let the waiting ranks read the verdict before this store goes away
+                raise RendezvousFailed(0, verdict)
+            time.sleep(poll)
+    try:
+        store.wait(["checkin/verdict"], timedelta(seconds=timeout + 30))
+        verdict = store.get("checkin/verdict").decode()
+    except Exception as exc:  # noqa: BLE001 - a timeout or a lost connection: rank 0 is gone or late
+        raise RendezvousFailed(rank, f"rank 0 (host {hosts[0]}) gave no verdict within rendezvous_timeout="
+                                     f"{timeout:g} s (+30 s): {type(exc).__name__}: {exc}") from None
+    if verdict != "ok":
+        raise RendezvousFailed(rank, verdict)
 
 
 def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank: int,

@@ -134,7 +134,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
             backward_passes_per_step=p["backward_passes_per_step"],
-            compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"])
+            compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"],
+            rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]),
+            launch_id=uuid.uuid4().hex[:12])
         with ProgressWatcher(store, spec.run, lambda row: self._report_epoch(p, run_id, row)):
             results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
         log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,

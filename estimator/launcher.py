@@ -8,20 +8,24 @@ pyspark is imported only inside the Spark launcher.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
+import os
 import pickle
 import re
+import threading
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Protocol
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed import TCPStore
 
-from estimator.distributed import RankContext, RankFailed, choose_device, run_rank
+from estimator.distributed import RankContext, RankFailed, RendezvousFailed, check_in, choose_device, run_rank
+from estimator.faults import Fault, from_env, inject
 from estimator.spec import TrainSpec, WorkerResult
 from estimator.worker import train_worker
 
-RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+log = logging.getLogger("estimator")
 
 
 class Launcher(Protocol):
@@ -38,10 +42,12 @@ class SparkBarrierLauncher:
         sc = self.spark.sparkContext
         check_slots(sc, num_proc)
         blob = sc.broadcast(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        faults, attempt = from_env(), 0
         sc.setJobDescription(f"{self.description}: train on {num_proc} ranks")
         try:
             rdd = sc.parallelize(range(num_proc), num_proc).barrier()
-            payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value)).collect()
+            payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value, faults, attempt)).collect()
+            blob.unpersist()  # after a failure, killed tasks may still read it: Spark's cleaner drops it later
         except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Java text
             failure = rank_failure(str(exc))
             if failure is None:
@@ -49,17 +55,25 @@ class SparkBarrierLauncher:
             raise failure from None
         finally:
             sc.setJobDescription(None)
-            blob.unpersist()
-        return sorted((pickle.loads(p) for p in payloads), key=lambda r: r.rank)
+            _remove_quietly(spec.data.store, spec.run.launch(spec.launch_id))
+        results = sorted((pickle.loads(p) for p in payloads), key=lambda r: r.rank)
+        for r in results:
+            if r.assigned_gpu is not None:
+                log.info("rank %d ran on %s (Spark assigned GPU %s to its task)", r.rank, r.device, r.assigned_gpu)
+        return results
 
 
-_RANK_FAILED = re.compile(r"RankFailed: Training failed on rank (\d+):\n(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)", re.S)
+_RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): (?:Training|Rendezvous) failed on rank (\d+):\n(.*?)"
+                          r"(?:\n\s*SQLSTATE|\n\tat |\Z)", re.S)
 
 
 def rank_failure(text: str) -> Optional[RankFailed]:
     """The first rank's own error and Python traceback, out of Spark's job-failure text."""
     match = _RANK_FAILED.search(text)
-    return RankFailed(int(match.group(1)), match.group(2).rstrip()) if match else None
+    if not match:
+        return None
+    kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
+    return kind(int(match.group(2)), match.group(3).rstrip())
 
 
 def task_slots(sc: Any) -> int:
@@ -76,31 +90,112 @@ def check_slots(sc: Any, num_proc: int) -> None:
                          f"Spark application has. Got {num_proc} instead. Lower num_proc or add executors/cores.")
 
 
-def _spark_rank(spec_bytes: bytes) -> Iterator[bytes]:
-    """The body of one barrier task: rendezvous once through Spark, then train."""
+def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> Iterator[bytes]:
+    """The body of one barrier task: meet through Spark once (rank 0's store port), check in at that
+    store (naming late ranks), then train. Each step has the rendezvous timeout."""
     from pyspark import BarrierTaskContext
 
-    spec: TrainSpec = pickle.loads(spec_bytes)
     task = BarrierTaskContext.get()
     rank = task.partitionId()
+    inject(faults, "before_barrier", rank, attempt)
+    spec: TrainSpec = pickle.loads(spec_bytes)
     hosts = [info.address.rsplit(":", 1)[0] for info in task.getTaskInfos()]
-    world = len(hosts)
+    world, timeout = len(hosts), spec.rendezvous_timeout
+    arrived = _announce(spec, rank, hosts[rank])
     server: Optional[TCPStore] = None
-    message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0}
-    if rank == 0:  # rank 0 owns the store; its OS-chosen port travels in the one allGather
-        server = TCPStore(hosts[0], 0, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
-        message["port"] = server.port
-    gathered = [json.loads(m) for m in task.allGather(json.dumps(message))]
-    port = gathered[0]["port"]
-    store = server or TCPStore(hosts[0], port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
-    local_rank = hosts[:rank].count(hosts[rank])
     gpu = task.resources().get("gpu")
-    device = choose_device(spec.use_gpu, [m["gpus"] for m in gathered], local_rank,
-                           gpu.addresses[0] if gpu is not None and gpu.addresses else None)
-    ctx = RankContext(rank, world, local_rank, device, hosts[0], port)
-    result = run_rank(ctx, store, lambda c: train_worker(spec, c))
+    assigned = gpu.addresses[0] if gpu is not None and gpu.addresses else None
+    message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}
+    if rank == 0:  # rank 0 owns the store; its OS-chosen port travels in the one allGather
+        server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+        message["port"] = server.port
+    replies = _all_gather(task, json.dumps(message), timeout)
+    if replies is None:
+        arrived.join(5)
+        raise RendezvousFailed(rank, _late_at_barrier(spec, rank, hosts, timeout))
+    gathered = [json.loads(m) for m in replies]
+    port = gathered[0]["port"]
+    inject(faults, "before_checkin", rank, attempt)
+    store = server or _connect(rank, hosts[0], port, world, timeout)
+    check_in(store, rank, hosts, timeout)
+    local_rank = hosts[:rank].count(hosts[rank])
+    try:
+        device = choose_device(spec.use_gpu, [m["gpus"] for m in gathered], local_rank, assigned)
+    except RuntimeError as exc:
+        spark_gpus = [m["gpu"] for m in gathered]
+        raise RankFailed(rank, f"{exc} Spark assigned GPU addresses {spark_gpus} to ranks 0-{world - 1}"
+                               + (" (none: set spark.task.resource.gpu.amount)" if not any(spark_gpus) else
+                                  " but torch.cuda sees none: check the executors' CUDA drivers and CUDA_VISIBLE_DEVICES")
+                               + ".") from None
+    ctx = RankContext(rank, world, local_rank, device, hosts[0], port, assigned)
+    result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt),
+                      timeout=timedelta(seconds=spec.collective_timeout))
     del store, server
     yield pickle.dumps(result)
+
+
+def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:
+    """Leave this rank's arrival marker in the store, off the critical path (read only on a timeout)."""
+    def write() -> None:
+        try:
+            spec.data.store.write_bytes_atomic(spec.run.arrival(spec.launch_id, rank),
+                                               json.dumps({"rank": rank, "host": host, "pid": os.getpid()}).encode())
+        except Exception:  # noqa: BLE001 - only diagnostics; the rendezvous does not depend on it
+            log.debug("could not write the arrival marker of rank %d", rank, exc_info=True)
+
+    thread = threading.Thread(target=write, name=f"arrival-rank-{rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _all_gather(task: Any, message: str, timeout: float) -> Optional[List[str]]:
+    """Spark's allGather, abandoned after `timeout` seconds (Spark's own barrier timeout is a year)."""
+    box: Dict[str, Any] = {}
+
+    def gather() -> None:
+        try:
+            box["replies"] = task.allGather(message)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the task's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=gather, name="spark-barrier", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in box:
+        raise box["error"]
+    return box.get("replies")
+
+
+def _late_at_barrier(spec: TrainSpec, rank: int, hosts: List[str], timeout: float) -> str:
+    try:
+        present = {int(os.path.basename(p)[len("rank-"):-len(".json")])
+                   for p in spec.data.store.ls(spec.run.launch(spec.launch_id)) if p.endswith(".json")}
+    except Exception:  # noqa: BLE001 - the markers only refine the message
+        present = {rank}
+    late = [r for r in range(len(hosts)) if r not in present]
+    who = ", ".join(f"rank {r} (host {hosts[r]})" for r in late) if late else "some ranks"
+    return (f"{who} did not reach Spark's barrier within rendezvous_timeout={timeout:g} s (rank {rank} waited). "
+            "Their tasks started but their Python workers were still starting, importing torch or loading "
+            "the training spec: raise rendezvous_timeout, or look at those executors' logs.")
+
+
+def _connect(rank: int, host: str, port: int, world: int, timeout: float) -> TCPStore:
+    try:
+        return TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - unreachable rank 0: say which address and why it matters
+        raise RendezvousFailed(rank, f"rank {rank} could not connect to rank 0's rendezvous store at {host}:{port} "
+                                     f"within rendezvous_timeout={timeout:g} s ({type(exc).__name__}: {exc}). "
+                                     "Executors must reach each other on ephemeral TCP ports; check firewalls "
+                                     "and network security groups between executors.") from None
+
+
+def _remove_quietly(store: Any, path: str) -> None:
+    try:
+        if store.exists(path):
+            store.rm(path)
+    except Exception:  # noqa: BLE001 - scratch files; a failure to clean them up must not fail the fit
+        log.debug("could not remove %s", path, exc_info=True)
 
 
 # -- local processes ----------------------------------------------------------------------------
@@ -112,7 +207,7 @@ class LocalLauncher:
 
     def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
         server = TCPStore("127.0.0.1", 0, num_proc, is_master=True, wait_for_workers=False,
-                          timeout=RENDEZVOUS_TIMEOUT)
+                          timeout=timedelta(seconds=spec.rendezvous_timeout))
         try:
             if num_proc == 1 and not self.use_processes:
                 return [_local_rank(spec, 0, 1, server.port)]
@@ -128,11 +223,12 @@ class LocalLauncher:
 
 
 def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
-    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=spec.rendezvous_timeout))
+    check_in(store, rank, ["127.0.0.1"] * world, spec.rendezvous_timeout)
     device = choose_device(spec.use_gpu, [torch.cuda.device_count()] * world, rank, None)
     ctx = RankContext(rank, world, rank, device, "127.0.0.1", port)
-    return run_rank(ctx, store, lambda c: train_worker(spec, c))
+    return run_rank(ctx, store, lambda c: train_worker(spec, c), timeout=timedelta(seconds=spec.collective_timeout))
 
 
 
-__all__ = ["Launcher", "SparkBarrierLauncher", "LocalLauncher", "RankFailed"]
+__all__ = ["Launcher", "SparkBarrierLauncher", "LocalLauncher", "RankFailed", "RendezvousFailed"]

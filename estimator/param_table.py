@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from estimator.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
-                              is_number_list, is_run_id, is_shape_list, is_str_list, is_validation, optional)
+                              is_number_list, is_run_id, is_seconds, is_shape_list, is_str_list, is_validation, optional)
 from store import Store
 
 ESTIMATOR_PARAMS = [
@@ -83,6 +83,10 @@ ESTIMATOR_PARAMS = [
               "Compression.none, Compression.fp16 or None", json=False),
     ParamSpec("terminate_on_nan", "stop training with an error when a loss is NaN or infinite", False, is_bool,
               "True or False"),
+    ParamSpec("rendezvous_timeout", "seconds for all ranks to meet before training; a late rank is named in the "
+              "error", 120.0, is_seconds, "a number of seconds > 0"),
+    ParamSpec("collective_timeout", "seconds a rank waits for its peers in one collective (gloo/nccl process "
+              "group timeout)", 1800.0, is_seconds, "a number of seconds > 0"),
     ParamSpec("callbacks", "objects whose on_train_begin(logs) / on_epoch_end(epoch, logs) / on_train_end(logs) "
               "run on rank 0", [], lambda v: isinstance(v, (list, tuple)), "a list of callback objects", json=False),
 ]

@@ -38,6 +38,10 @@ def is_int(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
     return check
 
 
+def is_seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
 def optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 

@@ -81,6 +81,9 @@ class TrainSpec:
     backward_passes_per_step: int = 1
     compression: str = "none"
     terminate_on_nan: bool = False
+    rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (Spark's barrier, then rank 0's store)
+    collective_timeout: float = 1800.0  # seconds a collective may wait for a peer (torch process group)
+    launch_id: str = "launch"  # one per launch: names the rank arrival markers of this launch
 
 
 @dataclass
@@ -112,3 +115,4 @@ class WorkerResult:
     seconds: float
     reader: str = "arrow"
     optimizer_steps: int = 0
+    assigned_gpu: Optional[str] = None  # the GPU address Spark assigned to this rank's task, if any

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
+from estimator.faults import Fault, inject
 from estimator.losses import Objective
 from estimator.pickling import rebuild_optimizer
 from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult, total_rows
@@ -30,7 +31,7 @@ log = logging.getLogger("estimator")
 Batch = Dict[str, np.ndarray]
 
 
-def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
+def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0) -> WorkerResult:
     started = time.perf_counter()
     torch.manual_seed(spec.seed + ctx.rank)  # dropout differs per rank; weights come from rank 0
     objs: UserObjects = cloudpickle.loads(spec.payload)
@@ -49,6 +50,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
     history: List[Dict[str, float]] = []
     try:
         for epoch in range(spec.epochs):
+            inject(faults, "epoch", ctx.rank, attempt, epoch + 1)
             sums = loop.train_epoch(epoch, train.epoch(epoch))
             if val is not None:
                 sums = torch.cat([sums, loop.evaluate(model, val.epoch(epoch))])
@@ -68,7 +70,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext) -> WorkerResult:
     del ddp, loop  # the caller's teardown needs DDP gone before destroy_process_group
     return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started,
                         reader=train.describe() + (f"; val {val.describe()}" if val is not None else ""),
-                        optimizer_steps=optimizer_steps(optimizer))
+                        optimizer_steps=optimizer_steps(optimizer), assigned_gpu=ctx.assigned_gpu)
 
 
 class TrainLoop:

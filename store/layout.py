@@ -50,6 +50,13 @@ class RunLayout:
     def metadata(self) -> str:
         return posixpath.join(self.root, "metadata.json")
 
+    def launch(self, launch_id: str) -> str:
+        """Per-launch scratch: each rank's arrival marker (read only when the rendezvous times out)."""
+        return posixpath.join(self.root, f"launch-{launch_id}")
+
+    def arrival(self, launch_id: str, rank: int) -> str:
+        return posixpath.join(self.launch(launch_id), f"rank-{rank}.json")
+
     @property
     def logs(self) -> str:
         return posixpath.join(self.root, "logs")

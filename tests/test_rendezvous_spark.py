@@ -1,0 +1,52 @@
+"""Rendezvous: a rank that does not arrive is named, within the rendezvous timeout, and the Spark
+session stays usable. Ranks are delayed with the failure-injection hook (estimator.faults)."""
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from estimator import TorchEstimator
+from estimator.distributed import RendezvousFailed
+from estimator.faults import ENV
+from helpers import MLP, seeded
+from spark_helpers import digits_frame
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def df(spark, digits):
+    return digits_frame(spark, digits).cache()
+
+
+def _est(store, **kw):
+    model = seeded(MLP)
+    return TorchEstimator(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"], epochs=1,
+                          **kw)
+
+
+@pytest.mark.parametrize("point, message", [
+    ("before_checkin", r"rank 1 \(host [\w.-]+\) did not arrive within rendezvous_timeout=4 s; 1 of 2 ranks did"),
+    ("before_barrier", r"rank 1 \(host [\w.-]+\) did not reach Spark's barrier within rendezvous_timeout=4 s"),
+])
+def test_a_late_rank_is_named_within_the_timeout(spark, store, df, monkeypatch, point, message):
+    _est(store).fit(df)  # warm Python workers: the timing below is the timeout's, not a cold start's
+    monkeypatch.setenv(ENV, json.dumps([{"point": point, "rank": 1, "action": "sleep", "seconds": 90}]))
+    started = time.monotonic()
+    with pytest.raises(RendezvousFailed, match=message) as info:
+        _est(store, rendezvous_timeout=4).fit(df)
+    assert time.monotonic() - started < 40  # not TCPStore's or Spark's own minutes-to-a-year timeouts
+    assert info.value.rank == 0
+    assert str(info.value).startswith("Rendezvous failed on rank 0:")
+    monkeypatch.delenv(ENV)
+    assert len(_est(store).fit(df).getHistory()) == 1  # the session and its Python workers still work
+
+
+def test_no_arrival_markers_are_left_behind(spark, store, df):
+    model = _est(store, run_id="tidy").fit(df)
+    assert model.getRunId() == "tidy"
+    left = [p.rsplit("/", 1)[-1] for p in store.ls(store.run("tidy").root)]
+    assert "checkpoint.pt" in left and not [name for name in left if name.startswith("launch-")], left
