@@ -82,9 +82,13 @@ def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float,
     try:
         store.wait(["checkin/verdict"], timedelta(seconds=timeout + 30))
         verdict = store.get("checkin/verdict").decode()
-    except Exception as exc:  # noqa: BLE001 - a timeout or a lost connection: rank 0 is gone or late
-        raise RendezvousFailed(rank, f"rank 0 (host {hosts[0]}) gave no verdict within rendezvous_timeout="
-                                     f"{timeout:g} s (+30 s): {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a timeout, or rank 0's store went away
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            raise RendezvousFailed(rank, f"rank 0 (host {hosts[0]}) gave no verdict within rendezvous_timeout="
+                                         f"{timeout:g} s (+30 s): {type(exc).__name__}: {exc}") from None
+        time.sleep(2)  # rank 0 failed first: let its own error reach the driver before this echo
+        raise RendezvousFailed(rank, f"rank {rank} lost rank 0's rendezvous store (host {hosts[0]}): rank 0 "
+                                     f"failed or was stopped ({type(exc).__name__}: {exc})") from None
     if verdict != "ok":
         raise RendezvousFailed(rank, verdict)
 

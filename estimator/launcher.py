@@ -116,11 +116,8 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
         raise RendezvousFailed(rank, _late_at_barrier(spec, rank, hosts, timeout))
     gathered = [json.loads(m) for m in replies]
     port = gathered[0]["port"]
-    inject(faults, "before_checkin", rank, attempt)
-    store = server or _connect(rank, hosts[0], port, world, timeout)
-    check_in(store, rank, hosts, timeout)
     local_rank = hosts[:rank].count(hosts[rank])
-    try:
+    try:  # the same decision on every rank, from gathered facts: all ranks fail alike or none does
         device = choose_device(spec.use_gpu, [m["gpus"] for m in gathered], local_rank, assigned)
     except RuntimeError as exc:
         spark_gpus = [m["gpu"] for m in gathered]
@@ -128,6 +125,9 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
                                + (" (none: set spark.task.resource.gpu.amount)" if not any(spark_gpus) else
                                   " but torch.cuda sees none: check the executors' CUDA drivers and CUDA_VISIBLE_DEVICES")
                                + ".") from None
+    inject(faults, "before_checkin", rank, attempt)
+    store = server or _connect(rank, hosts[0], port, world, timeout)
+    check_in(store, rank, hosts, timeout)
     ctx = RankContext(rank, world, local_rank, device, hosts[0], port, assigned)
     result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt),
                       timeout=timedelta(seconds=spec.collective_timeout))

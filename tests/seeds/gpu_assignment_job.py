@@ -1,0 +1,48 @@
+"""GPU assignment through Spark's resource scheduling, without a GPU (as pyspark's own TorchDistributor
+tests do): `python gpu_assignment_job.py DISCOVERY_SCRIPT STORE`. A local-cluster executor with 2 cores
+gets the GPU addresses the discovery script reports; each barrier task is given one. Prints one JSON line
+per check."""
+import json
+import logging
+import sys
+
+import torch
+from pyspark.sql import SparkSession
+from sklearn.datasets import load_digits
+from torch import nn
+
+from estimator import TorchEstimator
+from estimator.distributed import RankFailed
+from store import Store
+
+script, store_path = sys.argv[1], sys.argv[2]
+spark = (SparkSession.builder.master("local-cluster[1,2,1024]").appName("gpu-assignment")
+         .config("spark.worker.resource.gpu.amount", "2").config("spark.worker.resource.gpu.discoveryScript", script)
+         .config("spark.executor.resource.gpu.amount", "2").config("spark.task.resource.gpu.amount", "1")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+records = []
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("estimator").addHandler(type("Keep", (logging.Handler,), {
+    "emit": lambda self, r: records.append(r.getMessage())})())
+
+digits = load_digits()
+rows = [((x / 16.0).astype("float32").tolist(), int(y)) for x, y in zip(digits.data[:400], digits.target[:400])]
+df = spark.createDataFrame(rows, "features array<float>, label long").repartition(2)
+
+
+def estimator(**kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    return TorchEstimator(num_proc=2, store=Store.create(store_path), model=model,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss=nn.CrossEntropyLoss(),
+                          feature_cols=["features"], label_cols=["label"], epochs=1, **kw)
+
+
+estimator().fit(df)  # use_gpu=None: no CUDA here, so CPU, but each rank reports the GPU Spark gave it
+print(json.dumps({"assigned": sorted(r for r in records if "Spark assigned GPU" in r)}))
+try:
+    estimator(use_gpu=True).fit(df)
+    print(json.dumps({"use_gpu_true": "no error"}))
+except RankFailed as exc:
+    print(json.dumps({"use_gpu_true": str(exc)}))
+spark.stop()
