@@ -7,6 +7,7 @@ import posixpath
 import threading
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -14,6 +15,11 @@ from fsspec.core import url_to_fs
 from store.layout import DataLayout, RunLayout
 
 _REDACTED = "***"
+# Hadoop-style URLs: the authority (namenode host:port) is part of the URL, not of the path, and the
+# path is known without connecting (a driver without libhdfs can still name hdfs:// paths).
+_AUTHORITY_SCHEMES = ("hdfs", "viewfs", "webhdfs", "swebhdfs")
+# Filesystems whose rename does not replace an existing file (HDFS's namenode answers "false").
+_RENAME_KEEPS_TARGET = ("webhdfs", "swebhdfs")
 
 
 class Store:
@@ -24,7 +30,7 @@ class Store:
     """
 
     def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None, save_runs: bool = True,
-                 checkpoint_filename: str = "checkpoint.pt"):
+                 checkpoint_filename: str = "checkpoint.pt", probe_timeout: float = 30.0):
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"Store prefix must be a non-empty URL or path. Got {prefix!r} instead.")
         if "/" in checkpoint_filename or not checkpoint_filename:
@@ -33,6 +39,9 @@ class Store:
         self.storage_options = dict(storage_options or {})
         self.save_runs = save_runs  # False: a run's folder is removed once its TorchModel is built
         self.checkpoint_filename = checkpoint_filename
+        if not isinstance(probe_timeout, (int, float)) or isinstance(probe_timeout, bool) or probe_timeout <= 0:
+            raise ValueError(f"probe_timeout must be a number of seconds > 0. Got {probe_timeout!r} instead.")
+        self.probe_timeout = float(probe_timeout)  # seconds the reachability probe before a fit may take
         self._fs: Optional[fsspec.AbstractFileSystem] = None
         self._root: Optional[str] = None
 
@@ -70,8 +79,14 @@ class Store:
     @property
     def root(self) -> str:
         """The prefix as a path inside `fs` (no protocol)."""
+        if self._scheme in _AUTHORITY_SCHEMES:
+            return urlsplit(self.prefix).path.rstrip("/") or "/"
         self._resolve()
         return self._root  # type: ignore[return-value]
+
+    @property
+    def _scheme(self) -> str:
+        return urlsplit(self.prefix).scheme if not _is_plain_path(self.prefix) else ""
 
     def path(self, *parts: str) -> str:
         """A path inside `fs` under the prefix."""
@@ -81,10 +96,14 @@ class Store:
         """A full URL for a path of this store, as other tools (Spark, pyarrow) name it."""
         if self.is_local:
             return "file://" + path
+        if self._scheme in _AUTHORITY_SCHEMES:
+            return f"{self._scheme}://{urlsplit(self.prefix).netloc}{path}"
         return self.fs.unstrip_protocol(path)
 
     @property
     def protocol(self) -> str:
+        if self._scheme in _AUTHORITY_SCHEMES:
+            return self._scheme
         protocol = self.fs.protocol
         return protocol if isinstance(protocol, str) else protocol[0]
 
@@ -137,15 +156,25 @@ class Store:
         tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
         with self.fs.open(tmp, "wb") as f:
             f.write(data)
-        self.fs.mv(tmp, path)
+        if self.protocol in _RENAME_KEEPS_TARGET and self.fs.exists(path):
+            old = tmp + ".old"  # rename will not replace: move the old file aside first
+            self.fs.mv(path, old)
+            self.fs.mv(tmp, path)
+            self.fs.rm(old)
+        else:
+            self.fs.mv(tmp, path)
+        if self.protocol in _RENAME_KEEPS_TARGET and self.fs.exists(tmp):
+            raise OSError(f"{self!r} refused to rename {tmp} to {path}.")
 
-    def check_writable(self, timeout: float = 30.0) -> None:
-        """Write, read back and delete a small probe under the prefix, within `timeout` seconds.
+    def check_writable(self, timeout: Optional[float] = None) -> None:
+        """Write, read back and delete a small probe under the prefix, within `timeout` seconds
+        (default: the store's probe_timeout).
 
         Runs before any Spark job, so that a wrong URL, missing credentials or a dead endpoint fail in
         seconds with a clear message instead of after materialization or inside every rank. Clients
         that retry (botocore, adlfs) are cut off by the timeout.
         """
+        timeout = timeout or getattr(self, "probe_timeout", 30.0)
         outcome: List[BaseException] = []
 
         def probe() -> None:
@@ -164,8 +193,9 @@ class Store:
         worker.start()
         worker.join(timeout)
         if worker.is_alive():
-            raise StoreUnavailable(f"Store {self!r} did not answer within {timeout:.0f} s. Check the URL, the "
-                                   "endpoint and the network, or raise the timeout.")
+            raise StoreUnavailable(f"Store {self!r} did not answer within {timeout:g} s. Check the URL, the "
+                                   "endpoint and the network, or raise the store's probe_timeout "
+                                   f"(Store.create(url, probe_timeout=...)).")
         if outcome:
             exc = outcome[0]
             raise StoreUnavailable(f"Store {self!r} is not reachable or not writable: "

@@ -1,6 +1,8 @@
 """Stores Spark's own writer cannot reach, end to end against local servers that these tests start and
-stop: S3 (s3fs) against moto, and Azure Data Lake (adlfs, abfs://) against Azurite. Executors write the
+stop: S3 (s3fs) against moto, Azure Data Lake (adlfs, abfs://) against Azurite, and webhdfs:// (fsspec's
+WebHDFS client) against the minimal WebHDFS endpoint in tests/webhdfs_server.py. Executors write the
 Parquet through fsspec; ranks read it from the store and checkpoint there; credentials never leak."""
+import sys
 import io
 import logging
 import os
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.spark
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AZURITE = os.path.join(ROOT, ".cache", "azurite", "node_modules", ".bin", "azurite-blob")
 S3_SECRET = "s3cr3t-ACCESS-value"
+WEBHDFS_PASSWORD = "w3bhdfs-PASSWORD-value"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
@@ -67,25 +70,41 @@ def azure_options(tmp_path_factory):
         process.wait(10)
 
 
-@pytest.fixture(params=["s3", "abfs"])
+@pytest.fixture(scope="module")
+def webhdfs_options(tmp_path_factory):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "webhdfs_server.py"), str(port),
+                                str(tmp_path_factory.mktemp("webhdfs"))])
+    try:
+        wait_for_port(port, process)
+        yield lambda p=port: {"port": p, "user": "tester", "password": WEBHDFS_PASSWORD}
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(params=["s3", "abfs", "webhdfs"])
 def kind(request):
     return request.param
 
 
 @pytest.fixture
 def remote(kind, request):
-    options = request.getfixturevalue("s3_options" if kind == "s3" else "azure_options")
+    options = request.getfixturevalue({"s3": "s3_options", "abfs": "azure_options", "webhdfs": "webhdfs_options"}[kind])
     return kind, options
 
 
 def _secret(kind):
-    return S3_SECRET if kind == "s3" else AZURITE_KEY
+    return {"s3": S3_SECRET, "abfs": AZURITE_KEY, "webhdfs": WEBHDFS_PASSWORD}[kind]
 
 
 def _make_store(kind, options, dead=False):
     if kind == "s3":
         opts = options("http://127.0.0.1:9") if dead else options()
         return Store.create("s3://runs/experiments", storage_options=opts)
+    if kind == "webhdfs":
+        opts = options(9) if dead else options()
+        return Store.create("webhdfs://127.0.0.1/runs/experiments", storage_options=opts, probe_timeout=10)
     opts = options(9) if dead else options()
     return AdlsStore.create("abfs://runs@devstoreaccount1.dfs.core.windows.net/experiments", storage_options=opts)
 
@@ -105,7 +124,7 @@ def test_fit_transform_save_with_a_remote_store(spark, digits, remote, caplog, t
         fitted = _est(store).fit(df)
     assert fitted.getHistory()[-1]["val_accuracy"] > 0.8
     parquet = list(store.find(store.path("data"), suffix=".parquet"))
-    assert len(parquet) >= 2 and all(p.startswith("runs/experiments/data/") for p in parquet)
+    assert len(parquet) >= 2 and all(p.lstrip("/").startswith("runs/experiments/data/") for p in parquet)
     checkpoint = torch.load(io.BytesIO(store.read_bytes(store.run(fitted.getRunId()).checkpoint)), weights_only=True)
     assert checkpoint["epoch"] == 3
     assert fitted.transform(df).filter("prediction = label").count() > 0.8 * df.count()
@@ -135,4 +154,4 @@ def test_unreachable_remote_store_fails_in_seconds_before_any_job(spark, digits,
     assert jobs_run_by(spark, fit) == []
     message, seconds = errors[0]
     assert "runs" in message and _secret(kind) not in message and "***" in message
-    assert seconds < 45  # the probe is cut off at 30 s; the clients alone retry for longer
+    assert seconds < 45  # the probe is cut off at 30 s (10 s for webhdfs); the clients alone retry for longer

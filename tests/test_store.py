@@ -96,3 +96,32 @@ def test_redaction_covers_nested_options_and_the_probe(tmp_path):
     store.check_writable()  # a local prefix that does not exist yet is created
     with pytest.raises(StoreUnavailable, match="is not reachable or not writable: .*Error"):
         Store.create("/proc/cannot-write-here").check_writable()
+
+
+@pytest.mark.parametrize("url, root, full", [
+    ("hdfs://namenode:8020/user/me/runs", "/user/me/runs", "hdfs://namenode:8020/user/me/runs/runs/r1"),
+    ("hdfs://nameservice1/user/me", "/user/me", "hdfs://nameservice1/user/me/runs/r1"),  # HA nameservice
+    ("viewfs://cluster/user/me/", "/user/me", "viewfs://cluster/user/me/runs/r1"),
+    ("webhdfs://namenode:9870/data", "/data", "webhdfs://namenode:9870/data/runs/r1"),
+    ("swebhdfs://namenode:9871/data", "/data", "swebhdfs://namenode:9871/data/runs/r1"),
+])
+def test_hadoop_urls_keep_their_namenode_and_need_no_connection(url, root, full):
+    store = Store.create(url)
+    assert store.root == root and store.get_run_path("r1") == full
+    assert store.protocol == url.split(":")[0] and not store.is_local
+    assert store._fs is None  # naming paths did not connect (no libhdfs needed on the driver for this)
+
+
+def test_probe_timeout_is_the_users(tmp_path):
+    import threading
+
+    from store import StoreUnavailable
+
+    store = Store.create(str(tmp_path), probe_timeout=0.5)
+    release = threading.Event()
+    store.fs.makedirs = lambda *a, **k: release.wait(10)  # an endpoint that hangs
+    with pytest.raises(StoreUnavailable, match=r"did not answer within 0.5 s.*probe_timeout"):
+        store.check_writable()
+    release.set()
+    with pytest.raises(ValueError, match="probe_timeout must be a number of seconds > 0. Got 0 instead."):
+        Store.create(str(tmp_path), probe_timeout=0)
