@@ -36,7 +36,8 @@ def check_petastorm() -> None:
 class PetastormShard:
     def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], ctx: RankContext, training: bool):
         self.spec, self.ctx, self.training = spec, ctx, training
-        self.directory = spec.data.train_dir if training else spec.data.val_dir
+        # the committed files themselves, never the folder: a failed task attempt's leftovers are not read
+        self.files = list(dict.fromkeys(piece.path for piece in pieces))
         self.total = total_rows(pieces)
         groups = range(ctx.rank, len(pieces), ctx.world_size)
         self.rows = sum(pieces[i].num_rows for i in groups)
@@ -50,7 +51,7 @@ class PetastormShard:
         from petastorm import make_batch_reader
 
         reader = make_batch_reader(
-            self.spec.data.store.url(self.directory), schema_fields=list(self.spec.data.columns),
+            [self.spec.data.store.url(path) for path in self.files], schema_fields=list(self.spec.data.columns),
             cur_shard=self.ctx.rank, shard_count=self.ctx.world_size, num_epochs=num_epochs,
             shuffle_row_groups=self.spec.shuffle and self.training, seed=seed,
             reader_pool_type=self.options.pool_type, workers_count=self.workers)

@@ -79,3 +79,13 @@ def test_petastorm_applies_the_transformation_fn(store, digits):
     history = LocalLauncher().run(spec, 1)[0].history
     assert history[-1]["val_accuracy"] == 1.0  # every (transformed) validation label is 0, and it learned that
     assert np.isfinite(history[-1]["val_loss"])
+
+
+@needs_petastorm
+def test_petastorm_reads_only_the_committed_files(store, digits):
+    """A failed task attempt can leave a partial file beside the committed ones (remote stores are
+    written by executors): the reader must read the files the commit names, not the folder."""
+    spec = _spec(store, digits, ReaderSpec("petastorm", 1, 1, "dummy"))
+    store.fs.pipe_file(store.path("train", "part-leftover-of-a-failed-attempt.parquet"), b"PAR1 truncated")
+    results = LocalLauncher().run(spec, 2)
+    assert sum(r.train_rows for r in results) == 1001 and results[0].history[-1]["accuracy"] > 0.6
