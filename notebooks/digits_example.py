@@ -1,6 +1,8 @@
 """Train a small CNN on scikit-learn's digits with 2 Spark barrier tasks; print test accuracy.
 
     python notebooks/digits_example.py [--epochs 8] [--store /tmp/runs]
+        [--cluster [--cluster-dir DIR]]   # a real standalone cluster on 127.0.0.1: master + 2 one-core workers
+        [--master spark://host:7077]      # an existing cluster (then --store must be a path every executor sees)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn, optim  # noqa: E402
 
 from estimator import TorchEstimator  # noqa: E402
+from estimator.cluster import LocalStandaloneCluster  # noqa: E402
 from store import Store  # noqa: E402
 
 
@@ -47,15 +50,30 @@ def main(argv=None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--store", default=os.path.join(tempfile.gettempdir(), "spark-torch-estimator-example"))
+    parser.add_argument("--cluster", action="store_true", help="start a standalone cluster on 127.0.0.1 and use it")
+    parser.add_argument("--cluster-dir", default=None, help="where the cluster's logs and work dirs go")
+    parser.add_argument("--master", default="local[2]")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    spark = SparkSession.builder.master("local[2]").appName("digits").getOrCreate()
+    if not args.cluster:
+        return train(args, args.master)
+    if args.cluster_dir:
+        os.makedirs(args.cluster_dir, exist_ok=True)
+    with LocalStandaloneCluster(workers=2, cores=1, base_dir=args.cluster_dir) as cluster:
+        return train(args, cluster.master_url, cluster)
+
+
+def train(args: argparse.Namespace, master: str, cluster: LocalStandaloneCluster = None) -> float:
+    spark = (SparkSession.builder.master(master).appName("digits").config("spark.executor.memory", "1g")
+             .getOrCreate())
     spark.sparkContext.setLogLevel("WARN")
+    if cluster is not None:
+        print("executors registered:", cluster.wait_for_executors(spark))
     train_df, test_df = digits_frames(spark)
     torch.manual_seed(0)
     model = Net()
-    est = TorchEstimator(num_proc=2, store=Store.create(args.store), model=model,
+    est = TorchEstimator(num_proc=None if cluster else 2, store=Store.create(args.store), model=model,
                          optimizer=optim.Adam(model.parameters(), lr=0.01), loss=nn.CrossEntropyLoss(),
                          metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
                          input_shapes=[[-1, 1, 8, 8]], batch_size=64, epochs=args.epochs, validation=0.1,
@@ -66,6 +84,7 @@ def main(argv=None) -> float:
                                                  metricName="accuracy").evaluate(predictions)
     for row in fitted.getHistory():
         print("epoch {epoch:.0f}: loss {loss:.4f} val_loss {val_loss:.4f} val_accuracy {val_accuracy:.4f}".format(**row))
+    print("ranks:", spark.sparkContext.defaultParallelism if cluster else 2)
     print(f"Test accuracy: {accuracy:.4f}")
     spark.stop()
     return accuracy
