@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import copy
-import io
+import json
 import logging
 import os
 import random
+import re
 import tempfile
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from pyspark.sql import DataFrame, SparkSession
 from estimator import checks
 from estimator.compression import compression_name
 from estimator.data import list_pieces, parquet_columns, read_rows
+from estimator.distributed import RankFailed
 from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import Objective
 from estimator.materialize import materialize
@@ -29,8 +31,8 @@ from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
-from estimator.worker import as_tuple, build_optimizer, format_metrics, prepare_arrays, to_tensors
+from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
+from estimator.worker import as_tuple, build_optimizer, format_metrics, load_checkpoint, prepare_arrays, to_tensors
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
@@ -115,10 +117,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or spark.sparkContext.defaultParallelism
         check_slots(spark.sparkContext, num_proc)
-        seed = p["random_seed"] if p["random_seed"] is not None else random.SystemRandom().randrange(2**31)
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
-        return RunPlan(objs, payload, num_proc, seed, store, p["run_id"] or new_run_id())
+        run_id = p["run_id"] or new_run_id()
+        seed = p["random_seed"]
+        if seed is None and p["run_id"]:  # a refit of a named run keeps its split and shuffles
+            seed = run_metadata(store, run_id).get("seed")
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        return RunPlan(objs, payload, num_proc, seed, store, run_id)
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
         started = time.perf_counter()
@@ -137,14 +144,51 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"],
             rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]),
             launch_id=uuid.uuid4().hex[:12])
-        with ProgressWatcher(store, spec.run, lambda row: self._report_epoch(p, run_id, row)):
-            results = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run_id}").run(spec, num_proc)
-        log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
-                 time.perf_counter() - started)
-        model = self._model(p, run.objs, store, run_id, output_shapes, results[0].history)
+        if not store.exists(spec.run.metadata):
+            store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "run_id": run_id}).encode())
+        results = self._launch_with_retries(p, run, spec, spark)
+        history = results[0].history if results else self._finished_history(store, spec)
+        if results:
+            log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
+                     time.perf_counter() - started)
+        model = self._model(p, run.objs, store, run_id, output_shapes, history)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
+
+    def _launch_with_retries(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec, spark: SparkSession
+                             ) -> List[WorkerResult]:
+        """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
+        times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
+        checkpoint already has every requested epoch."""
+        retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark.sparkContext)
+        launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
+        for attempt in range(retries + 1):
+            done = resume_point(run.store, spec.run, p["model"], run.run_id)
+            if done >= spec.epochs:
+                log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id, done,
+                         spec.epochs)
+                return []
+            if done:
+                log.info("Run %s continues from its checkpoint after epoch %d", run.run_id, done)
+            launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
+                             resume_from=spec.run.checkpoint if done else None)
+            try:
+                with ProgressWatcher(run.store, spec.run, lambda row: self._report_epoch(p, run.run_id, row)):
+                    return launcher.run(launch, run.num_proc)
+            except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
+                if attempt >= retries or not retryable(exc):
+                    if attempt:
+                        log.error("Run %s failed on attempt %d of %d; giving up", run.run_id, attempt + 1,
+                                  retries + 1)
+                    raise
+                log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
+                            run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _finished_history(store: Store, spec: TrainSpec) -> List[Dict[str, float]]:
+        return [dict(row) for row in load_checkpoint(store, spec.run.checkpoint)["history"]]
 
     @staticmethod
     def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
@@ -159,8 +203,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple],
                history: Sequence[Dict[str, float]]) -> TorchModel:
-        checkpoint = torch.load(io.BytesIO(store.read_bytes(store.run(run_id).checkpoint)), map_location="cpu",
-                                weights_only=True)
+        checkpoint = load_checkpoint(store, store.run(run_id).checkpoint)
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()
@@ -174,6 +217,38 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)
+
+
+def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:
+    path = store.run(run_id).metadata
+    return json.loads(store.read_bytes(path)) if store.exists(path) else {}
+
+
+def default_retries(sc: Any) -> int:
+    """Spark's own task retry budget: spark.task.maxFailures - 1, or local[N, F]'s F - 1 (local[N]: 0)."""
+    local = re.fullmatch(r"local(?:\[[^,\]]+(?:,\s*(\d+))?\])?", sc.master)
+    if local:
+        return int(local.group(1)) - 1 if local.group(1) else 0
+    return max(0, int(sc.getConf().get("spark.task.maxFailures", "4")) - 1)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Worth another launch from the checkpoint: a crashed or lost worker, a rank's error, a late rank.
+    Not: NaN/inf losses with terminate_on_nan (they would recur)."""
+    return not (isinstance(exc, RankFailed) and "FloatingPointError" in exc.formatted)
+
+
+def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str) -> int:
+    """Epochs the run's checkpoint has finished (0 without one); its model must be this model."""
+    if not store.exists(run.checkpoint):
+        return 0
+    state = load_checkpoint(store, run.checkpoint)
+    try:
+        copy.deepcopy(model).load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
+                         f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
+    return int(state["epoch"])
 
 
 def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:

@@ -42,7 +42,7 @@ class SparkBarrierLauncher:
         sc = self.spark.sparkContext
         check_slots(sc, num_proc)
         blob = sc.broadcast(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
-        faults, attempt = from_env(), 0
+        faults, attempt = from_env(), spec.attempt
         sc.setJobDescription(f"{self.description}: train on {num_proc} ranks")
         try:
             rdd = sc.parallelize(range(num_proc), num_proc).barrier()
@@ -67,11 +67,23 @@ _RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): (?:Training|Rendezvou
                           r"(?:\n\s*SQLSTATE|\n\tat |\Z)", re.S)
 
 
+_BARRIER_TASK_FAILED = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finished unsuccessfully\.\s*\n(?:\S*Exception: )?"
+                                  r"([^\n]*)")
+
+
 def rank_failure(text: str) -> Optional[RankFailed]:
-    """The first rank's own error and Python traceback, out of Spark's job-failure text."""
+    """The first rank's own error and Python traceback, out of Spark's job-failure text; or, when a
+    rank's process died without one (killed, out of memory, a crash in native code), which rank it was."""
     match = _RANK_FAILED.search(text)
     if not match:
-        return None
+        died = _BARRIER_TASK_FAILED.search(text)
+        if died is None:
+            return None
+        reason = died.group(2).strip()
+        if "Python worker exited unexpectedly" in reason:
+            reason = ("its Python worker exited unexpectedly (crashed): killed, out of memory, os._exit or a crash in "
+                      "native code. The executor's stderr holds whatever it printed.")
+        return RankFailed(int(died.group(1)), reason)
     kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
     return kind(int(match.group(2)), match.group(3).rstrip())
 

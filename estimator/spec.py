@@ -84,6 +84,8 @@ class TrainSpec:
     rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (Spark's barrier, then rank 0's store)
     collective_timeout: float = 1800.0  # seconds a collective may wait for a peer (torch process group)
     launch_id: str = "launch"  # one per launch: names the rank arrival markers of this launch
+    attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
+    resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
 
 
 @dataclass

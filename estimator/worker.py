@@ -28,16 +28,25 @@ from estimator.pickling import rebuild_optimizer
 from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult, total_rows
 
 log = logging.getLogger("estimator")
+CHECKPOINT_FORMAT = 1
 Batch = Dict[str, np.ndarray]
 
 
 def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0) -> WorkerResult:
     started = time.perf_counter()
-    torch.manual_seed(spec.seed + ctx.rank)  # dropout differs per rank; weights come from rank 0
     objs: UserObjects = cloudpickle.loads(spec.payload)
     device = torch.device(ctx.device)
     model = objs.model.to(device)
     optimizer = build_optimizer(objs, model)
+    history: List[Dict[str, float]] = []
+    if spec.resume_from:  # a retry or a refit of this run_id: continue after the last finished epoch
+        state = load_checkpoint(spec.data.store, spec.resume_from, device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        history = [dict(row) for row in state["history"]]
+        global_step = int(state.get("global_step", 0))
+    else:
+        global_step = 0
     objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                           weighted=spec.data.sample_weight_col is not None)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -45,11 +54,14 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     train, val = open_readers(spec, ctx)
     loop = TrainLoop(spec, ctx, ddp, optimizer, objective, objs.transformation_fn)
+    loop.global_step = global_step
     callbacks = objs.callbacks if ctx.rank == 0 else []
     _call(callbacks, "on_train_begin", {})
-    history: List[Dict[str, float]] = []
     try:
-        for epoch in range(spec.epochs):
+        for epoch in range(len(history), spec.epochs):
+            # Each epoch's randomness (dropout; the shuffle is seeded the same way) depends only on
+            # (seed, epoch, rank): an epoch repeated after a failure is the epoch an uninterrupted run had.
+            torch.manual_seed(int(np.random.SeedSequence([spec.seed, epoch, ctx.rank]).generate_state(1)[0]))
             inject(faults, "epoch", ctx.rank, attempt, epoch + 1)
             sums = loop.train_epoch(epoch, train.epoch(epoch))
             if val is not None:
@@ -57,7 +69,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
             row = {"epoch": float(epoch + 1), **objective.summarize(reduce_sums(sums), with_val=val is not None)}
             history.append(row)
             if ctx.rank == 0:
-                save_checkpoint(spec, model, optimizer, epoch + 1, history)
+                save_checkpoint(spec, model, optimizer, epoch + 1, history, loop.global_step)
                 spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(history).encode())
                 if spec.verbose:
                     log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
@@ -81,6 +93,7 @@ class TrainLoop:
         self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
         self.objective, self.transformation_fn = objective, transformation_fn
         self.device = torch.device(ctx.device)
+        self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
 
     def train_epoch(self, epoch: int, batches: Iterable[Batch]) -> torch.Tensor:
         self.ddp.train()
@@ -96,6 +109,7 @@ class TrainLoop:
                 (loss / every if every > 1 else loss).backward()
             if stepping:
                 self.optimizer.step()
+                self.global_step += 1
                 self.optimizer.zero_grad(set_to_none=True)
             sums += batch_sums
         return sums
@@ -231,11 +245,19 @@ def as_tuple(outputs: Any) -> Tuple[torch.Tensor, ...]:
 
 
 def save_checkpoint(spec: TrainSpec, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-                    history: List[Dict[str, float]]) -> None:
+                    history: List[Dict[str, float]], global_step: int) -> None:
+    """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint)."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-                "history": history}, buffer)
+                "global_step": global_step, "history": history,
+                "rng": {"torch": torch.get_rng_state(), "numpy_seed": [spec.seed, epoch]},
+                "format": CHECKPOINT_FORMAT}, buffer)
     spec.data.store.write_bytes_atomic(spec.run.checkpoint, buffer.getvalue())
+
+
+def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:
+    """A checkpoint's tensors and plain values only (weights_only=True: no code is unpickled)."""
+    return torch.load(io.BytesIO(store.read_bytes(path)), map_location=device, weights_only=True)
 
 
 def format_metrics(row: Dict[str, float]) -> str:

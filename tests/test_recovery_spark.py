@@ -1,0 +1,100 @@
+"""Failures and recovery with real Spark: a Python worker killed mid-training (os._exit, injected through
+estimator.faults) is relaunched from the last checkpoint, and the run ends as an uninterrupted one would;
+retries are bounded; a refit of the same run_id continues where it stopped."""
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from estimator import TorchEstimator
+from estimator.distributed import RankFailed
+from estimator.faults import ENV
+from helpers import MLP, seeded
+from spark_helpers import digits_frame, jobs_run_by
+
+pytestmark = pytest.mark.spark
+
+
+class DropoutMLP(nn.Module):  # dropout: the resumed epochs must draw the same random numbers
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.fixture(scope="module")
+def df(spark, digits):
+    return digits_frame(spark, digits).cache()
+
+
+def _est(store, model_cls=DropoutMLP, **kw):
+    model = seeded(model_cls)
+    params = dict(num_proc=2, store=store, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+                  loss=nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
+                  batch_size=64, epochs=4, validation=0.2, random_seed=7)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+def _faults(monkeypatch, *faults):
+    monkeypatch.setenv(ENV, json.dumps(list(faults)))
+
+
+def _same_history(a, b):
+    assert [row["epoch"] for row in a] == [row["epoch"] for row in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (key, x, y)
+
+
+def test_a_killed_worker_is_relaunched_from_the_last_checkpoint(spark, store, df, monkeypatch, caplog):
+    clean = _est(store, run_id="clean").fit(df)
+    _faults(monkeypatch, {"point": "epoch", "rank": 1, "action": "exit", "epoch": 3, "attempt": 0})
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        crashed = _est(store, run_id="crashed", max_retries=1).fit(df)
+    assert "Run crashed failed on attempt 1 of 2; retrying from its last checkpoint" in caplog.text
+    assert "Run crashed continues from its checkpoint after epoch 2" in caplog.text  # epochs 1-2 not repeated
+    _same_history(crashed.getHistory(), clean.getHistory())  # as if nothing had happened
+    for a, b in zip(crashed.getModel().state_dict().values(), clean.getModel().state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_retries_are_bounded_and_the_error_is_the_ranks(spark, store, df, monkeypatch, caplog):
+    _faults(monkeypatch, {"point": "epoch", "rank": 1, "action": "raise", "epoch": 1})  # every attempt
+    with caplog.at_level(logging.INFO, logger="estimator"), pytest.raises(RankFailed) as info:
+        _est(store, run_id="doomed", max_retries=2).fit(df)
+    assert info.value.rank == 1 and "InjectedFault: injected fault at epoch on rank 1 (attempt 2" in info.value.formatted
+    assert "Run doomed failed on attempt 3 of 3; giving up" in caplog.text
+
+
+def test_a_crash_without_retries_names_the_rank(spark, store, df, monkeypatch):
+    _faults(monkeypatch, {"point": "epoch", "rank": 1, "action": "exit", "epoch": 1})
+    with pytest.raises(RankFailed, match=r"Training failed on rank 1:\nits Python worker exited unexpectedly "
+                                         r"\(crashed\)") as info:
+        _est(store, run_id="crash0").fit(df)  # local[2]: Spark's own budget gives no retries
+    assert "org.apache.spark" not in str(info.value)
+    monkeypatch.delenv(ENV)
+    assert len(_est(store, run_id="after", epochs=1).fit(df).getHistory()) == 1  # the session still works
+
+
+def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df):
+    first = _est(store, run_id="grow", epochs=2, random_seed=None).fit(df)
+    longer = _est(store, run_id="grow", epochs=4, random_seed=None).fit(df)  # keeps the run's drawn seed
+    assert [row["epoch"] for row in longer.getHistory()] == [1, 2, 3, 4]
+    _same_history(longer.getHistory()[:2], first.getHistory())
+    again = []
+    jobs = jobs_run_by(spark, lambda: again.append(_est(store, run_id="grow", epochs=4, random_seed=None).fit(df)))
+    assert jobs == []  # data reused, nothing left to train: no Spark job at all
+    _same_history(again[0].getHistory(), longer.getHistory())
+
+
+def test_a_run_id_holding_another_models_checkpoint_is_refused(spark, store, df):
+    _est(store, run_id="taken", epochs=1).fit(df)
+    with pytest.raises(ValueError, match=r"run_id 'taken' already has a checkpoint .* of a different model.*"
+                                         r"Use a new run_id"):
+        _est(store, model_cls=MLP, run_id="taken", epochs=2).fit(df)
