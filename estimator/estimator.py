@@ -62,7 +62,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run = self._prepare(p, df.sparkSession)
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
-        m = materialize(df, run.store, columns, p["validation"], run.seed, run.num_proc, p["partitions_per_process"])
+        m = materialize(df, run.store, columns, p["validation"], run.seed, run.num_proc, p["partitions_per_process"],
+                        p["drop_nulls"])
         data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                         m.train_dir, m.val_dir)

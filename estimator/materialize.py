@@ -7,6 +7,7 @@ commit marker naming the attempt is written last, and only committed attempts ar
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,8 +21,9 @@ import pyarrow as pa
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType
 
 from estimator.data import list_pieces, pieces_of_files
 from estimator.spec import Piece, total_rows
@@ -53,19 +55,26 @@ class Materialized:
 
 
 def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation: Union[None, float, str],
-                seed: int, num_proc: int, partitions_per_process: Optional[int] = None) -> Materialized:
+                seed: int, num_proc: int, partitions_per_process: Optional[int] = None,
+                drop_nulls: bool = False) -> Materialized:
     """Parquet for (df, columns, split) in the store, written now or reused. Files: exactly
     num_proc * partitions_per_process when that is set, else the DataFrame's partitions, at least num_proc."""
     started = time.perf_counter()
     files = num_proc * partitions_per_process if partitions_per_process else -num_proc  # < 0: "at least"
-    key = data_key(df, columns, validation, seed, files)
+    key = data_key(df, columns, validation, seed, files) + ("-dropnulls" if drop_nulls else "")
     layout = store.data(key)
     if store.exists(layout.commit_marker):
         marker = json.loads(store.read_bytes(layout.commit_marker))
         log.info("Reusing materialized data %s", key)
         return _committed(store, key, marker["attempt"], marker.get("files"), True, started)
     attempt = uuid.uuid4().hex[:12]
-    written = _write(df, store, key, attempt, columns, validation, seed, files)
+    observation = Observation(f"checks-{attempt}")
+    written = _write(df, store, key, attempt, columns, validation, seed, files, observation, drop_nulls)
+    try:
+        check_observed(observation.get, columns, drop_nulls)
+    except ValueError:
+        store.rm(layout.attempt(attempt))  # never committed, never reused; nothing of the user's is touched
+        raise
     result = _committed(store, key, attempt, written, False, started)
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
               "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written}
@@ -86,17 +95,27 @@ def data_key(df: DataFrame, columns: Sequence[str], validation: Union[None, floa
 
 
 def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequence[str],
-           validation: Union[None, float, str], seed: int, files: int) -> Optional[Dict[str, List[str]]]:
-    """Write both splits; returns the files written when executors wrote them (None: Spark's writer)."""
+           validation: Union[None, float, str], seed: int, files: int, observation: Observation,
+           drop_nulls: bool) -> Optional[Dict[str, List[str]]]:
+    """Write both splits; returns the files written when executors wrote them (None: Spark's writer).
+    The same job counts rows with nulls and array lengths per column (`observation`): no extra pass."""
     layout = store.data(key)
     selected = [_as_array(df, c) for c in columns]
+    arrays = [c for c in columns if isinstance(df.select(_as_array(df, c)).schema[0].dataType, ArrayType)]
+    bad = {c: _has_null(F.col(c), c in arrays) for c in columns}
+    checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
+    for c in arrays:
+        size = F.when(~bad[c], F.size(F.col(c)))
+        checks += [F.min(size).alias(f"min:{c}"), F.max(size).alias(f"max:{c}")]
     if isinstance(validation, str):
         tag = F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
     elif validation:
         tag = F.rand(seed) < F.lit(float(validation))
     else:
         tag = F.lit(False)
-    out = df.select(*selected, tag.alias(_VAL))
+    out = df.select(*selected, tag.alias(_VAL)).observe(observation, *checks)
+    if drop_nulls:
+        out = out.filter(~functools.reduce(lambda a, b: a | b, bad.values()))
     partitions = out.rdd.getNumPartitions()
     if (files > 0 and partitions != files) or partitions < -files:  # at least one file (row group) per rank
         out = out.repartition(abs(files))
@@ -169,6 +188,34 @@ def _committed(store: Store, key: str, attempt: str, written: Optional[Dict[str,
 
 def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:
     return list_pieces(store, directory) if store.exists(directory) else ()
+
+
+def _has_null(column: Column, is_array: bool) -> Column:
+    """The value is null, or (for arrays) holds a null element."""
+    return column.isNull() | F.exists(column, lambda x: x.isNull()) if is_array else column.isNull()
+
+
+def check_observed(metrics: Dict[str, Any], columns: Sequence[str], drop_nulls: bool) -> None:
+    """Nulls and ragged arrays, measured while writing: an error naming the column, the count and the fix."""
+    rows = int(metrics.get("rows") or 0)
+    nulls = {c: int(metrics.get(f"nulls:{c}") or 0) for c in columns}
+    if drop_nulls:
+        dropped = {c: n for c, n in nulls.items() if n}
+        if dropped:
+            log.warning("drop_nulls=True: skipped the rows with nulls (%s) of %d rows", ", ".join(
+                f"{c}: {n}" for c, n in dropped.items()), rows)
+    else:
+        for column, count in nulls.items():
+            if count:
+                raise ValueError(f"Column {column!r} has {count} rows with null values (of {rows} rows). Fill or drop "
+                                 "them first (df.fillna / df.dropna), or set drop_nulls=True to skip those rows.")
+    for column in columns:
+        low, high = metrics.get(f"min:{column}"), metrics.get(f"max:{column}")
+        if low is not None and low != high:
+            raise ValueError(f"Column {column!r} holds arrays of different lengths ({low} to {high} values per row); "
+                             "every row must have the same number of values. Pad or filter them first.")
+        if low == 0:
+            raise ValueError(f"Column {column!r} holds empty arrays; every row needs at least one value.")
 
 
 def _as_array(df: DataFrame, name: str):

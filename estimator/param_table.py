@@ -83,6 +83,9 @@ ESTIMATOR_PARAMS = [
               "Compression.none, Compression.fp16 or None", json=False),
     ParamSpec("terminate_on_nan", "stop training with an error when a loss is NaN or infinite", False, is_bool,
               "True or False"),
+    ParamSpec("drop_nulls", "skip rows with a null (or an array holding a null) in any feature, label or weight "
+              "column; default False: such rows are an error naming the column and count", False, is_bool,
+              "True or False"),
     ParamSpec("max_retries", "times a failed training launch is retried from the last checkpoint; default: "
               "spark.task.maxFailures - 1 (0 in local[N] mode)", None, optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("rendezvous_timeout", "seconds for all ranks to meet before training; a late rank is named in the "

@@ -113,3 +113,49 @@ def test_a_rank_failing_mid_training_raises_its_error_and_the_next_fit_works(spa
     assert "ArithmeticError: rank 1 exploded at step 3" in info.value.formatted
     assert "org.apache.spark" not in str(info.value)
     assert len(_est(store).fit(df).getHistory()) == 1
+
+
+def _frame(spark, rows, schema="features array<float>, label long"):
+    return spark.createDataFrame(rows, schema)
+
+
+def test_null_features_and_labels_are_named_with_their_count(spark, store):
+    good = [([0.1] * 64, i % 10) for i in range(40)]
+    with pytest.raises(ValueError, match=r"Column 'features' has 2 rows with null values \(of 43 rows\)\. Fill or drop "
+                                         r"them first .* or set drop_nulls=True"):
+        _est(store).fit(_frame(spark, good + [(None, 1), ([0.1] * 63 + [None], 2), ([0.2] * 64, None)]))
+    with pytest.raises(ValueError, match=r"Column 'label' has 1 rows with null values \(of 41 rows\)"):
+        _est(store).fit(_frame(spark, good + [([0.2] * 64, None)]))
+    assert not list(store.find(store.path("data"), suffix=".parquet"))  # nothing committed or left behind
+
+
+def test_drop_nulls_skips_those_rows(spark, store):
+    good = [([0.1] * 64, i % 10) for i in range(40)]
+    fitted = _est(store, drop_nulls=True, epochs=1).fit(_frame(spark, good + [(None, 1), ([0.2] * 64, None)]))
+    assert len(fitted.getHistory()) == 1
+    marker = next(store.find(store.path("data"), suffix="_COMMITTED.json"))
+    import json
+
+    assert json.loads(store.read_bytes(marker))["train_rows"] == 40
+
+
+def test_arrays_of_different_lengths_are_named(spark, store):
+    rows = [([0.1] * 64, i % 10) for i in range(30)] + [([0.1] * 60, 1)]
+    with pytest.raises(ValueError, match=r"Column 'features' holds arrays of different lengths \(60 to 64 values per "
+                                         r"row\)"):
+        _est(store).fit(_frame(spark, rows))
+
+
+def test_empty_dataframe_and_empty_training_split(spark, store):
+    with pytest.raises(ValueError, match="The training split has 0 rows, fewer than num_proc=2"):
+        _est(store).fit(_frame(spark, []))
+    rows = [([0.1] * 64, i % 10, True) for i in range(20)]  # every row is a validation row
+    with pytest.raises(ValueError, match="The training split has 0 rows"):
+        _est(store, validation="v").fit(_frame(spark, rows, "features array<float>, label long, v boolean"))
+
+
+def test_unknown_store_scheme_is_named(spark, store, df):
+    from store import Store
+
+    with pytest.raises(ValueError, match=r"Store cannot open 'nosuch://bucket/x'.*Use a local path or an fsspec URL"):
+        _est(Store.create("nosuch://bucket/x")).fit(df)
