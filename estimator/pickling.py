@@ -12,6 +12,7 @@ import os
 import site
 import sys
 import sysconfig
+import threading
 from types import ModuleType
 from typing import Any, Iterable, List, Sequence, Set
 
@@ -81,9 +82,17 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+_BY_VALUE_LOCK = threading.Lock()  # cloudpickle's by-value registry is global: fits in threads take turns
+
+
 def dumps(obj: Any, what: str, roots: Iterable[Any] = ()) -> bytes:
     """cloudpickle `obj`, pickling driver-only modules of `roots` by value."""
-    modules = driver_only_modules(roots)
+    with _BY_VALUE_LOCK:
+        return _dumps(obj, what, driver_only_modules(roots))
+
+
+def _dumps(obj: Any, what: str, modules: List[ModuleType]) -> bytes:
+    modules = [m for m in modules if m.__name__ not in _registered_by_value()]  # leave the user's registrations
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
@@ -96,6 +105,10 @@ def dumps(obj: Any, what: str, roots: Iterable[Any] = ()) -> bytes:
     finally:
         for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def _registered_by_value() -> set:
+    return set(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ()))
 
 
 def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:

@@ -1,8 +1,10 @@
 """Failures and recovery with real Spark: a Python worker killed mid-training (os._exit, injected through
 estimator.faults) is relaunched from the last checkpoint, and the run ends as an uninterrupted one would;
 retries are bounded; a refit of the same run_id continues where it stopped."""
+import io
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -98,3 +100,58 @@ def test_a_run_id_holding_another_models_checkpoint_is_refused(spark, store, df)
     with pytest.raises(ValueError, match=r"run_id 'taken' already has a checkpoint .* of a different model.*"
                                          r"Use a new run_id"):
         _est(store, model_cls=MLP, run_id="taken", epochs=2).fit(df)
+
+
+def test_two_fits_at_once_against_one_store_do_not_interfere(spark, store, df):
+    import threading
+
+    results, errors = {}, []
+
+    estimators = {run_id: _est(store, run_id=run_id, num_proc=1, epochs=2) for run_id in "abc"}  # seeded one by one
+
+    def fit(run_id, data):
+        try:
+            results[run_id] = estimators[run_id].fit(data)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    other = df.filter("label < 5")
+    threads = [threading.Thread(target=fit, args=args) for args in (("a", df), ("b", df), ("c", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    assert sorted(results) == ["a", "b", "c"]
+    for run_id, model in results.items():
+        assert model.getRunId() == run_id and len(model.getHistory()) == 2
+        state = torch.load(io.BytesIO(store.read_bytes(store.run(run_id).checkpoint)), weights_only=True)
+        assert state["epoch"] == 2 and state["history"] == model.getHistory()
+    _same_history(results["a"].getHistory(), results["b"].getHistory())  # same data, seed and model: same run
+    assert results["c"].getHistory()[0]["loss"] != results["a"].getHistory()[0]["loss"]
+
+
+def test_an_interrupted_materialization_is_never_reused(spark, store, df, tmp_path):
+    from pyspark.sql import functions as F
+
+    flag = str(tmp_path / "fail-now")
+    open(flag, "w").close()
+
+    @F.udf("long")
+    def label_or_fail(label):
+        import os
+
+        if os.path.exists(flag) and label == 9:  # some tasks write their files, then one fails
+            raise RuntimeError("materialization interrupted")
+        return label
+
+    data = df.withColumn("label", label_or_fail("label"))
+    with pytest.raises(Exception, match="materialization interrupted"):
+        _est(store, epochs=1).fit(data)
+    assert not list(store.find(store.path("data"), suffix="_COMMITTED.json"))
+    os.remove(flag)
+    fitted = _est(store, epochs=1).fit(data)  # the same DataFrame: the same data key, written afresh
+    markers = list(store.find(store.path("data"), suffix="_COMMITTED.json"))
+    assert len(markers) == 1
+    marker = json.loads(store.read_bytes(markers[0]))
+    assert marker["train_rows"] + marker["val_rows"] == df.count() and len(fitted.getHistory()) == 1
