@@ -112,14 +112,15 @@ def test_hadoop_urls_keep_their_namenode_and_need_no_connection(url, root, full)
     assert store._fs is None  # naming paths did not connect (no libhdfs needed on the driver for this)
 
 
-def test_probe_timeout_is_the_users(tmp_path):
+def test_probe_timeout_is_the_users(tmp_path, monkeypatch):
     import threading
 
     from store import StoreUnavailable
 
     store = Store.create(str(tmp_path), probe_timeout=0.5)
     release = threading.Event()
-    store.fs.makedirs = lambda *a, **k: release.wait(10)  # an endpoint that hangs
+    # an endpoint that hangs (fsspec shares one LocalFileSystem: monkeypatch puts it back afterwards)
+    monkeypatch.setattr(store.fs, "makedirs", lambda *a, **k: release.wait(10))
     with pytest.raises(StoreUnavailable, match=r"did not answer within 0.5 s.*probe_timeout"):
         store.check_writable()
     release.set()
