@@ -111,10 +111,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]))
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
-        objs.callbacks = list(p["callbacks"])
-        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn or callbacks",
+        objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
+        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, lr_scheduler_fn or callbacks",
                         roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
-                               *p["callbacks"]])
+                               *p["callbacks"], p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or spark.sparkContext.defaultParallelism
         check_slots(spark.sparkContext, num_proc)

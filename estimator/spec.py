@@ -103,6 +103,7 @@ class UserObjects:
     loss_constructors: List[Any] = field(default_factory=list)
     transformation_fn: Any = None
     callbacks: List[Any] = field(default_factory=list)
+    lr_scheduler_fn: Any = None
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)

@@ -38,11 +38,14 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     device = torch.device(ctx.device)
     model = objs.model.to(device)
     optimizer = build_optimizer(objs, model)
+    scheduler = objs.lr_scheduler_fn(optimizer) if objs.lr_scheduler_fn is not None else None
     history: List[Dict[str, float]] = []
     if spec.resume_from:  # a retry or a refit of this run_id: continue after the last finished epoch
         state = load_checkpoint(spec.data.store, spec.resume_from, device)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state["optimizer"])  # after the scheduler's constructor reset the lr
+        if scheduler is not None and state.get("lr_scheduler") is not None:
+            scheduler.load_state_dict(state["lr_scheduler"])
         history = [dict(row) for row in state["history"]]
         global_step = int(state.get("global_step", 0))
     else:
@@ -68,8 +71,10 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                 sums = torch.cat([sums, loop.evaluate(model, val.epoch(epoch))])
             row = {"epoch": float(epoch + 1), **objective.summarize(reduce_sums(sums), with_val=val is not None)}
             history.append(row)
+            if scheduler is not None:
+                step_scheduler(scheduler, row)
             if ctx.rank == 0:
-                save_checkpoint(spec, model, optimizer, epoch + 1, history, loop.global_step)
+                save_checkpoint(spec, model, optimizer, epoch + 1, history, loop.global_step, scheduler)
                 spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(history).encode())
                 if spec.verbose:
                     log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
@@ -245,14 +250,23 @@ def as_tuple(outputs: Any) -> Tuple[torch.Tensor, ...]:
 
 
 def save_checkpoint(spec: TrainSpec, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-                    history: List[Dict[str, float]], global_step: int) -> None:
+                    history: List[Dict[str, float]], global_step: int, scheduler: Any = None) -> None:
     """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint)."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
                 "global_step": global_step, "history": history,
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": {"torch": torch.get_rng_state(), "numpy_seed": [spec.seed, epoch]},
                 "format": CHECKPOINT_FORMAT}, buffer)
     spec.data.store.write_bytes_atomic(spec.run.checkpoint, buffer.getvalue())
+
+
+def step_scheduler(scheduler: Any, row: Dict[str, float]) -> None:
+    """Once per epoch, on every rank alike (the row's metrics are already reduced over all ranks)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(row.get("val_loss", row["loss"]))
+    else:
+        scheduler.step()
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:

@@ -37,7 +37,8 @@ def _est(store, model_cls=DropoutMLP, **kw):
     model = seeded(model_cls)
     params = dict(num_proc=2, store=store, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
                   loss=nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
-                  batch_size=64, epochs=4, validation=0.2, random_seed=7)
+                  batch_size=64, epochs=4, validation=0.2, random_seed=7,
+                  lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
     params.update(kw)
     return TorchEstimator(**params)
 
@@ -62,6 +63,9 @@ def test_a_killed_worker_is_relaunched_from_the_last_checkpoint(spark, store, df
     assert "Run crashed failed on attempt 1 of 2; retrying from its last checkpoint" in caplog.text
     assert "Run crashed continues from its checkpoint after epoch 2" in caplog.text  # epochs 1-2 not repeated
     _same_history(crashed.getHistory(), clean.getHistory())  # as if nothing had happened
+    state = torch.load(io.BytesIO(store.read_bytes(store.run("crashed").checkpoint)), weights_only=True)
+    assert state["epoch"] == 4 and state["lr_scheduler"]["last_epoch"] == 4 and state["global_step"] > 0
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.01 * 0.7 ** 4)  # resumed, not restarted
     for a, b in zip(crashed.getModel().state_dict().values(), clean.getModel().state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6)
 

@@ -131,6 +131,10 @@ def test_fit_transform_save_with_a_remote_store(spark, digits, remote, caplog, t
     # a second fit reuses the committed files (the marker lists exactly the files of successful tasks)
     assert len(jobs_run_by(spark, lambda: _est(store).fit(df))) == 1
     assert _secret(kind) not in caplog.text
+    stored = list(store.find(store.root))  # data, checkpoints, progress, run metadata: nothing holds the secret
+    assert any(p.endswith("metadata.json") for p in stored) and any(p.endswith("checkpoint.pt") for p in stored)
+    for path in stored:
+        assert _secret(kind).encode() not in store.read_bytes(path), path
     fitted.write().overwrite().save(str(tmp_path / "model"))
     _est(store).save(str(tmp_path / "estimator"))
     for file in tmp_path.rglob("*"):
