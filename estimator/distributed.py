@@ -5,6 +5,7 @@ connected `TCPStore`; everything after that is the same everywhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -124,6 +125,7 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     result: Optional[T] = None
     try:
         result = work(ctx)
+        finished = time.perf_counter()
         dist.barrier()  # nobody tears down while a peer still needs the group
     except Exception:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
         failure = traceback.format_exc()
@@ -132,4 +134,6 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     dist.destroy_process_group()
     if failure is not None:
         raise RankFailed(ctx.rank, failure)
+    if dataclasses.is_dataclass(result) and hasattr(result, "teardown_seconds"):
+        result = dataclasses.replace(result, teardown_seconds=time.perf_counter() - finished)
     return result  # type: ignore[return-value]

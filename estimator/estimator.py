@@ -62,11 +62,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run = self._prepare(p, df.sparkSession)
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
+        materialize_started = time.perf_counter()
         m = materialize(df, run.store, columns, p["validation"], run.seed, run.num_proc, p["partitions_per_process"],
                         p["drop_nulls"])
         data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
-                        m.train_dir, m.val_dir)
+                        m.train_dir, m.val_dir, time.perf_counter() - materialize_started)
         return self._train(p, run, data, df.sparkSession)
 
     def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
@@ -132,7 +133,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         started = time.perf_counter()
         num_proc, store, run_id = run.num_proc, run.store, run.run_id
         check_rows(data, num_proc, p["reader"])
+        checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data)
+        dry_run_seconds = time.perf_counter() - checked
         spec = TrainSpec(
             data=data, payload=run.payload, run=store.run(run_id), batch_size=p["batch_size"],
             val_batch_size=p["val_batch_size"] or p["batch_size"], epochs=p["epochs"],
@@ -147,11 +150,21 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             launch_id=uuid.uuid4().hex[:12])
         if not store.exists(spec.run.metadata):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "run_id": run_id}).encode())
+        launched = time.perf_counter()
         results = self._launch_with_retries(p, run, spec, spark)
+        launch_seconds = time.perf_counter() - launched
         history = results[0].history if results else self._finished_history(store, spec)
         if results:
             log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
                      time.perf_counter() - started)
+            train = max(r.seconds for r in results)
+            stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
+                      "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),
+                      "train_s": train, "teardown_s": max(r.teardown_seconds for r in results),
+                      "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
+                                                               for r in results),
+                      "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
+            log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
         model = self._model(p, run.objs, store, run_id, output_shapes, history)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)

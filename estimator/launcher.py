@@ -13,7 +13,10 @@ import multiprocessing
 import os
 import pickle
 import re
+import resource
 import threading
+import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
@@ -107,6 +110,7 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     store (naming late ranks), then train. Each step has the rendezvous timeout."""
     from pyspark import BarrierTaskContext
 
+    started = time.perf_counter()
     task = BarrierTaskContext.get()
     rank = task.partitionId()
     inject(faults, "before_barrier", rank, attempt)
@@ -144,6 +148,9 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt),
                       timeout=timedelta(seconds=spec.collective_timeout))
     del store, server
+    total = time.perf_counter() - started
+    result = replace(result, setup_seconds=total - result.seconds - result.teardown_seconds,
+                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     yield pickle.dumps(result)
 
 

@@ -34,6 +34,7 @@ class DataSpec:
     label_shapes: Optional[Tuple[Shape, ...]] = None
     train_dir: str = ""  # the folders holding `train` / `val` (the petastorm reader reads folders)
     val_dir: str = ""
+    materialize_seconds: float = 0.0  # driver-side, for the fit's stage report
 
     @property
     def train_rows(self) -> int:
@@ -119,3 +120,6 @@ class WorkerResult:
     reader: str = "arrow"
     optimizer_steps: int = 0
     assigned_gpu: Optional[str] = None  # the GPU address Spark assigned to this rank's task, if any
+    setup_seconds: float = 0.0  # task start to training start: spec, rendezvous, process group, model, data
+    teardown_seconds: float = 0.0  # final barrier and process-group teardown
+    peak_rss_mb: float = 0.0  # this Python worker's peak resident memory (Spark reuses workers: a lifetime peak)
