@@ -84,6 +84,14 @@ def ours_fit(df, features, epochs, batch, store, num_proc=2, validation=None, **
     return fitted, time.perf_counter() - started
 
 
+def local_data(rows: int, features: int, seed: int = 0):
+    """The same distribution as `frame`, generated in this process (no collect through the driver)."""
+    rng = np.random.default_rng([seed, 0])
+    x = rng.standard_normal((rows, features), dtype=np.float32)
+    w = np.random.default_rng(seed).standard_normal((features, 10)).astype(np.float32)
+    return x, (x @ w).argmax(1).astype(np.int64)
+
+
 def in_memory(x: np.ndarray, y: np.ndarray, epochs: int, batch: int) -> dict:
     """The same model and loop in one plain PyTorch process over tensors already in memory."""
     torch.set_num_threads(CORES)
@@ -122,7 +130,7 @@ def td_train(path: str, features: int, epochs: int, batch: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     files = sorted(glob.glob(_os.path.join(path, "*.parquet")))[rank::world]
     table = ds.dataset(files, format="parquet").to_table()
-    x = _np.asarray(table.column("features").combine_chunks().flatten().to_numpy()).reshape(-1, features)
+    x = _np.array(table.column("features").combine_chunks().flatten().to_numpy()).reshape(-1, features)
     y = table.column("label").to_numpy()
     xt, yt = _torch.from_numpy(x.astype(_np.float32)), _torch.from_numpy(y)
     _torch.manual_seed(0)
@@ -232,7 +240,7 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="bench-")
     store = Store.create(os.path.join(workdir, "store"))
     spark = (SparkSession.builder.master("local[2]").appName("benchmarks").config("spark.ui.enabled", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+             .config("spark.sql.shuffle.partitions", "2").config("spark.driver.memory", "3g").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {CORES} cores, "
                f"{platform.python_version()}, torch {torch.__version__}", "cores": CORES}
@@ -251,10 +259,7 @@ def main(argv=None):
     first_stages = dict(stages.last)
     _, w1_second = ours_fit(w1, 784, 2, 128, store)
     second_stages = dict(stages.last)
-    pdf = w1.toPandas()
-    x = np.stack(pdf["features"].to_numpy()).astype(np.float32)
-    y = pdf["label"].to_numpy()
-    mem = in_memory(x, y, 2, 128)
+    mem = in_memory(*local_data(20000, 784, seed=1), 2, 128)
     td = torch_distributor(spark, w1, 784, 2, 128, workdir) if not args.skip_td else {}
     results["w1"] = {"ours_first_s": w1_first, "ours_first_stages": first_stages, "ours_second_s": w1_second,
                      "ours_second_stages": second_stages, "in_memory": mem, "torch_distributor": td}
@@ -264,11 +269,11 @@ def main(argv=None):
     from estimator.data import list_pieces
     from estimator.spec import DataSpec
 
-    marker = sorted(store.find(store.path("data"), suffix="_COMMITTED.json"), key=lambda p: store.fs.info(p).get(
-        "mtime", 0) if hasattr(store.fs.info(p), "get") else 0)[-1]
-    committed = json.loads(store.read_bytes(marker))
-    train_dir = f"{marker.rsplit('/', 1)[0]}/attempt-{committed['attempt']}/__val=false"
-    pieces = list_pieces(store, train_dir) if store.exists(train_dir) else ()
+    markers = [m for m in store.find(store.path("data"), suffix="_COMMITTED.json")
+               if json.loads(store.read_bytes(m))["train_rows"] == 20000]
+    committed = json.loads(store.read_bytes(markers[0]))
+    train_dir = f"{markers[0].rsplit('/', 1)[0]}/attempt-{committed['attempt']}/__is_val=false"
+    pieces = list_pieces(store, train_dir)
     if pieces:
         spec = DataSpec(store, pieces, (), ("features",), ("label",))
         results["reader"] = reader_vs_pyarrow(store, pieces, spec)
@@ -282,9 +287,7 @@ def main(argv=None):
         _, seconds = ours_fit(df, 64, 1, 512, store)
         growth.append({"rows": rows, "fit_s": seconds, **{k: v for k, v in stages.last.items()}})
         if rows == sizes[-1]:
-            pdf = df.toPandas()
-            x2 = np.stack(pdf["features"].to_numpy()).astype(np.float32)
-            mem2 = in_memory(x2, pdf["label"].to_numpy(), 1, 512)
+            mem2 = in_memory(*local_data(rows, 64, seed=rows), 1, 512)
             results["w2"] = {"rows": rows, "ours_fit_s": seconds, "ours_train_s": stages.last.get("train_s"),
                              "ours_train_rows_per_s": rows / stages.last["train_s"] if stages.last.get("train_s")
                              else None, "in_memory": mem2}
