@@ -133,6 +133,7 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     gathered = [json.loads(m) for m in replies]
     port = gathered[0]["port"]
     local_rank = hosts[:rank].count(hosts[rank])
+    torch.set_num_threads(max(1, int(task.cpus())))  # the cores Spark gave this task, not every core of the host
     try:  # the same decision on every rank, from gathered facts: all ranks fail alike or none does
         device = choose_device(spec.use_gpu, [m["gpus"] for m in gathered], local_rank, assigned)
     except RuntimeError as exc:
