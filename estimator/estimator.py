@@ -12,7 +12,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 from pyspark.ml import Estimator
@@ -146,14 +146,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
             backward_passes_per_step=p["backward_passes_per_step"],
             compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"],
-            rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]),
-            launch_id=uuid.uuid4().hex[:12])
+            rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]))
         if not store.exists(spec.run.metadata):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "run_id": run_id}).encode())
         launched = time.perf_counter()
         results = self._launch_with_retries(p, run, spec, spark)
         launch_seconds = time.perf_counter() - launched
-        history = results[0].history if results else self._finished_history(store, spec)
         if results:
             log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
                      time.perf_counter() - started)
@@ -165,7 +163,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                                                for r in results),
                       "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
             log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
-        model = self._model(p, run.objs, store, run_id, output_shapes, history)
+        model = self._model(p, run.objs, store, run_id, output_shapes)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
@@ -201,10 +199,6 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _finished_history(store: Store, spec: TrainSpec) -> List[Dict[str, float]]:
-        return [dict(row) for row in load_checkpoint(store, spec.run.checkpoint)["history"]]
-
-    @staticmethod
     def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
         """One epoch's line, live on the driver: to the Horovod backend's stdout, else the log."""
         if not p["verbose"]:
@@ -215,9 +209,11 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         else:
             log.info(line)
 
-    def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple],
-               history: Sequence[Dict[str, float]]) -> TorchModel:
+    def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple]
+               ) -> TorchModel:
+        """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history)."""
         checkpoint = load_checkpoint(store, store.run(run_id).checkpoint)
+        history = checkpoint["history"]
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()

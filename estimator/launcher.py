@@ -212,8 +212,7 @@ def _connect(rank: int, host: str, port: int, world: int, timeout: float) -> TCP
 
 def _remove_quietly(store: Any, path: str) -> None:
     try:
-        if store.exists(path):
-            store.rm(path)
+        store.rm(path)
     except Exception:  # noqa: BLE001 - scratch files; a failure to clean them up must not fail the fit
         log.debug("could not remove %s", path, exc_info=True)
 

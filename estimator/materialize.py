@@ -101,19 +101,20 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
     The same job counts rows with nulls and array lengths per column (`observation`): no extra pass."""
     layout = store.data(key)
     selected = [_as_array(df, c) for c in columns]
-    arrays = [c for c in columns if isinstance(df.select(_as_array(df, c)).schema[0].dataType, ArrayType)]
-    bad = {c: _has_null(F.col(c), c in arrays) for c in columns}
-    checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
-    for c in arrays:
-        size = F.when(~bad[c], F.size(F.col(c)))
-        checks += [F.min(size).alias(f"min:{c}"), F.max(size).alias(f"max:{c}")]
     if isinstance(validation, str):
         tag = F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
     elif validation:
         tag = F.rand(seed) < F.lit(float(validation))
     else:
         tag = F.lit(False)
-    out = df.select(*selected, tag.alias(_VAL)).observe(observation, *checks)
+    plain = df.select(*selected, tag.alias(_VAL))
+    arrays = [c for c in columns if isinstance(plain.schema[c].dataType, ArrayType)]
+    bad = {c: _has_null(F.col(c), c in arrays) for c in columns}
+    checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
+    for c in arrays:
+        size = F.when(~bad[c], F.size(F.col(c)))
+        checks += [F.min(size).alias(f"min:{c}"), F.max(size).alias(f"max:{c}")]
+    out = plain.observe(observation, *checks)
     if drop_nulls:
         out = out.filter(~functools.reduce(lambda a, b: a | b, bad.values()))
     partitions = out.rdd.getNumPartitions()

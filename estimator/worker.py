@@ -40,6 +40,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     optimizer = build_optimizer(objs, model)
     scheduler = objs.lr_scheduler_fn(optimizer) if objs.lr_scheduler_fn is not None else None
     history: List[Dict[str, float]] = []
+    global_step = 0
     if spec.resume_from:  # a retry or a refit of this run_id: continue after the last finished epoch
         state = load_checkpoint(spec.data.store, spec.resume_from, device)
         model.load_state_dict(state["model"])
@@ -48,8 +49,6 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
             scheduler.load_state_dict(state["lr_scheduler"])
         history = [dict(row) for row in state["history"]]
         global_step = int(state.get("global_step", 0))
-    else:
-        global_step = 0
     objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                           weighted=spec.data.sample_weight_col is not None)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -45,8 +45,16 @@ def test_a_late_rank_is_named_within_the_timeout(spark, store, df, monkeypatch, 
     assert len(_est(store).fit(df).getHistory()) == 1  # the session and its Python workers still work
 
 
-def test_no_arrival_markers_are_left_behind(spark, store, df):
-    model = _est(store, run_id="tidy").fit(df)
+def test_no_arrival_markers_are_left_behind_and_stages_are_reported(spark, store, df, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        model = _est(store, run_id="tidy").fit(df)
     assert model.getRunId() == "tidy"
+    stages = [json.loads(r.getMessage()[len("fit stages: "):]) for r in caplog.records
+              if r.getMessage().startswith("fit stages: ")]
+    assert len(stages) == 1 and stages[0]["train_rows"] == df.count()
+    assert all(stages[0][k] >= 0 for k in ("materialize_s", "rank_setup_s", "train_s", "teardown_s"))
+    assert stages[0]["launch_s"] >= stages[0]["rank_setup_s"] + stages[0]["train_s"]
     left = [p.rsplit("/", 1)[-1] for p in store.ls(store.run("tidy").root)]
     assert "checkpoint.pt" in left and not [name for name in left if name.startswith("launch-")], left
