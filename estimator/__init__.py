@@ -1,5 +1,24 @@
-"""Distributed PyTorch training as a Spark ML Estimator."""
-from estimator.estimator import TorchEstimator
-from estimator.model import TorchModel
+"""Distributed PyTorch training as a Spark ML Estimator.
+
+The package imports its submodules lazily: Spark's Python workers import `estimator.inference` or
+`estimator.launcher` to run a task, and should not pay for pyspark.ml (about a second) to do so.
+"""
+from typing import Any as _Any
 
 __all__ = ["TorchEstimator", "TorchModel"]
+
+
+def __getattr__(name: str) -> _Any:
+    if name == "TorchEstimator":
+        from estimator.estimator import TorchEstimator
+
+        return TorchEstimator
+    if name == "TorchModel":
+        from estimator.model import TorchModel
+
+        return TorchModel
+    raise AttributeError(f"module 'estimator' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(list(globals()) + __all__)

@@ -31,6 +31,7 @@ class InferenceLayout:
     prediction_of: Optional[int]  # index of the output whose argmax is the prediction column
     batch_size: int
     use_gpu: Optional[bool]
+    torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
 
 
 def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
@@ -55,6 +56,8 @@ def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.A
 def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Sequence[np.ndarray]):
     """Model outputs, each (rows, width), for feature columns given as (rows,) or (rows, n) arrays."""
     device = device_for(layout.use_gpu)
+    if layout.torch_threads and torch.get_num_threads() != layout.torch_threads:
+        torch.set_num_threads(layout.torch_threads)  # every task of an executor runs its own forward passes
     model = cached_model(key, blob, device)
     arrays = []
     for i, (name, values) in enumerate(zip(layout.feature_cols, columns)):

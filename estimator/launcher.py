@@ -7,6 +7,7 @@ pyspark is imported only inside the Spark launcher.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -18,7 +19,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed import TCPStore
@@ -49,7 +50,8 @@ class SparkBarrierLauncher:
         sc.setJobDescription(f"{self.description}: train on {num_proc} ranks")
         try:
             rdd = sc.parallelize(range(num_proc), num_proc).barrier()
-            payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value, faults, attempt)).collect()
+            with _sql_worker_env(self.spark):
+                payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value, faults, attempt)).collect()
             blob.unpersist()  # after a failure, killed tasks may still read it: Spark's cleaner drops it later
         except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Java text
             failure = rank_failure(str(exc))
@@ -126,7 +128,7 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
         server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
                           wait_for_workers=False)
         message["port"] = server.port
-    replies = _all_gather(task, json.dumps(message), timeout)
+    replies = _all_gather(task, json.dumps(message), timeout, while_waiting=_warm_imports)
     if replies is None:
         arrived.join(5)
         raise RendezvousFailed(rank, _late_at_barrier(spec, rank, hosts, timeout))
@@ -169,8 +171,43 @@ def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:
     return thread
 
 
-def _all_gather(task: Any, message: str, timeout: float) -> Optional[List[str]]:
-    """Spark's allGather, abandoned after `timeout` seconds (Spark's own barrier timeout is a year)."""
+@contextlib.contextmanager
+def _sql_worker_env(spark: Any) -> Iterator[None]:
+    """Run the ranks in Python workers that the model's transform can reuse afterwards.
+
+    Spark keeps one pool of Python workers per environment, and SQL UDFs (our transform) add
+    SPARK_SIMPLIFIED_TRACEBACK=1 to theirs, so an RDD job's workers are never reused for them: the
+    transform after a fit started new workers and paid for importing torch again (2-3 s per worker on
+    the benchmark machine). Giving the training job the same variable puts its workers, torch already
+    imported, in the pool the transform draws from. Rank errors travel as text in RankFailed, so the
+    simplified traceback loses nothing of them.
+    """
+    sc = spark.sparkContext
+    enabled = str(spark.conf.get("spark.sql.execution.pyspark.udf.simplifiedTraceback.enabled", "true"))
+    owned = enabled.lower() == "true" and "SPARK_SIMPLIFIED_TRACEBACK" not in sc.environment
+    if owned:
+        sc.environment["SPARK_SIMPLIFIED_TRACEBACK"] = "1"  # read when the job's Python function is built
+    try:
+        yield
+    finally:
+        if owned:
+            sc.environment.pop("SPARK_SIMPLIFIED_TRACEBACK", None)
+
+
+def _warm_imports() -> None:
+    """The first torch.optim optimizer in a process imports torch._dynamo: about 2 s in a fresh Python
+    worker on the benchmark machine. Paid here, while Spark's barrier polls (about 1 s), it overlaps
+    the rendezvous instead of adding to training; in a reused worker it costs nothing."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - only a warm-up; training imports it again and reports errors
+        log.debug("warming up torch._dynamo failed", exc_info=True)
+
+
+def _all_gather(task: Any, message: str, timeout: float,
+                while_waiting: Optional[Callable[[], None]] = None) -> Optional[List[str]]:
+    """Spark's allGather, abandoned after `timeout` seconds (Spark's own barrier timeout is a year).
+    `while_waiting` runs on this thread meanwhile."""
     box: Dict[str, Any] = {}
 
     def gather() -> None:
@@ -181,7 +218,10 @@ def _all_gather(task: Any, message: str, timeout: float) -> Optional[List[str]]:
 
     thread = threading.Thread(target=gather, name="spark-barrier", daemon=True)
     thread.start()
-    thread.join(timeout)
+    started = time.monotonic()
+    if while_waiting is not None:
+        while_waiting()
+    thread.join(max(0.0, timeout - (time.monotonic() - started)))
     if "error" in box:
         raise box["error"]
     return box.get("replies")

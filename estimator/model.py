@@ -46,7 +46,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             fields.append(StructField(self.getPredictionCol(), DoubleType(), False))
         return StructType(fields)
 
-    def _layout(self, p: Dict[str, Any]) -> InferenceLayout:
+    def _layout(self, p: Dict[str, Any], torch_threads: Optional[int] = None) -> InferenceLayout:
         outputs = self.getOutputColumns()
         if len(outputs) != len(p["label_cols"]):
             raise ValueError(f"The 'output_cols' parameter of TorchModel must list {len(p['label_cols'])} names, "
@@ -58,11 +58,12 @@ class TorchModel(DeclaredParams, Model, Persistable):
             feature_cols=tuple(p["feature_cols"]),
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
-            prediction_of=0 if classify else None, batch_size=p["batch_size"], use_gpu=p["use_gpu"])
+            prediction_of=0 if classify else None, batch_size=p["batch_size"], use_gpu=p["use_gpu"],
+            torch_threads=torch_threads)
 
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
-        layout = self._layout(p)
+        layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
         schema = self.output_schema()
         for column in p["feature_cols"]:
             if column not in df.columns:
