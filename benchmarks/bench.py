@@ -17,11 +17,12 @@ import json
 import logging
 import os
 import platform
-import re
 import resource
+import statistics
 import sys
 import tempfile
 import time
+from typing import List, Tuple
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -167,45 +168,91 @@ def torch_distributor(spark, df, features, epochs, batch, workdir) -> dict:
             "rank0_train_s": result["seconds"] if result else None}
 
 
-def reader_vs_pyarrow(store, pieces, data_spec, rank=0, world=2) -> dict:
-    """Our reader alone (one rank's shard into memory) vs raw pyarrow.dataset reading the same files."""
+def median_of(fn, repeat: int) -> Tuple[float, List[float]]:
+    """Median and all of `repeat` timings of fn()."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def reader_vs_pyarrow(store, pieces, data_spec, repeat: int, rank=0, world=2) -> dict:
+    """Our reader alone vs raw pyarrow.dataset reading the same shard (the files holding rank 0's rows) into
+    numpy; page cache warm for both (one untimed read first)."""
     import pyarrow.dataset as ds
 
     from estimator.data import read_rows, shard_range
 
     start, stop = shard_range(sum(p.num_rows for p in pieces), rank, world)
-    t0 = time.perf_counter()
-    ours = read_rows(store, pieces, start, stop, data_spec.columns)
-    ours_s = time.perf_counter() - t0
-    files = sorted({p.path for p in pieces})
-    t0 = time.perf_counter()
-    table = ds.dataset(files, format="parquet", filesystem=store.fs).to_table(columns=list(data_spec.columns))
-    raw = {c: table.column(c).combine_chunks() for c in data_spec.columns}
-    _ = np.asarray(raw["features"].flatten().to_numpy()), raw["label"].to_numpy()
-    raw_s = time.perf_counter() - t0
-    rows_ours, rows_raw = stop - start, table.num_rows
+    offsets = np.cumsum([0] + [p.num_rows for p in pieces])
+    files = sorted({p.path for p, lo, hi in zip(pieces, offsets, offsets[1:]) if lo < stop and hi > start})
+
+    def ours():
+        read_rows(store, pieces, start, stop, data_spec.columns)
+
+    def raw():
+        table = ds.dataset(files, format="parquet", filesystem=store.fs).to_table(columns=list(data_spec.columns))
+        features = table.column("features").combine_chunks()
+        np.asarray(features.flatten().to_numpy()).reshape(len(features), -1), table.column("label").to_numpy()
+        return table.num_rows
+
+    raw_rows = raw()
+    ours()
+    ours_s, _ = median_of(ours, repeat)
+    raw_s, _ = median_of(raw, repeat)
+    rows_ours = stop - start
     return {"ours_rows": rows_ours, "ours_s": ours_s, "ours_rows_per_s": rows_ours / ours_s,
-            "raw_rows": rows_raw, "raw_s": raw_s, "raw_rows_per_s": rows_raw / raw_s,
-            "ratio": (rows_ours / ours_s) / (rows_raw / raw_s)}
+            "raw_rows": raw_rows, "raw_s": raw_s, "raw_rows_per_s": raw_rows / raw_s,
+            "ratio": (rows_ours / ours_s) / (raw_rows / raw_s)}
 
 
-def transform_vs_forward(fitted, df, features) -> dict:
+def transform_vs_forward(fitted, df, repeat: int) -> dict:
+    """Our transform (the first one after the fit, then warm), Spark's own floor for the same rows (a plain
+    aggregation; a no-op Arrow UDF that only moves the feature column to Python and back), and a raw torch
+    forward over the same rows in this process (warmed up, torch threads = cores)."""
     from pyspark.sql import functions as F
 
     rows = df.count()
-    t0 = time.perf_counter()
-    fitted.transform(df).agg(F.sum("prediction")).collect()
-    ours_s = time.perf_counter() - t0
-    pdf = df.toPandas()
+
+    def ours():
+        fitted.transform(df).agg(F.sum("prediction")).collect()
+
+    first, _ = median_of(ours, 1)
+    warm, _ = median_of(ours, repeat)
+    plain, _ = median_of(lambda: df.agg(F.sum(F.size("features"))).collect(), repeat)
+
+    def noop(column: pa.Array) -> pa.Array:
+        return pa.array(np.zeros(len(column)))
+
+    if hasattr(F, "arrow_udf"):
+        udf = F.arrow_udf(noop, "double")
+        noop_s, _ = median_of(lambda: df.select(udf("features").alias("p")).agg(F.sum("p")).collect(), repeat)
+    else:
+        noop_s = None
+    pdf = df.select("features").toPandas()
     x = torch.from_numpy(np.stack(pdf["features"].to_numpy()).astype(np.float32))
     model = fitted.getModel().eval()
     torch.set_num_threads(CORES)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(x), 1024):
-            model(x[i:i + 1024]).argmax(1)
-    raw_s = time.perf_counter() - t0
-    return {"rows": rows, "ours_s": ours_s, "raw_forward_s": raw_s, "ratio": raw_s / ours_s}
+    batch = fitted.getBatchSize()
+
+    def forward():
+        with torch.inference_mode():
+            for i in range(0, len(x), batch):
+                model(x[i:i + batch]).argmax(1)
+
+    forward()
+    raw_s, _ = median_of(forward, max(repeat, 5))
+    return {"rows": rows, "ours_first_s": first, "ours_s": warm, "spark_plain_job_s": plain,
+            "spark_noop_arrow_udf_s": noop_s, "raw_forward_s": raw_s, "ratio": raw_s / warm,
+            "ours_minus_noop_udf_s": (warm - noop_s) if noop_s is not None else None}
+
+
+def median_dict(runs: List[dict], key: str = "seconds") -> dict:
+    """The run with the median `key`, with every run's `key` alongside."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    return {**ordered[len(ordered) // 2], "all_" + key: [r[key] for r in ordered]}
 
 
 def table(title, rows, columns):
@@ -227,6 +274,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="W2 and growth at 100k rows at most")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"))
     parser.add_argument("--skip-td", action="store_true", help="leave TorchDistributor out")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; tables show medians")
     args = parser.parse_args(argv)
 
     from pyspark.sql import SparkSession
@@ -243,29 +291,52 @@ def main(argv=None):
              .config("spark.sql.shuffle.partitions", "2").config("spark.driver.memory", "3g").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {CORES} cores, "
-               f"{platform.python_version()}, torch {torch.__version__}", "cores": CORES}
+               f"{platform.python_version()}, torch {torch.__version__}", "cores": CORES, "repeat": args.repeat}
+
+    repeat = args.repeat
+
+    def fits(make_df, features, epochs, batch, n):
+        """n fits, each on make_df(i): (median seconds, the stages of the median fit, all seconds)."""
+        runs = []
+        for i in range(n):
+            df = make_df(i)
+            fitted, seconds = ours_fit(df, features, epochs, batch, store)
+            runs.append((seconds, dict(stages.last), fitted, df))
+        runs.sort(key=lambda r: r[0])
+        middle = runs[len(runs) // 2]
+        return middle, [r[0] for r in runs], runs
+
+    def cached(rows, features, seed):
+        df = frame(spark, rows, features, seed=seed).cache()
+        df.count()
+        return df
 
     # fit overhead: 1k rows, 1 epoch, session up and workers warm (one warm-up fit first)
-    small = frame(spark, 1000, 784, seed=5).cache()
-    small.count()
+    small = cached(1000, 784, 5)
     ours_fit(small, 784, 1, 128, store)
-    _, overhead = ours_fit(small, 784, 1, 128, store)
-    results["overhead"] = {"seconds": overhead, "stages": stages.last}
+    (overhead, overhead_stages, _, _), overhead_all, _ = fits(lambda i: small, 784, 1, 128, repeat)
+    results["overhead"] = {"seconds": overhead, "all_s": overhead_all, "stages": overhead_stages}
 
-    # W1
-    w1 = frame(spark, 20000, 784, seed=1).cache()
-    w1.count()
-    fitted, w1_first = ours_fit(w1, 784, 2, 128, store)
-    first_stages = dict(stages.last)
-    _, w1_second = ours_fit(w1, 784, 2, 128, store)
-    second_stages = dict(stages.last)
-    mem = in_memory(*local_data(20000, 784, seed=1), 2, 128)
-    td = torch_distributor(spark, w1, 784, 2, 128, workdir) if not args.skip_td else {}
-    results["w1"] = {"ours_first_s": w1_first, "ours_first_stages": first_stages, "ours_second_s": w1_second,
+    # W1: first fits on fresh DataFrames (each materializes), second fits reuse the first DataFrame's data
+    w1_frames = [cached(20000, 784, 1 + i) for i in range(repeat)]
+    (w1_first, first_stages, fitted, _), first_all, _ = fits(lambda i: w1_frames[i], 784, 2, 128, repeat)
+    (w1_second, second_stages, _, _), second_all, _ = fits(lambda i: w1_frames[0], 784, 2, 128, repeat)
+    x1, y1 = local_data(20000, 784, seed=1)
+    mem = median_dict([in_memory(x1, y1, 2, 128) for _ in range(repeat)])
+    td = (median_dict([torch_distributor(spark, w1_frames[0], 784, 2, 128, workdir) for _ in range(repeat)],
+                      "total_s") if not args.skip_td else {})
+    results["w1"] = {"ours_first_s": w1_first, "ours_first_all_s": first_all, "ours_first_stages": first_stages,
+                     "ours_second_s": w1_second, "ours_second_all_s": second_all,
                      "ours_second_stages": second_stages, "in_memory": mem, "torch_distributor": td}
-    test = frame(spark, 5000, 784, seed=9).cache()
-    test.count()
-    results["transform"] = transform_vs_forward(fitted, test, 784)
+    for df in w1_frames[1:]:
+        df.unpersist()
+
+    # transform, right after a fit (W1's last refit), on 5,000 new rows
+    ours_fit(w1_frames[0], 784, 2, 128, store)
+    test = cached(5000, 784, 9)
+    results["transform"] = transform_vs_forward(fitted, test, repeat)
+    test.unpersist()
+
     from estimator.data import list_pieces
     from estimator.spec import DataSpec
 
@@ -276,22 +347,27 @@ def main(argv=None):
     pieces = list_pieces(store, train_dir)
     if pieces:
         spec = DataSpec(store, pieces, (), ("features",), ("label",))
-        results["reader"] = reader_vs_pyarrow(store, pieces, spec)
+        results["reader"] = reader_vs_pyarrow(store, pieces, spec, max(repeat, 5))
+    w1_frames[0].unpersist()
 
-    # W2 and growth
+    # W2 and growth: first fits (each materializes its own fresh DataFrame), `repeat` per size
     sizes = [10_000, 100_000] + ([] if args.quick else [1_000_000])
     growth = []
     for rows in sizes:
-        df = frame(spark, rows, 64, seed=rows).cache()
-        df.count()
-        _, seconds = ours_fit(df, 64, 1, 512, store)
-        growth.append({"rows": rows, "fit_s": seconds, **{k: v for k, v in stages.last.items()}})
+        def make(i, rows=rows):
+            return cached(rows, 64, rows + i)
+        (seconds, point_stages, _, _), all_s, runs = fits(make, 64, 1, 512, repeat)
+        growth.append({"rows": rows, "fit_s": seconds, "all_s": all_s, **point_stages})
         if rows == sizes[-1]:
-            mem2 = in_memory(*local_data(rows, 64, seed=rows), 1, 512)
-            results["w2"] = {"rows": rows, "ours_fit_s": seconds, "ours_train_s": stages.last.get("train_s"),
-                             "ours_train_rows_per_s": rows / stages.last["train_s"] if stages.last.get("train_s")
-                             else None, "in_memory": mem2}
-        df.unpersist()
+            train_rates = sorted(rows / r[1]["train_s"] for r in runs)
+            x2, y2 = local_data(rows, 64, seed=rows)
+            mem2 = median_dict([in_memory(x2, y2, 1, 512) for _ in range(repeat)])
+            results["w2"] = {"rows": rows, "ours_fit_s": seconds,
+                             "ours_train_rows_per_s": statistics.median(train_rates),
+                             "ours_train_rows_per_s_all": train_rates, "in_memory": mem2}
+            del x2, y2
+        for r in runs:
+            r[3].unpersist()
     if len(growth) >= 2:
         a, b = growth[0], growth[-1]
         per_row = (b["fit_s"] - a["fit_s"]) / (b["rows"] - a["rows"])
@@ -304,38 +380,53 @@ def main(argv=None):
     print(f"\nJSON: {args.json}")
 
 
+def spread(values) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if values else ""
+
+
 def report(r):
-    print(f"# Benchmarks {r['date']} on {r['machine']}")
+    print(f"# Benchmarks {r['date']} on {r['machine']}; medians of {r['repeat']} runs (range alongside)")
     s = r["overhead"]["stages"]
     table("Fit overhead: 1,000 rows, 1 epoch, session up (target <= 3 s)",
-          [{"fit s": r["overhead"]["seconds"], **{k: v for k, v in s.items()}}], ["fit s", *s.keys()])
+          [{"fit s": r["overhead"]["seconds"], "range": spread(r["overhead"]["all_s"]), **s}],
+          ["fit s", "range", *s.keys()])
     w1 = r["w1"]
     td = w1.get("torch_distributor") or {}
-    rows = [{"what": "ours, first fit (materializes)", "seconds": w1["ours_first_s"]},
-            {"what": "ours, second fit (reuses data)", "seconds": w1["ours_second_s"]},
-            {"what": "in-memory limit, 1 process", "seconds": w1["in_memory"]["seconds"]}]
+    rows = [{"what": "ours, first fit (materializes)", "seconds": w1["ours_first_s"],
+             "range": spread(w1["ours_first_all_s"])},
+            {"what": "ours, second fit (reuses data)", "seconds": w1["ours_second_s"],
+             "range": spread(w1["ours_second_all_s"])},
+            {"what": "in-memory limit, 1 process", "seconds": w1["in_memory"]["seconds"],
+             "range": spread(w1["in_memory"]["all_seconds"])}]
     if td:
         rows += [{"what": "TorchDistributor: write Parquet + run", "seconds": td["total_s"]},
                  {"what": "TorchDistributor: run only", "seconds": td["run_s"]}]
+        rows.append({"what": "ratio: ours first fit / TorchDistributor (write + run)",
+                     "seconds": w1["ours_first_s"] / td["total_s"]})
     table("W1: 20,000 x 784, MLP 784-128-10, 2 epochs, batch 128, 2 processes (target: ours <= 0.5x TorchDistributor)",
-          rows, ["what", "seconds"])
+          rows, ["what", "seconds", "range"])
     table("W1 fit stages (seconds)", [{"fit": "first", **w1["ours_first_stages"]},
                                       {"fit": "second", **w1["ours_second_stages"]}],
           ["fit", *w1["ours_first_stages"].keys()])
     if "reader" in r:
-        table("Reader: one rank's shard into memory (target >= 0.8x raw pyarrow)", [r["reader"]],
+        table("Reader: rank 0's shard into memory, page cache warm (target >= 0.8x raw pyarrow)", [r["reader"]],
               ["ours_rows", "ours_rows_per_s", "raw_rows", "raw_rows_per_s", "ratio"])
-    table("Transform 5,000 rows (target >= 0.5x raw forward)", [r["transform"]], ["rows", "ours_s", "raw_forward_s",
-                                                                                  "ratio"])
+    table("Transform 5,000 rows (target >= 0.5x raw forward), seconds", [r["transform"]],
+          ["rows", "ours_first_s", "ours_s", "spark_plain_job_s", "spark_noop_arrow_udf_s", "ours_minus_noop_udf_s",
+           "raw_forward_s", "ratio"])
     if "w2" in r:
         w2 = r["w2"]
         table(f"W2: {w2['rows']:,} x 64, 1 epoch, batch 512 (target: training >= 0.7x in-memory)",
-              [{"what": "ours (training stage)", "rows/s": w2["ours_train_rows_per_s"]},
-               {"what": "in-memory limit", "rows/s": w2["in_memory"]["rows_per_s"]}], ["what", "rows/s"])
+              [{"what": "ours (training stage: shard read + loop)", "rows/s": w2["ours_train_rows_per_s"],
+                "range": spread([v / 1000 for v in w2["ours_train_rows_per_s_all"]]) + " k"},
+               {"what": "in-memory limit", "rows/s": w2["in_memory"]["rows_per_s"]},
+               {"what": "ratio", "rows/s": w2["ours_train_rows_per_s"] / w2["in_memory"]["rows_per_s"]}],
+              ["what", "rows/s", "range"])
     if "growth" in r:
         g = r["growth"]
-        table(f"Growth, 1 epoch (fixed ~{g['fixed_s']:.1f} s + {g['per_row_us']:.1f} us/row)", g["points"],
-              list(g["points"][0].keys()))
+        points = [{**p, "all_s": spread(p["all_s"])} for p in g["points"]]
+        table(f"Growth, 1 epoch, first fits (fixed ~{g['fixed_s']:.1f} s + {g['per_row_us']:.1f} us/row)", points,
+              list(points[0].keys()))
 
 
 if __name__ == "__main__":

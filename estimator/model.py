@@ -13,7 +13,6 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
-from torch import nn
 
 from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict, make_predict_pandas
 from estimator.params import DeclaredParams, declare
