@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from estimator import comm
 from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
@@ -52,7 +52,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                           weighted=spec.data.sample_weight_col is not None)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    comm.register(ddp, ctx.backend, spec.compression)
+    if spec.compression == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     train, val = open_readers(spec, ctx)
     loop = TrainLoop(spec, ctx, ddp, optimizer, objective, objs.transformation_fn)
     loop.global_step = global_step
