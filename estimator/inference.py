@@ -1,4 +1,5 @@
-"""Batched prediction on executors: Arrow arrays in, an Arrow struct of outputs out. No pyspark.
+"""Batched prediction on executors: Arrow arrays in, an Arrow struct of outputs out. pyspark only to ask
+the running task which GPU Spark assigned to it.
 
 The model is unpickled once per Python worker (Spark reuses workers) and kept in a small cache
 keyed by the model's content hash, so each Arrow batch costs only the conversion and the forward.
@@ -44,8 +45,24 @@ def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
     return _CACHE[(key, device)]
 
 
-def device_for(use_gpu: Optional[bool]) -> str:
-    return "cuda" if use_gpu is not False and torch.cuda.is_available() else "cpu"
+def device_for(use_gpu: Optional[bool], assigned_gpu: Optional[str] = None) -> str:
+    """The GPU Spark assigned to this task (spark.task.resource.gpu.amount), else the current CUDA device,
+    else the CPU. Without the assignment every task of a multi-GPU executor would run on GPU 0."""
+    if use_gpu is False or not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(assigned_gpu)}" if assigned_gpu is not None else "cuda"
+
+
+def task_gpu() -> Optional[str]:
+    """The first GPU address Spark assigned to the running task, if any (None outside a Spark task)."""
+    try:
+        from pyspark import TaskContext
+
+        task = TaskContext.get()
+        gpu = task.resources().get("gpu") if task is not None else None
+    except Exception:  # noqa: BLE001 - no Spark here, or no resources: the default device
+        return None
+    return gpu.addresses[0] if gpu is not None and gpu.addresses else None
 
 
 def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
@@ -55,7 +72,7 @@ def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.A
 
 def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Sequence[np.ndarray]):
     """Model outputs, each (rows, width), for feature columns given as (rows,) or (rows, n) arrays."""
-    device = device_for(layout.use_gpu)
+    device = device_for(layout.use_gpu, task_gpu() if layout.use_gpu is not False else None)
     if layout.torch_threads and torch.get_num_threads() != layout.torch_threads:
         torch.set_num_threads(layout.torch_threads)  # every task of an executor runs its own forward passes
     model = cached_model(key, blob, device)

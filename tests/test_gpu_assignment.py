@@ -31,3 +31,6 @@ def test_each_rank_gets_the_gpu_spark_assigned_to_its_task(tmp_path):
     assert error.startswith("Training failed on rank")
     assert "use_gpu=True but ranks [0, 1] see no CUDA device" in error
     assert "Spark assigned GPU addresses ['3', '5'] to ranks 0-1 but torch.cuda sees none" in error
+    # a transform's tasks run on the GPU assigned to them (not all on GPU 0); which of the two each gets,
+    # and whether two tasks ran at once, is Spark's
+    assert lines[2]["inference_gpus"] and set(lines[2]["inference_gpus"]) <= {"3", "5"}

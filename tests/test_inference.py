@@ -48,3 +48,13 @@ def test_scalar_and_vector_outputs_and_empty_batches():
     assert result.type.field("_1").type == pa.float64() and len(result) == 4
     empty = predict_arrow("k-two", blob, layout, pa.array([], pa.list_(pa.float32())))
     assert len(empty) == 0 and empty.type == arrow_type(layout)
+
+
+def test_inference_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert inference.device_for(None, "3") == "cuda:3"
+    assert inference.device_for(True, None) == "cuda"  # no assignment: the current CUDA device
+    assert inference.device_for(False, "3") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert inference.device_for(None, "3") == "cpu"
+    assert inference.task_gpu() is None  # outside a Spark task

@@ -6,8 +6,10 @@ import json
 import logging
 import sys
 
+import pandas as pd
 import torch
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from sklearn.datasets import load_digits
 from torch import nn
 
@@ -45,4 +47,14 @@ try:
     print(json.dumps({"use_gpu_true": "no error"}))
 except RankFailed as exc:
     print(json.dumps({"use_gpu_true": str(exc)}))
+
+
+def inference_gpu(ids: pd.Series) -> pd.Series:  # the GPU a transform task would run its forward passes on
+    from estimator.inference import task_gpu
+    return pd.Series([str(task_gpu())] * len(ids))
+
+
+udf = F.pandas_udf(inference_gpu, "string")
+print(json.dumps({"inference_gpus": sorted({r[0] for r in spark.range(0, 8, numPartitions=2).select(udf("id"))
+                                             .collect()})}))
 spark.stop()
