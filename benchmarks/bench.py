@@ -362,9 +362,15 @@ def main(argv=None):
             train_rates = sorted(rows / r[1]["train_s"] for r in runs)
             x2, y2 = local_data(rows, 64, seed=rows)
             mem2 = median_dict([in_memory(x2, y2, 1, 512) for _ in range(repeat)])
+            refit_rates = []
+            for _ in range(repeat):  # the same data again: no materialization just before training
+                ours_fit(runs[-1][3], 64, 1, 512, store)
+                refit_rates.append(rows / stages.last["train_s"])
             results["w2"] = {"rows": rows, "ours_fit_s": seconds,
                              "ours_train_rows_per_s": statistics.median(train_rates),
-                             "ours_train_rows_per_s_all": train_rates, "in_memory": mem2}
+                             "ours_train_rows_per_s_all": train_rates,
+                             "ours_refit_train_rows_per_s": statistics.median(refit_rates),
+                             "ours_refit_train_rows_per_s_all": sorted(refit_rates), "in_memory": mem2}
             del x2, y2
         for r in runs:
             r[3].unpersist()
@@ -417,10 +423,13 @@ def report(r):
     if "w2" in r:
         w2 = r["w2"]
         table(f"W2: {w2['rows']:,} x 64, 1 epoch, batch 512 (target: training >= 0.7x in-memory)",
-              [{"what": "ours (training stage: shard read + loop)", "rows/s": w2["ours_train_rows_per_s"],
+              [{"what": "ours, first fit (training stage: shard read + loop)", "rows/s": w2["ours_train_rows_per_s"],
                 "range": spread([v / 1000 for v in w2["ours_train_rows_per_s_all"]]) + " k"},
+               {"what": "ours, refit of the same data (training stage)", "rows/s": w2["ours_refit_train_rows_per_s"],
+                "range": spread([v / 1000 for v in w2["ours_refit_train_rows_per_s_all"]]) + " k"},
                {"what": "in-memory limit", "rows/s": w2["in_memory"]["rows_per_s"]},
-               {"what": "ratio", "rows/s": w2["ours_train_rows_per_s"] / w2["in_memory"]["rows_per_s"]}],
+               {"what": "ratio, first fit", "rows/s": w2["ours_train_rows_per_s"] / w2["in_memory"]["rows_per_s"]},
+               {"what": "ratio, refit", "rows/s": w2["ours_refit_train_rows_per_s"] / w2["in_memory"]["rows_per_s"]}],
               ["what", "rows/s", "range"])
     if "growth" in r:
         g = r["growth"]
