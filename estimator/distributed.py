@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,13 @@ def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float,
                                      f"failed or was stopped ({type(exc).__name__}: {exc})") from None
     if verdict != "ok":
         raise RendezvousFailed(rank, verdict)
+
+
+def assigned_gpu(task: Any) -> Optional[str]:
+    """The first GPU address Spark assigned to a task (spark.task.resource.gpu.amount), from its
+    TaskContext; None without a task or without GPUs."""
+    gpu = task.resources().get("gpu") if task is not None else None
+    return gpu.addresses[0] if gpu is not None and gpu.addresses else None
 
 
 def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank: int,

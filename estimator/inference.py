@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from estimator.data import column_to_numpy, reshape, torch_dtype_array
+from estimator.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
 _CACHE_SIZE = 2
@@ -58,11 +59,9 @@ def task_gpu() -> Optional[str]:
     try:
         from pyspark import TaskContext
 
-        task = TaskContext.get()
-        gpu = task.resources().get("gpu") if task is not None else None
+        return assigned_gpu(TaskContext.get())
     except Exception:  # noqa: BLE001 - no Spark here, or no resources: the default device
         return None
-    return gpu.addresses[0] if gpu is not None and gpu.addresses else None
 
 
 def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:

@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 from torch.distributed import TCPStore
 
-from estimator.distributed import RankContext, RankFailed, RendezvousFailed, check_in, choose_device, run_rank
+from estimator.distributed import (RankContext, RankFailed, RendezvousFailed, assigned_gpu, check_in, choose_device,
+                                   run_rank)
 from estimator.faults import Fault, from_env, inject
 from estimator.spec import TrainSpec, WorkerResult
 from estimator.worker import train_worker
@@ -121,8 +122,7 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     world, timeout = len(hosts), spec.rendezvous_timeout
     arrived = _announce(spec, rank, hosts[rank])
     server: Optional[TCPStore] = None
-    gpu = task.resources().get("gpu")
-    assigned = gpu.addresses[0] if gpu is not None and gpu.addresses else None
+    assigned = assigned_gpu(task)
     message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}
     if rank == 0:  # rank 0 owns the store; its OS-chosen port travels in the one allGather
         server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
