@@ -58,3 +58,29 @@ def test_inference_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert inference.device_for(None, "3") == "cpu"
     assert inference.task_gpu() is None  # outside a Spark task
+
+
+def test_inference_uses_the_task_cores_as_torch_threads():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        model = seeded(MLP, 4, 3)
+        blob = cloudpickle.dumps(model)
+        layout = _layout(torch_threads=1)
+        predict_arrow("threads", blob, layout, pa.array([[0.0] * 4] * 3, type=pa.list_(pa.float32())))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_spark_workers_import_inference_without_pyspark_ml():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, estimator.inference, estimator.launcher; "
+            "print(sorted(m for m in sys.modules if m == 'pyspark.ml' or m == 'estimator.estimator'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
