@@ -47,6 +47,9 @@ class RankFailed(RuntimeError):
         self.rank = rank
         self.formatted = formatted
 
+    def __reduce__(self):  # crosses process boundaries (LocalLauncher's pool) with its own arguments
+        return type(self), (self.rank, self.formatted)
+
 
 class RendezvousFailed(RankFailed):
     """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""

@@ -145,7 +145,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
             backward_passes_per_step=p["backward_passes_per_step"],
-            compression=compression_name(p["gradient_compression"]), terminate_on_nan=p["terminate_on_nan"],
+            compression=compression_name(p["gradient_compression"]),
+            shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
             rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]))
         if not store.exists(spec.run.metadata):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "run_id": run_id}).encode())
@@ -153,8 +154,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         results = self._launch_with_retries(p, run, spec, spark)
         launch_seconds = time.perf_counter() - launched
         if results:
-            log.info("Trained run %s on %d ranks (%s) in %.1fs", run_id, len(results), results[0].device,
-                     time.perf_counter() - started)
+            log.info("Trained run %s on %d ranks (%s, gradients averaged by %s) in %.1fs", run_id, len(results),
+                     results[0].device, results[0].allreduce, time.perf_counter() - started)
             train = max(r.seconds for r in results)
             stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
                       "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),

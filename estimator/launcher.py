@@ -278,7 +278,15 @@ class LocalLauncher:
         mp = multiprocessing.get_context("spawn")
         with mp.Pool(num_proc) as pool:
             handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port)) for r in range(num_proc)]
-            return [h.get() for h in handles]
+            results, failures = [], []
+            for handle in handles:
+                try:
+                    results.append(handle.get())
+                except Exception as exc:  # noqa: BLE001 - every rank's outcome first, then the cause
+                    failures.append(exc)
+        if failures:  # the failing rank's own error, not a peer's echo of it
+            raise next((f for f in failures if "PeerFailed" not in str(f)), failures[0])
+        return results
 
 
 def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:

@@ -81,6 +81,9 @@ ESTIMATOR_PARAMS = [
     ParamSpec("gradient_compression", "Compression.fp16 to allreduce gradients in float16", None,
               lambda v: v is None or getattr(v, "name", v) in ("none", "fp16"),
               "Compression.none, Compression.fp16 or None", json=False),
+    ParamSpec("shared_memory_allreduce", "on CPU, when all ranks run on one host, average gradients through a "
+              "shared-memory file in /dev/shm instead of gloo over loopback (several times faster for small models); "
+              "ranks on several hosts, or without /dev/shm, use gloo either way", True, is_bool, "True or False"),
     ParamSpec("terminate_on_nan", "stop training with an error when a loss is NaN or infinite", False, is_bool,
               "True or False"),
     ParamSpec("lr_scheduler_fn", "function(optimizer) -> a torch.optim.lr_scheduler scheduler, built on every rank "

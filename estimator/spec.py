@@ -81,6 +81,7 @@ class TrainSpec:
     reader: ReaderSpec = ReaderSpec()
     backward_passes_per_step: int = 1
     compression: str = "none"
+    shared_memory_allreduce: bool = True  # CPU ranks on one host average gradients in shared memory, not gloo
     terminate_on_nan: bool = False
     rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (Spark's barrier, then rank 0's store)
     collective_timeout: float = 1800.0  # seconds a collective may wait for a peer (torch process group)
@@ -122,4 +123,5 @@ class WorkerResult:
     assigned_gpu: Optional[str] = None  # the GPU address Spark assigned to this rank's task, if any
     setup_seconds: float = 0.0  # task start to training start: spec, rendezvous, process group, model, data
     teardown_seconds: float = 0.0  # final barrier and process-group teardown
+    allreduce: str = "gloo"  # how gradients were averaged: "shared memory", "gloo", "nccl", "gloo fp16", ...
     peak_rss_mb: float = 0.0  # this Python worker's peak resident memory (Spark reuses workers: a lifetime peak)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from estimator.data import ShardBatches, plan_steps, read_rows, reshape, shard_range, torch_dtype_array
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
+from estimator.host_allreduce import HostAllreduce
 from estimator.losses import Objective
 from estimator.pickling import rebuild_optimizer
 from estimator.spec import DataSpec, Piece, TrainSpec, UserObjects, WorkerResult, total_rows
@@ -49,11 +50,38 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
             scheduler.load_state_dict(state["lr_scheduler"])
         history = [dict(row) for row in state["history"]]
         global_step = int(state.get("global_step", 0))
-    objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
-                          weighted=spec.data.sample_weight_col is not None)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    comm = None
     if spec.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif spec.shared_memory_allreduce and device.type == "cpu" and ctx.world_size > 1:
+        comm = HostAllreduce.connect(ctx.rank, ctx.world_size, gradient_bytes(model), spec.collective_timeout)
+        if comm is not None:
+            ddp.register_comm_hook(None, comm.hook)
+    try:
+        allreduce = "shared memory" if comm is not None else (
+            f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
+        return _train(spec, ctx, objs, model, ddp, optimizer, scheduler, history, global_step, started,
+                      allreduce, faults, attempt)
+    except BaseException:
+        if comm is not None:
+            comm.abort()  # the peers stop waiting for this rank in the next allreduce
+        raise
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _train(spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Module, ddp: nn.Module,
+           optimizer: torch.optim.Optimizer, scheduler: Any, history: List[Dict[str, float]], global_step: int,
+           started: float, allreduce: str, faults: Tuple[Fault, ...], attempt: int) -> WorkerResult:
+    device = torch.device(ctx.device)
+    objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
+                          weighted=spec.data.sample_weight_col is not None)
     train, val = open_readers(spec, ctx)
     loop = TrainLoop(spec, ctx, ddp, optimizer, objective, objs.transformation_fn)
     loop.global_step = global_step
@@ -86,7 +114,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     del ddp, loop  # the caller's teardown needs DDP gone before destroy_process_group
     return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started,
                         reader=train.describe() + (f"; val {val.describe()}" if val is not None else ""),
-                        optimizer_steps=optimizer_steps(optimizer), assigned_gpu=ctx.assigned_gpu)
+                        optimizer_steps=optimizer_steps(optimizer), assigned_gpu=ctx.assigned_gpu,
+                        allreduce=allreduce)
 
 
 class TrainLoop:

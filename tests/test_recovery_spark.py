@@ -62,6 +62,8 @@ def test_a_killed_worker_is_relaunched_from_the_last_checkpoint(spark, store, df
         crashed = _est(store, run_id="crashed", max_retries=1).fit(df)
     assert "Run crashed failed on attempt 1 of 2; retrying from its last checkpoint" in caplog.text
     assert "Run crashed continues from its checkpoint after epoch 2" in caplog.text  # epochs 1-2 not repeated
+    # the ranks (Spark tasks on one host) averaged gradients in shared memory, and rank 0 noticed rank 1's death
+    assert "gradients averaged by shared memory" in caplog.text
     _same_history(crashed.getHistory(), clean.getHistory())  # as if nothing had happened
     state = torch.load(io.BytesIO(store.read_bytes(store.run("crashed").checkpoint)), weights_only=True)
     assert state["epoch"] == 4 and state["lr_scheduler"]["last_epoch"] == 4 and state["global_step"] > 0
