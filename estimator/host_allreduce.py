@@ -59,7 +59,6 @@ class HostAllreduce:
         self._slots = torch.frombuffer(mapped, dtype=torch.uint8, offset=TOKEN_BYTES + header,
                                        count=2 * world * slot_bytes).view(2, world, slot_bytes)
         self._step = 0
-        self.waited_seconds = 0.0  # time spent waiting for peers (not copying or summing)
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -169,7 +168,6 @@ class HostAllreduce:
             if now >= next_check:
                 next_check = now + LIVENESS_EVERY
                 self._check_peers(step, now - started)
-        self.waited_seconds += time.monotonic() - started
 
     def _check_peers(self, step: int, waited: float) -> None:
         late = [r for r in range(self.world) if self._header[r, 0] < step]
