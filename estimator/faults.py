@@ -7,7 +7,8 @@ rank's rendezvous without changing the code under test. Nothing happens when the
     [{"point": "epoch", "rank": 1, "action": "exit", "epoch": 2, "attempt": 0}]
 
 points: "before_barrier" (before Spark's barrier), "before_checkin" (after it, before the torch
-rendezvous), "epoch" (at the start of an epoch; "epoch" selects which, 1-based).
+rendezvous), "read" (the rank's Arrow shard read, which runs on a thread during the rendezvous),
+"epoch" (at the start of an epoch; "epoch" selects which, 1-based).
 actions: "sleep" ("seconds"), "raise", "exit" (os._exit: the Python worker dies without cleanup).
 "attempt" (optional) limits the fault to one launch attempt (0 = the first).
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 ENV = "SPARK_TORCH_ESTIMATOR_FAULTS"
-POINTS = ("before_barrier", "before_checkin", "epoch")
+POINTS = ("before_barrier", "before_checkin", "read", "epoch")
 ACTIONS = ("sleep", "raise", "exit")
 
 

@@ -125,3 +125,5 @@ class WorkerResult:
     teardown_seconds: float = 0.0  # final barrier and process-group teardown
     allreduce: str = "gloo"  # how gradients were averaged: "shared memory", "gloo", "nccl", "gloo fp16", ...
     peak_rss_mb: float = 0.0  # this Python worker's peak resident memory (Spark reuses workers: a lifetime peak)
+    read_seconds: float = 0.0  # reading this rank's shards into memory (overlapping the rendezvous when read early)
+    read_wait_seconds: float = 0.0  # of `seconds`, the time training waited for those shards

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import math
+import threading
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -33,7 +34,9 @@ CHECKPOINT_FORMAT = 1
 Batch = Dict[str, np.ndarray]
 
 
-def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0) -> WorkerResult:
+def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0,
+                 early: Optional["EarlyRead"] = None) -> WorkerResult:
+    """Train this rank; `early` holds its shards when the launcher started reading them already."""
     started = time.perf_counter()
     objs: UserObjects = cloudpickle.loads(spec.payload)
     device = torch.device(ctx.device)
@@ -62,7 +65,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         allreduce = "shared memory" if comm is not None else (
             f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
         return _train(spec, ctx, objs, model, ddp, optimizer, scheduler, history, global_step, started,
-                      allreduce, faults, attempt)
+                      allreduce, faults, attempt, early)
     except BaseException:
         if comm is not None:
             comm.abort()  # the peers stop waiting for this rank in the next allreduce
@@ -78,11 +81,14 @@ def gradient_bytes(model: nn.Module) -> int:
 
 def _train(spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Module, ddp: nn.Module,
            optimizer: torch.optim.Optimizer, scheduler: Any, history: List[Dict[str, float]], global_step: int,
-           started: float, allreduce: str, faults: Tuple[Fault, ...], attempt: int) -> WorkerResult:
+           started: float, allreduce: str, faults: Tuple[Fault, ...], attempt: int,
+           early: Optional["EarlyRead"]) -> WorkerResult:
     device = torch.device(ctx.device)
     objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                           weighted=spec.data.sample_weight_col is not None)
-    train, val = open_readers(spec, ctx)
+    opening = time.perf_counter()
+    train, val = early.result(ctx) if early is not None else open_readers(spec, ctx)
+    waited = time.perf_counter() - opening
     loop = TrainLoop(spec, ctx, ddp, optimizer, objective, objs.transformation_fn)
     loop.global_step = global_step
     callbacks = objs.callbacks if ctx.rank == 0 else []
@@ -115,7 +121,8 @@ def _train(spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Modul
     return WorkerResult(ctx.rank, tuple(history), str(device), train.rows, time.perf_counter() - started,
                         reader=train.describe() + (f"; val {val.describe()}" if val is not None else ""),
                         optimizer_steps=optimizer_steps(optimizer), assigned_gpu=ctx.assigned_gpu,
-                        allreduce=allreduce)
+                        allreduce=allreduce, read_seconds=early.seconds if early is not None else waited,
+                        read_wait_seconds=waited)
 
 
 class TrainLoop:
@@ -172,18 +179,18 @@ class TrainLoop:
 class ArrowShard:
     """A rank's shard read with pyarrow.dataset and kept in memory (see estimator.data)."""
 
-    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], ctx: RankContext, training: bool):
-        start, stop = shard_range(total_rows(pieces), ctx.rank, ctx.world_size)
+    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], rank: int, world_size: int, training: bool):
+        start, stop = shard_range(total_rows(pieces), rank, world_size)
         self.shard = ShardBatches(prepare_arrays(spec.data, read_rows(spec.data.store, pieces, start, stop,
                                                                       spec.data.columns)), stop - start)
-        self.rows, self.spec, self.ctx, self.training = stop - start, spec, ctx, training
+        self.rows, self.spec, self.rank, self.world_size, self.training = stop - start, spec, rank, world_size, training
         self.total = total_rows(pieces)
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         spec = self.spec
         if self.training:
-            steps, items = plan_steps(self.total, self.ctx.world_size, spec.batch_size, spec.train_steps_per_epoch)
-            seed = np.random.SeedSequence([spec.seed, epoch, self.ctx.rank]).entropy
+            steps, items = plan_steps(self.total, self.world_size, spec.batch_size, spec.train_steps_per_epoch)
+            seed = np.random.SeedSequence([spec.seed, epoch, self.rank]).entropy
             return self.shard.epoch(spec.batch_size, steps, items, spec.shuffle, seed)
         steps = math.ceil(self.rows / spec.val_batch_size)
         if spec.validation_steps_per_epoch is not None:
@@ -203,8 +210,60 @@ def open_readers(spec: TrainSpec, ctx: RankContext) -> Tuple[Any, Optional[Any]]
 
         train = PetastormShard(spec, spec.data.train, ctx, training=True)
         return train, PetastormShard(spec, spec.data.val, ctx, training=False) if spec.data.val else None
-    return ArrowShard(spec, spec.data.train, ctx, True), (ArrowShard(spec, spec.data.val, ctx, False)
-                                                          if spec.data.val else None)
+    return read_arrow_shards(spec, ctx.rank, ctx.world_size)
+
+
+def read_arrow_shards(spec: TrainSpec, rank: int, world_size: int) -> Tuple[ArrowShard, Optional[ArrowShard]]:
+    return ArrowShard(spec, spec.data.train, rank, world_size, True), (
+        ArrowShard(spec, spec.data.val, rank, world_size, False) if spec.data.val else None)
+
+
+class EarlyRead:
+    """This rank's Arrow shards, read on a thread while the rendezvous waits for the peers.
+
+    A rank knows its rank and the world size before Spark's barrier (partition id, task count), so the
+    read can overlap the barrier's polling (about a second) instead of following it. The launcher
+    calls `begin()` once its own warm-up is done: both need the CPU (a rank usually has one core).
+    `result()` begins the read if nobody did. An error in the read is raised where the read used to
+    happen: by `train_worker` on that rank, after the rendezvous.
+    """
+
+    def __init__(self, spec: TrainSpec, rank: int, world_size: int, faults: Tuple[Fault, ...] = (), attempt: int = 0):
+        self.rank, self.world_size = rank, world_size
+        self.seconds = 0.0  # the read itself
+        self._box: Dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._read, args=(spec, faults, attempt), daemon=True,
+                                        name=f"shard-read-rank-{rank}")
+
+    def begin(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _read(self, spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int) -> None:
+        started = time.perf_counter()
+        try:
+            inject(faults, "read", self.rank, attempt)
+            self._box["shards"] = read_arrow_shards(spec, self.rank, self.world_size)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result(), on the training thread
+            self._box["error"] = exc
+        self.seconds = time.perf_counter() - started
+
+    def result(self, ctx: RankContext) -> Tuple[ArrowShard, Optional[ArrowShard]]:
+        if (ctx.rank, ctx.world_size) != (self.rank, self.world_size):
+            raise RuntimeError(f"shards read early for rank {self.rank} of {self.world_size}, "
+                               f"but this is rank {ctx.rank} of {ctx.world_size}")
+        self.begin()
+        self._thread.join()
+        box, self._box = self._box, {}  # the arrays belong to the readers from here on
+        if "error" in box:
+            raise box["error"]
+        return box["shards"]
+
+    @classmethod
+    def for_spec(cls, spec: TrainSpec, rank: int, world_size: int, faults: Tuple[Fault, ...] = (),
+                 attempt: int = 0) -> Optional["EarlyRead"]:
+        """An early read for the Arrow reader; petastorm opens its own reader threads at training time."""
+        return cls(spec, rank, world_size, faults, attempt) if spec.reader.kind != "petastorm" else None
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

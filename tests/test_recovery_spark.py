@@ -90,6 +90,20 @@ def test_a_crash_without_retries_names_the_rank(spark, store, df, monkeypatch):
     assert len(_est(store, run_id="after", epochs=1).fit(df).getHistory()) == 1  # the session still works
 
 
+def test_a_failed_shard_read_fails_its_rank_after_the_rendezvous_and_is_retried(spark, store, df, monkeypatch,
+                                                                              caplog):
+    """The shard is read on a thread during the rendezvous; its error still belongs to its rank."""
+    _faults(monkeypatch, {"point": "read", "rank": 1, "action": "raise", "attempt": 0})
+    with pytest.raises(RankFailed) as info:
+        _est(store, run_id="unread", epochs=2, max_retries=0).fit(df)
+    assert info.value.rank == 1 and "InjectedFault: injected fault at read on rank 1" in info.value.formatted
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        model = _est(store, run_id="reread", epochs=2, max_retries=1).fit(df)
+    assert "Run reread failed on attempt 1 of 2; retrying from its last checkpoint: Training failed on rank 1" \
+        in caplog.text
+    assert [row["epoch"] for row in model.getHistory()] == [1, 2]
+
+
 def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df):
     first = _est(store, run_id="grow", epochs=2, random_seed=None).fit(df)
     longer = _est(store, run_id="grow", epochs=4, random_seed=None).fit(df)  # keeps the run's drawn seed

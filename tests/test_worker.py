@@ -10,7 +10,9 @@ from torch import nn
 from estimator.distributed import RankFailed
 from estimator.launcher import LocalLauncher
 from estimator.pickling import user_objects
-from estimator.worker import build_optimizer
+from estimator.distributed import RankContext
+from estimator.faults import Fault, InjectedFault
+from estimator.worker import EarlyRead, build_optimizer, read_arrow_shards
 from helpers import MLP, make_spec, seeded
 
 
@@ -65,6 +67,28 @@ def test_a_failing_rank_raises_with_its_traceback_and_leaves_no_group(store, dig
         LocalLauncher().run(spec, 1)
     assert info.value.rank == 0 and "Traceback" in info.value.formatted
     assert not dist.is_initialized()
+
+
+def test_shards_read_early_are_the_shards_read_at_training_time(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=1001, val_rows=151)
+    for rank in (0, 1):
+        ctx = RankContext(rank, 2, rank, "cpu", "127.0.0.1", 0)
+        (train, val), (direct_train, direct_val) = EarlyRead(spec, rank, 2).result(ctx), read_arrow_shards(spec, rank, 2)
+        assert (train.rows, val.rows) == (direct_train.rows, direct_val.rows) == ((501, 76) if rank == 0 else (500, 75))
+        for early, direct in ((train, direct_train), (val, direct_val)):
+            for got, want in zip(early.epoch(1), direct.epoch(1)):  # the same batches, shuffled the same way
+                assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_an_early_read_raises_its_error_on_the_training_thread_and_checks_the_rank(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=300, val_rows=40)
+    failing = EarlyRead(spec, 1, 2, (Fault("read", 1, "raise"),))
+    with pytest.raises(InjectedFault, match="injected fault at read on rank 1"):
+        failing.result(RankContext(1, 2, 1, "cpu", "127.0.0.1", 0))
+    with pytest.raises(RuntimeError, match="shards read early for rank 0 of 2, but this is rank 1 of 2"):
+        EarlyRead(spec, 0, 2).result(RankContext(1, 2, 1, "cpu", "127.0.0.1", 0))
 
 
 def test_optimizer_is_rebuilt_with_groups_hyperparameters_and_state():
