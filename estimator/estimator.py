@@ -160,7 +160,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
                       "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),
                       "train_s": train, "shard_read_s": max(r.read_seconds for r in results),
-                      "train_waited_for_shard_s": max(r.read_wait_seconds for r in results), "teardown_s": max(r.teardown_seconds for r in results),
+                      "train_waited_for_shard_s": max(r.read_wait_seconds for r in results),
+                      "teardown_s": max(r.teardown_seconds for r in results),
                       "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                                for r in results),
                       "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}

@@ -74,7 +74,8 @@ def test_shards_read_early_are_the_shards_read_at_training_time(store, digits):
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=1001, val_rows=151)
     for rank in (0, 1):
         ctx = RankContext(rank, 2, rank, "cpu", "127.0.0.1", 0)
-        (train, val), (direct_train, direct_val) = EarlyRead(spec, rank, 2).result(ctx), read_arrow_shards(spec, rank, 2)
+        train, val = EarlyRead(spec, rank, 2).result(ctx)
+        direct_train, direct_val = read_arrow_shards(spec, rank, 2)
         assert (train.rows, val.rows) == (direct_train.rows, direct_val.rows) == ((501, 76) if rank == 0 else (500, 75))
         for early, direct in ((train, direct_train), (val, direct_val)):
             for got, want in zip(early.epoch(1), direct.epoch(1)):  # the same batches, shuffled the same way
