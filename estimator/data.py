@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from estimator.spec import Piece
 from store import Store
@@ -75,6 +76,19 @@ def read_rows(store: Store, pieces: Sequence[Piece], start: int, stop: int,
     if not tables:
         return {c: np.empty((0,)) for c in columns}
     table = pa.concat_tables(tables)
+    return {c: column_to_numpy(table.column(c), c) for c in columns}
+
+
+def read_head(store: Store, pieces: Sequence[Piece], rows: int, columns: Sequence[str]) -> Arrays:
+    """The first `rows` rows (at most) of the first piece, decoding only those: reading and decoding a
+    whole row group (Spark writes ~128 MB ones) to look at two rows took 0.35 s at 500k rows x 64."""
+    if not pieces or rows <= 0:
+        return read_rows(store, pieces, 0, 0, columns)
+    piece = pieces[0]
+    with arrow_filesystem(store).open_input_file(piece.path) as handle:
+        batches = pq.ParquetFile(handle).iter_batches(batch_size=rows, row_groups=[piece.row_group],
+                                                      columns=list(columns))
+        table = pa.Table.from_batches([next(batches)])
     return {c: column_to_numpy(table.column(c), c) for c in columns}
 
 

@@ -20,7 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from estimator import checks
 from estimator.compression import compression_name
-from estimator.data import list_pieces, parquet_columns, read_rows
+from estimator.data import list_pieces, parquet_columns, read_head
 from estimator.distributed import RankFailed
 from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import Objective
@@ -278,8 +278,9 @@ def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
     """Forward and loss on two training rows on the driver, before launching: a wrong signature,
     shape or loss fails here in a second with a clear message, not on every rank. Returns the
     per-row shape of each output (the TorchModel's output schema comes from it)."""
-    rows = min(2, data.train_rows)
-    arrays = prepare_arrays(data, read_rows(data.store, data.train, 0, rows, data.columns))
+    head = read_head(data.store, data.train, 2, data.columns)  # the first row group may hold only one
+    rows = len(head[data.columns[0]])
+    arrays = prepare_arrays(data, head)
     features, labels, weights = to_tensors(arrays, data, torch.device("cpu"))
     model = copy.deepcopy(objs.model).eval()
     shown = ", ".join(f"{c}: {tuple(t.shape)}" for c, t in zip(data.feature_cols, features))

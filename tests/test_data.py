@@ -3,7 +3,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from estimator.data import ShardBatches, column_to_numpy, list_pieces, plan_steps, read_rows, reshape, shard_range
+from estimator.data import (ShardBatches, column_to_numpy, list_pieces, plan_steps, read_head, read_rows, reshape,
+                            shard_range)
 from helpers import write_parquet
 from store import Store
 
@@ -43,6 +44,19 @@ def test_read_rows_is_exactly_the_global_slice(tmp_path, start, stop):
     np.testing.assert_array_equal(arrays["label"], labels[start:stop])
     if stop > start:
         np.testing.assert_array_equal(arrays["features"], features[start:stop])
+
+
+def test_the_head_is_the_first_rows_of_the_first_piece(tmp_path):
+    store, features, labels = _dataset(tmp_path)
+    pieces = list_pieces(store, store.path("d"))
+    for rows in (1, 2, 20):
+        head = read_head(store, pieces, rows, ["features", "label"])
+        np.testing.assert_array_equal(head["label"], labels[:rows])
+        np.testing.assert_array_equal(head["features"], features[:rows])
+    for skipped, first in ((1, 20), (3, 51), (4, 84)):  # row groups after the first, a second file
+        np.testing.assert_array_equal(read_head(store, pieces[skipped:], 2, ["label"])["label"], labels[first:first + 2])
+    assert read_head(store, pieces, 2, ["label"])["label"].dtype == np.int64
+    assert len(read_head(store, (), 2, ["label"])["label"]) == 0
 
 
 def test_ranks_together_read_everything(tmp_path):
