@@ -7,10 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.distributed import RankFailed
+from estimator.distributed import RankContext, RankFailed
 from estimator.launcher import LocalLauncher
 from estimator.pickling import user_objects
-from estimator.distributed import RankContext
 from estimator.faults import Fault, InjectedFault
 from estimator.worker import EarlyRead, build_optimizer, read_arrow_shards
 from helpers import MLP, make_spec, seeded
