@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from pyspark.ml.linalg import VectorUDT
-from pyspark.sql.types import ArrayType, BooleanType, DataType, NumericType, StructType
+from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
 from torch import nn
 
 from estimator.params import param_error
@@ -60,6 +60,13 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
             raise ValueError(f"Column {column!r} (from {param}) is not in the DataFrame. "
                              f"Available columns: {', '.join(available)}.")
         dtype = schema[column].dataType
+        if isinstance(dtype, BinaryType) and param == "feature_cols":
+            if p["transformation_fn"] is None:
+                raise ValueError(f"Column {column!r} (from feature_cols) holds bytes (binary, e.g. encoded images): "
+                                 "set transformation_fn to a function(pandas.DataFrame) -> pandas.DataFrame that turns "
+                                 f"each row's bytes in {column!r} into a numpy array (e.g. PIL.Image.open(io.BytesIO"
+                                 "(b)) then numpy.asarray); it runs on every batch, off the training thread.")
+            continue
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only

@@ -20,7 +20,8 @@ from pyspark.sql import DataFrame, SparkSession
 
 from estimator import checks
 from estimator.compression import compression_name
-from estimator.data import list_pieces, parquet_columns, read_head
+from estimator.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.data import list_pieces, parquet_columns, prepare_arrays, read_head, to_tensors, transform_batch
 from estimator.distributed import RankFailed
 from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import Objective
@@ -32,7 +33,7 @@ from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
-from estimator.worker import as_tuple, build_optimizer, format_metrics, load_checkpoint, prepare_arrays, to_tensors
+from estimator.worker import as_tuple, build_optimizer, format_metrics
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
@@ -94,14 +95,17 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         checks.check_params(p)
-        for name in ("shuffle_buffer_size", "mp_start_method"):
-            if p[name] is not None:
-                warnings.warn(f"TorchEstimator ignores {name}={p[name]!r} (accepted for Horovod compatibility; "
-                              "see README 'Migrating from Horovod').", UserWarning, stacklevel=4)
+        if p["mp_start_method"] is not None:
+            warnings.warn(f"TorchEstimator ignores mp_start_method={p['mp_start_method']!r} (accepted for Horovod "
+                          "compatibility; see README 'Migrating from Horovod').", UserWarning, stacklevel=4)
         if p["reader"] == "petastorm":
-            from estimator.data_petastorm import check_petastorm
+            from estimator.data.petastorm import check_petastorm
 
             check_petastorm()
+            if p["checkpoint_steps"] is not None:
+                raise ValueError("checkpoint_steps needs the default reader='arrow': petastorm's training stream runs "
+                                 "across epochs, so a position inside an epoch cannot be resumed. Set "
+                                 "checkpoint_steps=None or reader='arrow'.")
         return p
 
     def _prepare(self, p: Dict[str, Any], spark: SparkSession) -> RunPlan:
@@ -143,7 +147,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"], seed=run.seed,
             use_gpu=p["use_gpu"], verbose=p["verbose"],
             reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
-                              p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"]),
+                              p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
+                              p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
+            checkpoint_steps=p["checkpoint_steps"],
             backward_passes_per_step=p["backward_passes_per_step"],
             compression=compression_name(p["gradient_compression"]),
             shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
@@ -156,11 +162,16 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if results:
             log.info("Trained run %s on %d ranks (%s, gradients averaged by %s) in %.1fs", run_id, len(results),
                      results[0].device, results[0].allreduce, time.perf_counter() - started)
+            readers = sorted({r.reader for r in results})
+            log.info("Ranks read their data: %s", readers[0] if len(readers) == 1 else "; ".join(
+                f"rank {r.rank}: {r.reader}" for r in results))
             train = max(r.seconds for r in results)
             stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
                       "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),
                       "train_s": train, "shard_read_s": max(r.read_seconds for r in results),
                       "train_waited_for_shard_s": max(r.read_wait_seconds for r in results),
+                      "data_wait_fraction": max(r.data_wait_seconds / max(r.train_loop_seconds, 1e-9)
+                                                for r in results),
                       "teardown_s": max(r.teardown_seconds for r in results),
                       "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                                for r in results),
@@ -180,14 +191,14 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
         for attempt in range(retries + 1):
             done = resume_point(run.store, spec.run, p["model"], run.run_id)
-            if done >= spec.epochs:
-                log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id, done,
-                         spec.epochs)
+            if done.epochs >= spec.epochs:
+                log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
+                         done.epochs, spec.epochs)
                 return []
-            if done:
-                log.info("Run %s continues from its checkpoint after epoch %d", run.run_id, done)
+            if done.epochs or done.step:
+                log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
             launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
-                             resume_from=spec.run.checkpoint if done else None)
+                             resume_from=spec.run.checkpoint if done.epochs or done.step else None)
             try:
                 with ProgressWatcher(run.store, spec.run, lambda row: self._report_epoch(p, run.run_id, row)):
                     return launcher.run(launch, run.num_proc)
@@ -251,17 +262,17 @@ def retryable(exc: BaseException) -> bool:
     return not (isinstance(exc, RankFailed) and "FloatingPointError" in exc.formatted)
 
 
-def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str) -> int:
-    """Epochs the run's checkpoint has finished (0 without one); its model must be this model."""
+def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str) -> Position:
+    """Where the run's checkpoint stands (nothing done without one); its model must be this model."""
     if not store.exists(run.checkpoint):
-        return 0
+        return Position()
     state = load_checkpoint(store, run.checkpoint)
     try:
         copy.deepcopy(model).load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
                          f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
-    return int(state["epoch"])
+    return position_of(state)
 
 
 def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:
@@ -281,7 +292,13 @@ def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
     head = read_head(data.store, data.train, 2, data.columns)  # the first row group may hold only one
     rows = len(head[data.columns[0]])
     arrays = prepare_arrays(data, head)
-    features, labels, weights = to_tensors(arrays, data, torch.device("cpu"))
+    if objs.transformation_fn is not None:
+        try:
+            arrays = transform_batch(objs.transformation_fn, arrays)
+        except Exception as exc:  # noqa: BLE001 - the user's function
+            raise ValueError(f"transformation_fn failed on {rows} training rows (a pandas DataFrame with columns "
+                             f"{list(arrays)}): {type(exc).__name__}: {exc}") from None
+    features, labels, weights = to_tensors(arrays, data)
     model = copy.deepcopy(objs.model).eval()
     shown = ", ".join(f"{c}: {tuple(t.shape)}" for c, t in zip(data.feature_cols, features))
     try:
@@ -318,3 +335,17 @@ def _in_store(store: Store, path: str) -> str:
     if "://" in path or path.startswith(store.root):
         return store.fs._strip_protocol(path).rstrip("/")
     return store.path(path.strip("/"))
+
+
+def pyspark_memory_per_task(spark: SparkSession) -> Optional[float]:
+    """MB each Python worker may use when spark.executor.pyspark.memory is set: Spark splits it evenly over the
+    executor's cores (one Python worker per task); None when it is not set."""
+    text = spark.conf.get("spark.executor.pyspark.memory", None)
+    if not text:
+        return None
+    units = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 ** 2}
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt])?b?\s*", str(text).lower())
+    if match is None:
+        return None
+    cores = int(spark.conf.get("spark.executor.cores", "1") or 1)
+    return int(match.group(1)) * units[match.group(2) or "m"] / max(1, cores)

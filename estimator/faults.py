@@ -8,7 +8,8 @@ rank's rendezvous without changing the code under test. Nothing happens when the
 
 points: "before_barrier" (before Spark's barrier), "before_checkin" (after it, before the torch
 rendezvous), "read" (the rank's Arrow shard read, which runs on a thread during the rendezvous),
-"epoch" (at the start of an epoch; "epoch" selects which, 1-based).
+"epoch" (at the start of an epoch; "epoch" selects which, 1-based), "step" (before each training batch;
+"step" selects the optimizer step it leads to, 1-based over the whole run).
 actions: "sleep" ("seconds"), "raise", "exit" (os._exit: the Python worker dies without cleanup).
 "attempt" (optional) limits the fault to one launch attempt (0 = the first).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 ENV = "SPARK_TORCH_ESTIMATOR_FAULTS"
-POINTS = ("before_barrier", "before_checkin", "read", "epoch")
+POINTS = ("before_barrier", "before_checkin", "read", "epoch", "step")
 ACTIONS = ("sleep", "raise", "exit")
 
 
@@ -37,10 +38,11 @@ class Fault:
     seconds: float = 0.0
     epoch: Optional[int] = None
     attempt: Optional[int] = None
+    step: Optional[int] = None
 
-    def matches(self, point: str, rank: int, attempt: int, epoch: Optional[int]) -> bool:
+    def matches(self, point: str, rank: int, attempt: int, epoch: Optional[int], step: Optional[int]) -> bool:
         return (self.point == point and self.rank == rank and (self.attempt is None or self.attempt == attempt)
-                and (self.epoch is None or self.epoch == epoch))
+                and (self.epoch is None or self.epoch == epoch) and (self.step is None or self.step == step))
 
 
 def from_env() -> Tuple[Fault, ...]:
@@ -54,13 +56,15 @@ def from_env() -> Tuple[Fault, ...]:
     return faults
 
 
-def inject(faults: Tuple[Fault, ...], point: str, rank: int, attempt: int = 0, epoch: Optional[int] = None) -> None:
+def inject(faults: Tuple[Fault, ...], point: str, rank: int, attempt: int = 0, epoch: Optional[int] = None,
+           step: Optional[int] = None) -> None:
     for fault in faults:
-        if not fault.matches(point, rank, attempt, epoch):
+        if not fault.matches(point, rank, attempt, epoch, step):
             continue
         if fault.action == "sleep":
             time.sleep(fault.seconds)
         elif fault.action == "raise":
-            raise InjectedFault(f"injected fault at {point} on rank {rank} (attempt {attempt}, epoch {epoch})")
+            raise InjectedFault(f"injected fault at {point} on rank {rank} (attempt {attempt}, epoch {epoch}"
+                                + (f", step {step})" if step is not None else ")"))
         else:
             os._exit(17)

@@ -28,7 +28,8 @@ from estimator.distributed import (RankContext, RankFailed, RendezvousFailed, as
                                    run_rank)
 from estimator.faults import Fault, from_env, inject
 from estimator.spec import TrainSpec, WorkerResult
-from estimator.worker import EarlyRead, train_worker
+from estimator.data import EarlyRead
+from estimator.worker import train_worker
 
 log = logging.getLogger("estimator")
 
@@ -121,7 +122,7 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     hosts = [info.address.rsplit(":", 1)[0] for info in task.getTaskInfos()]
     world, timeout = len(hosts), spec.rendezvous_timeout
     arrived = _announce(spec, rank, hosts[rank])
-    early = EarlyRead.for_spec(spec, rank, world, faults, attempt)
+    early = EarlyRead.for_spec(spec, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
     server: Optional[TCPStore] = None
     assigned = assigned_gpu(task)
     message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}

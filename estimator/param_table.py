@@ -60,20 +60,26 @@ ESTIMATOR_PARAMS = [
               json=False),
     ParamSpec("transformation_fn", "function(pandas.DataFrame) -> pandas.DataFrame applied to every training and "
               "validation batch", None, optional(callable), "a callable or None", json=False),
-    ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow.dataset, in memory) or 'petastorm'", "arrow",
+    ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow, in memory or streaming) or 'petastorm'",
+              "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),
-    ParamSpec("train_reader_num_workers", "petastorm reader workers for training data", None, optional(is_int(1)),
-              "an int >= 1 or None"),
-    ParamSpec("val_reader_num_workers", "petastorm reader workers for validation data", None, optional(is_int(1)),
+    ParamSpec("train_reader_num_workers", "arrow reader: threads that run transformation_fn on training batches "
+              "(default 2 with a transformation_fn, else the one feeding thread); petastorm: its reader workers", None,
+              optional(is_int(1)), "an int >= 1 or None"),
+    ParamSpec("val_reader_num_workers", "the same for validation batches", None, optional(is_int(1)),
               "an int >= 1 or None"),
     ParamSpec("reader_pool_type", "petastorm worker pool: 'thread', 'process' or 'dummy'", "thread",
               lambda v: v in ("thread", "process", "dummy"), "'thread', 'process' or 'dummy'"),
     ParamSpec("mp_start_method", "start method of petastorm's process pool", None,
               lambda v: v in (None, "fork", "spawn", "forkserver"), "'fork', 'spawn', 'forkserver' or None"),
-    ParamSpec("inmemory_cache_all", "petastorm reader: keep the shard in memory after the first epoch (the arrow "
-              "reader always does)", False, is_bool, "True or False"),
-    ParamSpec("shuffle_buffer_size", "accepted for Horovod compatibility and ignored (shards are shuffled whole)",
-              None, optional(is_int(0)), "an int >= 0 or None"),
+    ParamSpec("inmemory_cache_all", "True: keep each rank's shard in memory; False: stream it from the store every "
+              "epoch; None: in memory when it fits the rank's memory budget (README 'Reading data')", None,
+              optional(is_bool), "True, False or None"),
+    ParamSpec("shuffle_buffer_size", "rows of the streaming reader's shuffle buffer (default 10,000)", None,
+              optional(is_int(0)), "an int >= 0 or None"),
+    ParamSpec("checkpoint_steps", "rank 0 also checkpoints every N optimizer steps, with the reader's position, so a "
+              "retry or a refit resumes inside the epoch; None: at epoch ends only", None, optional(is_int(1)),
+              "an int >= 1 or None"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("backward_passes_per_step", "batches whose gradients are accumulated before each optimizer step", 1,

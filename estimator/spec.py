@@ -16,6 +16,7 @@ class Piece:
     path: str
     row_group: int
     num_rows: int
+    nbytes: int = 0  # uncompressed size of the row group (footer), for the memory estimate
 
 
 def total_rows(pieces: Tuple[Piece, ...]) -> int:
@@ -52,14 +53,16 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class ReaderSpec:
-    """How ranks read shards: 'arrow' (in memory) or 'petastorm' (its worker pool)."""
+    """How ranks read shards: 'arrow' (in memory or streaming, see estimator.data.shards) or 'petastorm'."""
 
     kind: str = "arrow"
-    train_workers: Optional[int] = None
+    train_workers: Optional[int] = None  # decode workers (arrow) / petastorm workers
     val_workers: Optional[int] = None
     pool_type: str = "thread"
-    inmemory_cache_all: bool = False
+    inmemory_cache_all: Optional[bool] = None  # None: in memory when the shards fit the memory budget
     mp_start_method: Optional[str] = None
+    shuffle_buffer_size: Optional[int] = None  # rows; None: estimator.data.shards.DEFAULT_SHUFFLE_BUFFER
+    memory_budget_mb: Optional[float] = None  # per rank, from spark.executor.pyspark.memory when set
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class TrainSpec:
     launch_id: str = "launch"  # one per launch: names the rank arrival markers of this launch
     attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
     resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
+    checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)
 
 
 @dataclass
@@ -127,3 +131,5 @@ class WorkerResult:
     peak_rss_mb: float = 0.0  # this Python worker's peak resident memory (Spark reuses workers: a lifetime peak)
     read_seconds: float = 0.0  # reading this rank's shards into memory (overlapping the rendezvous when read early)
     read_wait_seconds: float = 0.0  # of `seconds`, the time training waited for those shards
+    data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
+    train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)

@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.distributed import RankContext, RankFailed
+from estimator.distributed import RankFailed
 from estimator.launcher import LocalLauncher
 from estimator.pickling import user_objects
 from estimator.faults import Fault, InjectedFault
-from estimator.worker import EarlyRead, build_optimizer, read_arrow_shards
+from estimator.data import EarlyRead, open_shards
+from estimator.worker import build_optimizer
 from helpers import MLP, make_spec, seeded
 
 
@@ -72,9 +73,8 @@ def test_shards_read_early_are_the_shards_read_at_training_time(store, digits):
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=1001, val_rows=151)
     for rank in (0, 1):
-        ctx = RankContext(rank, 2, rank, "cpu", "127.0.0.1", 0)
-        train, val = EarlyRead(spec, rank, 2).result(ctx)
-        direct_train, direct_val = read_arrow_shards(spec, rank, 2)
+        train, val = EarlyRead(spec, rank, 2).result(rank, 2)
+        direct_train, direct_val = open_shards(spec, rank, 2)
         assert (train.rows, val.rows) == (direct_train.rows, direct_val.rows) == ((501, 76) if rank == 0 else (500, 75))
         for early, direct in ((train, direct_train), (val, direct_val)):
             for got, want in zip(early.epoch(1), direct.epoch(1)):  # the same batches, shuffled the same way
@@ -86,9 +86,9 @@ def test_an_early_read_raises_its_error_on_the_training_thread_and_checks_the_ra
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=300, val_rows=40)
     failing = EarlyRead(spec, 1, 2, (Fault("read", 1, "raise"),))
     with pytest.raises(InjectedFault, match="injected fault at read on rank 1"):
-        failing.result(RankContext(1, 2, 1, "cpu", "127.0.0.1", 0))
+        failing.result(1, 2)
     with pytest.raises(RuntimeError, match="shards read early for rank 0 of 2, but this is rank 1 of 2"):
-        EarlyRead(spec, 0, 2).result(RankContext(1, 2, 1, "cpu", "127.0.0.1", 0))
+        EarlyRead(spec, 0, 2).result(1, 2)
 
 
 def test_optimizer_is_rebuilt_with_groups_hyperparameters_and_state():
@@ -144,12 +144,12 @@ def test_train_steps_per_epoch_sets_the_optimizer_steps(store, digits):
 
 def test_label_shapes_reshape_labels_and_name_a_mismatch():
     from estimator.spec import DataSpec
-    from estimator.worker import to_tensors
+    from estimator.data import to_tensors
 
     data = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 2, 2),))
     batch = {"x": np.zeros((3, 5), np.float32), "y": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    _, (labels,), _ = to_tensors(batch, data, torch.device("cpu"))
+    _, (labels,), _ = to_tensors(batch, data)
     assert labels.shape == (3, 2, 2)
     bad = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 3),))
     with pytest.raises(ValueError, match=r"Column 'y' has 4 values per row, but its shape \[-1, 3\] needs 3"):
-        to_tensors(batch, bad, torch.device("cpu"))
+        to_tensors(batch, bad)

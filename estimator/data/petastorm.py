@@ -8,13 +8,13 @@ and then served from memory.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from estimator.data import ShardBatches, plan_steps
-from estimator.distributed import RankContext
+from estimator.data.arrays import prepare_arrays
+from estimator.data.cached import ShardBatches
+from estimator.data.plan import EpochPlan, plan_epoch
 from estimator.spec import Piece, TrainSpec, total_rows
 
 PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
@@ -34,12 +34,12 @@ def check_petastorm() -> None:
 
 
 class PetastormShard:
-    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], ctx: RankContext, training: bool):
-        self.spec, self.ctx, self.training = spec, ctx, training
+    def __init__(self, spec: TrainSpec, pieces: Sequence[Piece], rank: int, world_size: int, training: bool):
+        self.spec, self.rank, self.world_size, self.training = spec, rank, world_size, training
         # the committed files themselves, never the folder: a failed task attempt's leftovers are not read
         self.files = list(dict.fromkeys(piece.path for piece in pieces))
         self.total = total_rows(pieces)
-        groups = range(ctx.rank, len(pieces), ctx.world_size)
+        groups = range(rank, len(pieces), world_size)
         self.rows = sum(pieces[i].num_rows for i in groups)
         self.options = spec.reader
         self.workers = (self.options.train_workers if training else self.options.val_workers) or 1
@@ -52,15 +52,13 @@ class PetastormShard:
 
         reader = make_batch_reader(
             [self.spec.data.store.url(path) for path in self.files], schema_fields=list(self.spec.data.columns),
-            cur_shard=self.ctx.rank, shard_count=self.ctx.world_size, num_epochs=num_epochs,
+            cur_shard=self.rank, shard_count=self.world_size, num_epochs=num_epochs,
             shuffle_row_groups=self.spec.shuffle and self.training, seed=seed,
             reader_pool_type=self.options.pool_type, workers_count=self.workers)
         self.readers.append(reader)
         return reader
 
     def _row_groups(self, num_epochs: Optional[int], seed: int) -> Iterator[Dict[str, np.ndarray]]:
-        from estimator.worker import prepare_arrays
-
         if self.rows == 0:
             return iter(())
         return (prepare_arrays(self.spec.data, batch._asdict()) for batch in self._reader(num_epochs, seed))
@@ -72,24 +70,22 @@ class PetastormShard:
             self.cache = ShardBatches(arrays, self.rows)
         return self.cache
 
-    def epoch(self, epoch: int) -> Iterator[Dict[str, np.ndarray]]:
-        spec = self.spec
-        if self.training:
-            steps, items = plan_steps(self.total, self.ctx.world_size, spec.batch_size, spec.train_steps_per_epoch)
-            if self.options.inmemory_cache_all:
-                seed = np.random.SeedSequence([spec.seed, epoch, self.ctx.rank]).entropy
-                return self._cached().epoch(spec.batch_size, steps, items, spec.shuffle, seed)
-            if self.stream is None:  # one endless reader for the whole run
-                self.stream = self._row_groups(None, spec.seed + self.ctx.rank)
-            return rebatch(self.stream, spec.batch_size, steps, spec.shuffle,
-                           np.random.default_rng([spec.seed, epoch, self.ctx.rank]))
-        steps = math.ceil(self.rows / spec.val_batch_size)
-        if spec.validation_steps_per_epoch is not None:
-            steps = min(steps, spec.validation_steps_per_epoch)
+    def plan(self) -> EpochPlan:
+        return plan_epoch(self.spec, self.total, self.rows, self.world_size, self.training)
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Dict[str, np.ndarray]]:
+        if skip:  # petastorm's training stream runs across epochs: a position inside one cannot be replayed
+            raise ValueError("reader='petastorm' cannot resume inside an epoch; use checkpoint_steps=None with it.")
+        spec, plan = self.spec, self.plan()
         if self.options.inmemory_cache_all:
-            return self._cached().epoch(spec.val_batch_size, steps, min(self.rows, steps * spec.val_batch_size),
-                                        False, 0)
-        return rebatch(self._row_groups(1, 0), spec.val_batch_size, steps, False, None)
+            seed = np.random.SeedSequence([spec.seed, epoch, self.rank]).entropy if self.training else 0
+            return self._cached().epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed)
+        if not self.training:
+            return rebatch(self._row_groups(1, 0), plan.batch_size, plan.steps, False, None)
+        if self.stream is None:  # one endless reader for the whole run
+            self.stream = self._row_groups(None, spec.seed + self.rank)
+        return rebatch(self.stream, plan.batch_size, plan.steps, plan.shuffle,
+                       np.random.default_rng([spec.seed, epoch, self.rank]))
 
     def describe(self) -> str:
         cached = ", cached" if self.options.inmemory_cache_all else ""

@@ -1,0 +1,131 @@
+"""Arrow columns -> numpy arrays -> torch tensors: the conversions every batch goes through, in one place.
+
+Numeric columns become (rows,) or (rows, width) arrays; binary columns (image bytes) become object arrays
+of `bytes`, which only a `transformation_fn` can turn into numbers.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from estimator.spec import DataSpec
+
+Arrays = Dict[str, np.ndarray]
+Tensors = Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]
+
+
+def table_to_arrays(table: Optional[pa.Table], columns: Sequence[str]) -> Arrays:
+    if table is None:
+        return {c: np.empty((0,)) for c in columns}
+    return {c: column_to_numpy(table.column(c), c) for c in columns}
+
+
+def column_to_numpy(column: pa.ChunkedArray, name: str) -> np.ndarray:
+    """A numeric column as (rows,) or (rows, width): lists must all have the same length."""
+    if column.null_count:
+        raise ValueError(f"Column {name!r} has {column.null_count} null values; drop or fill them first.")
+    arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if pa.types.is_fixed_size_list(arr.type):
+        return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        offsets = arr.offsets.to_numpy()
+        lengths = np.diff(offsets)
+        if len(lengths) and not (lengths == lengths[0]).all():
+            raise ValueError(f"Column {name!r} holds arrays of different lengths "
+                             f"(from {lengths.min()} to {lengths.max()}); every row must have the same length.")
+        values = arr.values
+        if values.null_count:
+            raise ValueError(f"Column {name!r} has {values.null_count} null elements inside its arrays.")
+        width = int(lengths[0]) if len(lengths) else 0
+        flat = values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[0] + len(arr) * width]
+        return flat.reshape(len(arr), width)
+    if is_binary(arr.type):
+        out = np.empty(len(arr), dtype=object)  # one bytes object per row
+        out[:] = arr.to_pylist()
+        return out
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def is_binary(dtype: pa.DataType) -> bool:
+    return pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype)
+
+
+def torch_dtype_array(values: np.ndarray) -> np.ndarray:
+    """float64 -> float32 (models are float32), bools -> float32, ints -> int64; bytes stay as they are."""
+    if values.dtype == np.float64 or values.dtype == np.bool_:
+        return values.astype(np.float32)
+    if np.issubdtype(values.dtype, np.integer) and values.dtype != np.int64:
+        return values.astype(np.int64)
+    return values
+
+
+def reshape(values: np.ndarray, shape: Optional[Sequence[int]], name: str) -> np.ndarray:
+    """Reshape a (rows, ...) block to `shape` ([-1, 1, 28, 28]: -1 is the batch)."""
+    if shape is None:
+        return values
+    rows = values.shape[0]
+    per_row = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
+    target = [d for d in shape]
+    if -1 in target:
+        target[target.index(-1)] = rows
+        wanted = int(np.prod([d for d in shape if d != -1]))
+    else:
+        wanted = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        target[0] = rows
+    if wanted != per_row:
+        raise ValueError(f"Column {name!r} has {per_row} values per row, but its shape {list(shape)} "
+                         f"needs {wanted}; fix input_shapes/label_shapes or the column.")
+    return values.reshape(target)
+
+
+def prepare_arrays(data: DataSpec, arrays: Arrays) -> Arrays:
+    """torch-friendly dtypes, writable and contiguous (Arrow hands out read-only buffers)."""
+    out = {c: torch_dtype_array(arrays[c]) for c in data.feature_cols + data.label_cols}
+    if data.sample_weight_col:
+        out[data.sample_weight_col] = arrays[data.sample_weight_col].astype(np.float32)
+    return {k: np.require(v, requirements=["C", "W"]) for k, v in out.items()}
+
+
+def transform_batch(fn: Any, batch: Arrays) -> Arrays:
+    """Apply the user's transformation_fn to a batch as a pandas DataFrame (one row per sample;
+    array columns hold one numpy array per row, as petastorm gives them; binary columns hold bytes)."""
+    import pandas as pd
+
+    frame = pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in batch.items()})
+    frame = fn(frame)
+    out = {}
+    for k in batch:
+        column = frame[k].to_numpy()
+        values = np.stack(column) if column.dtype == object else column
+        out[k] = np.require(torch_dtype_array(values), requirements=["C", "W"])
+    return out
+
+
+def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.device("cpu"), pin: bool = False
+               ) -> Tensors:
+    """The batch's features, labels and weights as tensors on `device` (pinned host memory with `pin`,
+    so that a later non_blocking copy to the GPU overlaps the computation)."""
+    def t(name: str, shape: Optional[Sequence[int]]) -> torch.Tensor:
+        values = reshape(batch[name], shape, name)
+        if values.dtype == object:
+            raise TypeError(f"Column {name!r} holds bytes (a binary column): set transformation_fn to turn them into "
+                            "arrays, e.g. decode images with PIL into numpy arrays.")
+        tensor = torch.from_numpy(np.ascontiguousarray(values))
+        return tensor.pin_memory() if pin else tensor.to(device, non_blocking=True)
+
+    features = [t(c, data.input_shapes[i] if data.input_shapes else None) for i, c in enumerate(data.feature_cols)]
+    labels = [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)]
+    weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
+    return features, labels, weights
+
+
+def tensors_to(tensors: Tensors, device: torch.device) -> Tensors:
+    """Host tensors onto the device; from pinned memory the copies are asynchronous."""
+    if device.type == "cpu":
+        return tensors
+    features, labels, weights = tensors
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    return [move(f) for f in features], [move(l) for l in labels], move(weights) if weights is not None else None

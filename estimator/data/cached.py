@@ -1,0 +1,65 @@
+"""The cached reader: a rank's whole shard in memory as numpy arrays, shuffled whole every epoch."""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+
+from estimator.data.arrays import Arrays, prepare_arrays
+from estimator.data.parquet import read_rows
+from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+
+
+class ShardBatches:
+    """Arrays served as epochs of equally many, equally sized batches."""
+
+    def __init__(self, arrays: Arrays, rows: int):
+        self.arrays = arrays
+        self.rows = rows
+
+    def epoch(self, batch_size: int, steps: int, items: int, shuffle: bool, seed, skip: int = 0) -> Iterator[Arrays]:
+        """Batches `skip`..`steps` of an epoch of `items` row draws; the shard is cycled when items > rows."""
+        order = self._order(items, shuffle, seed)
+        for step in range(skip, steps):
+            idx = order[step * batch_size:(step + 1) * batch_size]
+            if len(idx) == 0:
+                return
+            if not shuffle and idx[-1] - idx[0] == len(idx) - 1:  # contiguous: views, no copies
+                yield {k: v[idx[0]:idx[-1] + 1] for k, v in self.arrays.items()}
+            else:
+                yield {k: v[idx] for k, v in self.arrays.items()}
+
+    def _order(self, items: int, shuffle: bool, seed) -> np.ndarray:
+        if self.rows == 0:
+            return np.empty((0,), dtype=np.int64)
+        rng = np.random.default_rng(seed)
+        rounds = math.ceil(items / self.rows)
+        parts = [rng.permutation(self.rows) if shuffle else np.arange(self.rows) for _ in range(rounds)]
+        return np.concatenate(parts)[:items]
+
+
+class CachedShard:
+    """A rank's rows [start, stop), read once with pyarrow.dataset and kept in memory."""
+
+    def __init__(self, spec, pieces, start: int, stop: int, rank: int, world_size: int, training: bool,
+                 reason: str = ""):
+        data = spec.data
+        self.shard = ShardBatches(prepare_arrays(data, read_rows(data.store, pieces, start, stop, data.columns)),
+                                  stop - start)
+        self.spec, self.rank, self.world_size, self.training = spec, rank, world_size, training
+        self.rows, self.total, self.reason = stop - start, sum(p.num_rows for p in pieces), reason
+
+    def plan(self) -> EpochPlan:
+        return plan_epoch(self.spec, self.total, self.rows, self.world_size, self.training)
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Arrays]:
+        plan = self.plan()
+        seed = epoch_seed(self.spec.seed, epoch, self.rank).entropy if self.training else 0
+        return self.shard.epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed, skip)
+
+    def describe(self) -> str:
+        return f"arrow in memory ({self.reason})" if self.reason else "arrow in memory"
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,41 @@
+"""How many batches of how many rows each rank reads in an epoch: the same count on every rank."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    batch_size: int
+    steps: int  # batches this epoch (the last may be smaller)
+    items: int  # row draws this epoch: a rank with fewer rows than `items` starts over on its shard
+    shuffle: bool
+
+
+def plan_steps(total_rows: int, world_size: int, batch_size: int,
+               steps_per_epoch: Optional[int]) -> Tuple[int, int]:
+    """(steps, row draws per rank) so that every rank takes the same number of equal batches."""
+    largest = math.ceil(total_rows / world_size)
+    if steps_per_epoch is not None:
+        return steps_per_epoch, steps_per_epoch * batch_size
+    return math.ceil(largest / batch_size), largest
+
+
+def plan_epoch(spec, total: int, rows: int, world_size: int, training: bool) -> EpochPlan:
+    """Training: every rank the same steps over `total` rows; validation: each rank its own rows once."""
+    if training:
+        steps, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch)
+        return EpochPlan(spec.batch_size, steps, items, spec.shuffle)
+    steps = math.ceil(rows / spec.val_batch_size)
+    if spec.validation_steps_per_epoch is not None:
+        steps = min(steps, spec.validation_steps_per_epoch)
+    return EpochPlan(spec.val_batch_size, steps, min(rows, steps * spec.val_batch_size), False)
+
+
+def epoch_seed(seed: int, epoch: int, rank: int) -> np.random.SeedSequence:
+    """Each epoch's randomness depends only on (seed, epoch, rank): a repeated epoch repeats exactly."""
+    return np.random.SeedSequence([seed, epoch, rank])

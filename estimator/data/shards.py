@@ -1,0 +1,135 @@
+"""A rank's shards behind one interface, and the choice between keeping them in memory and streaming.
+
+    shard.rows, shard.plan(), shard.epoch(epoch, skip=0) -> batches (dicts of numpy arrays),
+    shard.describe(), shard.close()
+
+CachedShard (in memory), StreamingShard (row groups read every epoch) and PetastormShard implement it.
+`inmemory_cache_all=None` keeps the shards in memory only when they fit this rank's memory budget.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Dict, Iterator, Optional, Protocol, Tuple
+
+from estimator.data.arrays import Arrays
+from estimator.data.cached import CachedShard
+from estimator.data.parquet import estimated_bytes, shard_range, spans
+from estimator.data.plan import EpochPlan
+from estimator.data.streaming import StreamingShard
+from estimator.faults import Fault, inject
+from estimator.spec import TrainSpec, total_rows
+
+HOST_MEMORY_SHARE = 0.25  # of the host's memory, shared by the ranks on it, without spark.executor.pyspark.memory
+CACHE_OVERHEAD = 2  # reading into memory holds Arrow's table and the numpy arrays at once
+DEFAULT_SHUFFLE_BUFFER = 10_000
+
+
+class Shard(Protocol):
+    rows: int
+
+    def plan(self) -> EpochPlan: ...
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Arrays]: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+def memory_budget(budget_mb: Optional[float], ranks_on_host: int) -> Tuple[int, str]:
+    """Bytes this rank may use to hold its shards, and where the figure comes from."""
+    if budget_mb is not None:
+        return int(budget_mb * 2**20), "spark.executor.pyspark.memory per task"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share = int(host * HOST_MEMORY_SHARE / max(1, ranks_on_host))
+    return share, f"{HOST_MEMORY_SHARE:.0%} of the host's memory over {ranks_on_host} rank(s)"
+
+
+def cache_decision(setting: Optional[bool], needed: int, budget: int, source: str) -> Tuple[bool, str]:
+    """(keep in memory?, why) for inmemory_cache_all=`setting` and shards needing about `needed` bytes."""
+    if setting is not None:
+        return setting, f"inmemory_cache_all={setting}"
+    if needed <= budget:
+        return True, f"shards ~{_mb(needed)} fit the budget {_mb(budget)} ({source})"
+    return False, f"shards ~{_mb(needed)} exceed the budget {_mb(budget)} ({source})"
+
+
+def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int = 1) -> Tuple[Shard, Optional[Shard]]:
+    """The training shard and the validation shard (None without validation data) of `rank`."""
+    data = spec.data
+    if spec.reader.kind == "petastorm":
+        from estimator.data.petastorm import PetastormShard
+
+        train = PetastormShard(spec, data.train, rank, world_size, training=True)
+        return train, PetastormShard(spec, data.val, rank, world_size, training=False) if data.val else None
+    ranges = {"train": shard_range(data.train_rows, rank, world_size),
+              "val": shard_range(data.val_rows, rank, world_size)}
+    parts = {"train": spans(data.train, *ranges["train"]), "val": spans(data.val, *ranges["val"])}
+    needed = CACHE_OVERHEAD * (estimated_bytes(parts["train"]) + estimated_bytes(parts["val"]))
+    cached, why = cache_decision(spec.reader.inmemory_cache_all, needed,
+                                 *memory_budget(spec.reader.memory_budget_mb, ranks_on_host))
+    buffer_rows = spec.reader.shuffle_buffer_size
+    buffer_rows = DEFAULT_SHUFFLE_BUFFER if buffer_rows is None else buffer_rows
+
+    def open_one(split: str, training: bool) -> Shard:
+        pieces = data.train if training else data.val
+        if cached:
+            return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why)
+        return StreamingShard(spec, parts[split], total_rows(pieces), rank, world_size, training, buffer_rows, why)
+
+    return open_one("train", True), open_one("val", False) if data.val else None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+class EarlyRead:
+    """This rank's shards, opened on a thread while the rendezvous waits for the peers.
+
+    A rank knows its rank and the world size before Spark's barrier (partition id, task count), so a
+    read into memory can overlap the barrier's polling (about a second) instead of following it. The
+    launcher calls `begin()` once its own warm-up is done: both need the CPU (a rank usually has one core).
+    `result()` begins the read if nobody did. An error in the read is raised where the read used to
+    happen: by `train_worker` on that rank, after the rendezvous.
+    """
+
+    def __init__(self, spec: TrainSpec, rank: int, world_size: int, faults: Tuple[Fault, ...] = (), attempt: int = 0,
+                 ranks_on_host: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.seconds = 0.0  # the read itself
+        self._box: Dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._read, args=(spec, faults, attempt, ranks_on_host), daemon=True,
+                                        name=f"shard-read-rank-{rank}")
+
+    def begin(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _read(self, spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, ranks_on_host: int) -> None:
+        started = time.perf_counter()
+        try:
+            inject(faults, "read", self.rank, attempt)
+            self._box["shards"] = open_shards(spec, self.rank, self.world_size, ranks_on_host)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result(), on the training thread
+            self._box["error"] = exc
+        self.seconds = time.perf_counter() - started
+
+    def result(self, rank: int, world_size: int) -> Tuple[Shard, Optional[Shard]]:
+        if (rank, world_size) != (self.rank, self.world_size):
+            raise RuntimeError(f"shards read early for rank {self.rank} of {self.world_size}, "
+                               f"but this is rank {rank} of {world_size}")
+        self.begin()
+        self._thread.join()
+        box, self._box = self._box, {}  # the arrays belong to the shards from here on
+        if "error" in box:
+            raise box["error"]
+        return box["shards"]
+
+    @classmethod
+    def for_spec(cls, spec: TrainSpec, rank: int, world_size: int, faults: Tuple[Fault, ...] = (),
+                 attempt: int = 0, ranks_on_host: int = 1) -> Optional["EarlyRead"]:
+        """An early read for the Arrow reader; petastorm opens its own reader threads at training time."""
+        return cls(spec, rank, world_size, faults, attempt, ranks_on_host) if spec.reader.kind != "petastorm" else None
