@@ -83,3 +83,11 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
     return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3,
                      **spec_fields)
+
+
+TIMING_KEYS = ("data_wait",)  # history keys that measure time, not the model: they differ between equal runs
+
+
+def metrics(row):
+    """A history row without its timing keys."""
+    return {k: v for k, v in row.items() if k not in TIMING_KEYS}

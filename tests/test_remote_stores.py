@@ -121,8 +121,9 @@ def test_fit_transform_save_with_a_remote_store(spark, digits, remote, caplog, t
     store = _make_store(kind, options)
     df = digits_frame(spark, digits)
     with caplog.at_level(logging.DEBUG, logger="estimator"):
-        fitted = _est(store).fit(df)
+        fitted = _est(store, inmemory_cache_all=False).fit(df)  # ranks stream their rows from the remote store
     assert fitted.getHistory()[-1]["val_accuracy"] > 0.8
+    assert "Ranks read their data: arrow streaming (inmemory_cache_all=False" in caplog.text
     parquet = list(store.find(store.path("data"), suffix=".parquet"))
     assert len(parquet) >= 2 and all(p.lstrip("/").startswith("runs/experiments/data/") for p in parquet)
     checkpoint = torch.load(io.BytesIO(store.read_bytes(store.run(fitted.getRunId()).checkpoint)), weights_only=True)

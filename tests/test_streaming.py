@@ -1,0 +1,219 @@
+"""The streaming reader and the feed, without Spark: real Parquet files in a local store."""
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from estimator.data import (CachedShard, EarlyRead, Feed, ShuffleBuffer, StreamingShard, cache_decision, list_pieces,
+                            open_shards, spans, to_tensors)
+from estimator.data.arrays import column_to_numpy
+from estimator.spec import DataSpec, ReaderSpec, TrainSpec
+from store import Store
+
+
+def _write(store, name, ids, group_rows, width=3):
+    """Rows whose label is their global id and whose features are id * [1, 2, 3]."""
+    features = np.outer(ids, np.arange(1, width + 1)).astype(np.float32)
+    table = pa.table({"features": pa.array(list(features)), "label": pa.array(ids.astype(np.int64))})
+    store.makedirs(store.path(name))
+    pq.write_table(table, store.path(name, "part.parquet"), row_group_size=group_rows)
+
+
+def _spec(store, *, rows=1003, group_rows=97, batch=32, seed=5, shuffle=True, cache=False, buffer=None, steps=None,
+          val_rows=0):
+    _write(store, "train", np.arange(rows), group_rows)
+    val = ()
+    if val_rows:
+        _write(store, "val", np.arange(val_rows), 13)
+        val = list_pieces(store, store.path("val"))
+    data = DataSpec(store, list_pieces(store, store.path("train")), val, ("features",), ("label",))
+    return TrainSpec(data, b"", store.run("r"), batch, 10, 1, train_steps_per_epoch=steps, shuffle=shuffle, seed=seed,
+                     reader=ReaderSpec(inmemory_cache_all=cache, shuffle_buffer_size=buffer))
+
+
+def _labels(shard, epoch, skip=0):
+    return [b["label"].tolist() for b in shard.epoch(epoch, skip)]
+
+
+def test_the_streaming_order_depends_only_on_seed_epoch_and_rank(store):
+    spec = _spec(store, buffer=100)
+    first = _labels(open_shards(spec, 0, 2)[0], epoch=1)
+    assert first == _labels(open_shards(spec, 0, 2)[0], epoch=1)  # a new reader, the same order
+    assert first != _labels(open_shards(spec, 0, 2)[0], epoch=2)
+    assert first != _labels(open_shards(spec, 1, 2)[0], epoch=1)
+    assert isinstance(open_shards(spec, 0, 2)[0], StreamingShard)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_row_exactly_once_per_epoch_across_ranks_with_equal_steps(store, world):
+    spec = _spec(store, rows=1003, group_rows=97, batch=32, buffer=200)  # uneven row groups and shards
+    seen, sizes = [], []
+    for rank in range(world):
+        shard = open_shards(spec, rank, world)[0]
+        batches = _labels(shard, epoch=0)
+        sizes.append([len(b) for b in batches])
+        rows = [r for b in batches for r in b]
+        assert len(rows) == shard.plan().items  # a rank with one row fewer draws one row twice
+        seen.extend(sorted(set(rows)))
+    assert sorted(seen) == list(range(1003))
+    assert all(s == sizes[0] for s in sizes) and all(n == 32 for n in sizes[0][:-1])
+
+
+def test_without_shuffle_streaming_gives_exactly_the_cached_batches(store):
+    for steps in (None, 40):  # one pass; more batches than rows: the shard is cycled the same way
+        spec = _spec(store, shuffle=False, steps=steps)
+        for rank in (0, 1):
+            streaming = open_shards(spec, rank, 2)[0]
+            cached = CachedShard(spec, spec.data.train, *_range(spec, rank), rank, 2, True)
+            got, want = list(streaming.epoch(0)), list(cached.epoch(0))
+            assert len(got) == len(want) == cached.plan().steps
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a["features"], b["features"])
+                np.testing.assert_array_equal(a["label"], b["label"])
+                assert a["features"].dtype == np.float32 and a["label"].dtype == np.int64
+
+
+def _range(spec, rank):
+    from estimator.data import shard_range
+
+    return shard_range(spec.data.train_rows, rank, 2)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_epoch_resumed_at_a_batch_continues_with_the_same_batches(store, cache):
+    spec = _spec(store, cache=cache, buffer=150)
+    shard = open_shards(spec, 1, 2)[0]
+    assert isinstance(shard, CachedShard if cache else StreamingShard)
+    whole = _labels(shard, epoch=3)
+    assert _labels(shard, epoch=3, skip=7) == whole[7:]
+
+
+def test_label_sorted_row_groups_are_mixed_not_served_a_label_at_a_time(store):
+    """10 labels, 200 rows each, written in label order in row groups of 100 rows: each batch of a
+    streaming epoch holds many labels, although every row group holds one."""
+    ids = np.arange(2000)
+    _write(store, "train", ids, 100)
+    data = DataSpec(store, list_pieces(store, store.path("train")), (), ("features",), ("label",))
+    spec = TrainSpec(data, b"", store.run("r"), 64, 64, 1, seed=1, reader=ReaderSpec(inmemory_cache_all=False,
+                                                                                     shuffle_buffer_size=500))
+    labels_per_batch = [len(np.unique(np.array(b) // 200)) for b in _labels(open_shards(spec, 0, 1)[0], 0)]
+    assert np.median(labels_per_batch) >= 6, labels_per_batch
+
+
+def test_the_shuffle_buffer_hands_out_every_row_once():
+    buffer = ShuffleBuffer(np.random.default_rng(0))
+    taken = []
+    for start in range(0, 1000, 90):
+        buffer.add({"x": np.arange(start, min(start + 90, 1000))})
+        while buffer.size >= 300:
+            taken.extend(buffer.take(32)["x"].tolist())
+    while buffer.size:
+        taken.extend(buffer.take(min(32, buffer.size))["x"].tolist())
+    assert sorted(taken) == list(range(1000)) and taken != sorted(taken)
+
+
+def test_streaming_holds_a_bounded_amount_of_memory(store):
+    """Numpy memory at its peak during a streaming epoch over 60,000 rows x 64 float32 (15 MB): bounded by
+    the buffer and the chunks, not the shard; the cached reader holds the whole shard."""
+    spec = _spec(store, rows=60_000, group_rows=20_000, batch=256, buffer=2_000)
+    _write(store, "train", np.arange(60_000), 20_000, width=64)
+    spec_64 = TrainSpec(DataSpec(store, list_pieces(store, store.path("train")), (), ("features",), ("label",)),
+                        b"", store.run("r"), 256, 256, 1, seed=1, reader=spec.reader)
+    peaks = {}
+    for cache in (False, True):
+        tracemalloc.start()
+        shard = CachedShard(spec_64, spec_64.data.train, 0, 60_000, 0, 1, True) if cache else \
+            open_shards(spec_64, 0, 1)[0]
+        for _ in shard.epoch(0):
+            pass
+        peaks[cache] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    shard_bytes = 60_000 * 64 * 4
+    assert peaks[True] > shard_bytes
+    assert peaks[False] < shard_bytes / 4, peaks
+
+
+def test_none_keeps_the_shards_in_memory_only_when_they_fit():
+    assert cache_decision(None, 100, 1000, "test") == (True, "shards ~0 MB fit the budget 0 MB (test)")
+    keep, why = cache_decision(None, 3 * 2**30, 2**30, "spark.executor.pyspark.memory per task")
+    assert not keep and "exceed the budget 1,024 MB (spark.executor.pyspark.memory per task)" in why
+    assert cache_decision(False, 1, 10**9, "x")[0] is False and cache_decision(True, 10**12, 1, "x")[0] is True
+
+
+def test_a_small_memory_budget_streams_and_says_why(store):
+    import dataclasses
+
+    spec = _spec(store, cache=None)
+    assert isinstance(open_shards(spec, 0, 2)[0], CachedShard)  # a few KB fit any host
+    tight = dataclasses.replace(spec, reader=dataclasses.replace(spec.reader, memory_budget_mb=0.001))
+    train, _ = open_shards(tight, 0, 2)
+    assert isinstance(train, StreamingShard)
+    assert "exceed the budget" in train.describe() and "spark.executor.pyspark.memory" in train.describe()
+
+
+def test_the_feed_keeps_a_bounded_queue_ahead_and_stops_early(store):
+    spec = _spec(store)
+    produced = []
+
+    def source():
+        for i in range(100):
+            produced.append(i)
+            yield {"features": np.zeros((2, 3), np.float32), "label": np.array([i, i])}
+
+    feed = Feed(source(), spec.data, depth=3)
+    time.sleep(0.5)  # nobody consumes: the producer stops after filling the queue
+    assert 3 <= len(produced) <= 5
+    first = next(feed)
+    assert first[1][0].tolist() == [0, 0]
+    feed.close()
+    assert not any(t.name == "feed" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_errors(store):
+    spec = _spec(store)
+
+    def double(frame):
+        time.sleep(0.01 * np.random.rand())  # workers finish out of order
+        frame["label"] = frame["label"] * 2
+        return frame
+
+    batches = [{"features": np.zeros((2, 3), np.float32), "label": np.array([i, i])} for i in range(20)]
+    feed = Feed(iter(batches), spec.data, double, workers=3)
+    assert [t[1][0].tolist()[0] for t in feed] == [2 * i for i in range(20)]
+    feed.close()
+
+    def broken(frame):
+        raise KeyError("no such column")
+
+    feed = Feed(iter(batches), spec.data, broken, workers=2)
+    with pytest.raises(KeyError, match="no such column"):
+        next(feed)
+    feed.close()
+
+
+def test_binary_columns_arrive_as_bytes_and_need_a_transformation(store):
+    column = pa.chunked_array([pa.array([b"\x89PNG", b"ab", b""], pa.binary())])
+    values = column_to_numpy(column, "image")
+    assert values.dtype == object and values.shape == (3,) and values[0] == b"\x89PNG"
+    data = DataSpec(store, (), (), ("image",), ("label",))
+    with pytest.raises(TypeError, match="Column 'image' holds bytes .* set transformation_fn"):
+        to_tensors({"image": values, "label": np.arange(3)}, data)
+
+
+def test_spans_cut_a_rank_range_at_row_group_edges(store):
+    spec = _spec(store, rows=300, group_rows=100)
+    parts = spans(spec.data.train, 150, 260)
+    assert [(s.piece.row_group, s.lo, s.hi) for s in parts] == [(1, 50, 100), (2, 0, 60)]
+    assert all(p.nbytes > 0 for p in spec.data.train)
+
+
+def test_an_early_read_opens_the_same_streaming_shards(store):
+    spec = _spec(store, val_rows=55)
+    train, val = EarlyRead(spec, 1, 2).result(1, 2)
+    direct_train, direct_val = open_shards(spec, 1, 2)
+    assert _labels(train, 0) == _labels(direct_train, 0) and _labels(val, 0) == _labels(direct_val, 0)
+    assert sorted(r for b in _labels(val, 0) for r in b) == list(range(28, 55))  # validation: its rows, once
