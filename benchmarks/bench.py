@@ -76,10 +76,11 @@ def ours_fit(df, features, epochs, batch, store, num_proc=2, validation=None, **
     from estimator import TorchEstimator
 
     model = mlp(features)
-    est = TorchEstimator(num_proc=num_proc, store=store, model=model,
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                         loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
-                         batch_size=batch, epochs=epochs, validation=validation, random_seed=1, verbose=0, **kw)
+    params = dict(num_proc=num_proc, store=store, model=model,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                  loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
+                  batch_size=batch, epochs=epochs, validation=validation, random_seed=1, verbose=0)
+    est = TorchEstimator(**{**params, **kw})
     started = time.perf_counter()
     fitted = est.fit(df)
     return fitted, time.perf_counter() - started
