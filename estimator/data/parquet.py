@@ -100,7 +100,8 @@ def read_span(store: Store, span: Span, columns: Sequence[str], chunk_rows: int)
     """A span's rows in chunks of at most `chunk_rows`, decoded piece by piece: memory holds about one
     chunk and a read buffer per column, however large the row group is."""
     with arrow_filesystem(store).open_input_file(span.piece.path) as handle:
-        batches = pq.ParquetFile(handle, buffer_size=READ_BUFFER).iter_batches(
+        # pre_buffer=False: pyarrow would otherwise fetch the whole row group's column chunks up front
+        batches = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False).iter_batches(
             batch_size=chunk_rows, row_groups=[span.piece.row_group], columns=list(columns))
         offset = 0
         for batch in batches:
