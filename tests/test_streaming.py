@@ -103,6 +103,22 @@ def test_label_sorted_row_groups_are_mixed_not_served_a_label_at_a_time(store):
     assert np.median(labels_per_batch) >= 6, labels_per_batch
 
 
+def test_files_each_sorted_by_label_do_not_come_out_in_lockstep(store):
+    """8 files, each holding labels 0-9 in label order (what a round-robin repartition of label-sorted data
+    writes): opened together, the files would all serve the same label at the same time."""
+    store.makedirs(store.path("train"))
+    labels = np.repeat(np.arange(10), 3000)  # a label: about 3 chunks of a file
+    for f in range(8):
+        table = pa.table({"features": pa.array(list(np.zeros((len(labels), 2), np.float32))),
+                          "label": pa.array(labels)})
+        pq.write_table(table, store.path("train", f"part-{f}.parquet"))
+    data = DataSpec(store, list_pieces(store, store.path("train")), (), ("features",), ("label",))
+    spec = TrainSpec(data, b"", store.run("r"), 256, 256, 1, seed=1, reader=ReaderSpec(inmemory_cache_all=False,
+                                                                                       shuffle_buffer_size=4000))
+    labels_per_batch = [len(np.unique(b)) for b in _labels(open_shards(spec, 0, 1)[0], 0)]
+    assert np.median(labels_per_batch) >= 6, labels_per_batch
+
+
 def test_the_shuffle_buffer_hands_out_every_row_once():
     buffer = ShuffleBuffer(np.random.default_rng(0))
     taken = []

@@ -1,9 +1,11 @@
 """The streaming reader: a rank's rows read from the store chunk by chunk, every epoch, in bounded memory.
 
 Shuffling without holding the shard: each epoch the rank's spans (its parts of row groups) are visited in a
-seeded order, up to `INTERLEAVE` of them at once with chunks drawn from a randomly chosen open span, and the
-rows pass through a shuffle buffer of `shuffle_buffer_size` rows that hands out random rows. Data written in
-label order (one label per row group) is therefore mixed across row groups, not served a label at a time.
+seeded order, up to `INTERLEAVE` of them open at once, opened at staggered times, with each chunk drawn from a
+randomly chosen open span; the rows pass through a shuffle buffer of `shuffle_buffer_size` rows that hands out
+random rows. Data written in label order (one label per row group, or every file sorted by label) is therefore
+mixed across row groups and positions, not served a label at a time. One row group sorted by label can only be
+mixed by the buffer: write more files (partitions_per_process) for such data.
 Memory: the buffer, one chunk per open span, pyarrow's read buffers - not the shard.
 With shuffle=False the rows come in storage order, exactly as the cached reader gives them.
 """
@@ -52,7 +54,9 @@ class StreamingShard:
         while left > 0 and self.rows > 0:
             order = rng.permutation(len(self.parts)) if shuffle else range(len(self.parts))
             streams = [self._span(self.parts[i]) for i in order]
-            for chunk in interleave(streams, INTERLEAVE if shuffle else 1, rng):
+            width = INTERLEAVE if shuffle else 1
+            stagger = self.rows // len(self.parts) // min(width, len(self.parts))  # a span's rows / spans open
+            for chunk in interleave(streams, width, rng, stagger):
                 n = len(next(iter(chunk.values())))
                 if n > left:
                     chunk, n = {k: v[:left] for k, v in chunk.items()}, left
@@ -72,20 +76,30 @@ class StreamingShard:
         pass
 
 
-def interleave(streams: List[Iterator[Arrays]], width: int, rng: Optional[np.random.Generator]) -> Iterator[Arrays]:
-    """Chunks of `streams`, opening at most `width` at a time (in list order) and drawing each chunk from a
-    random open one; width 1 reads the streams one after the other."""
+def interleave(streams: List[Iterator[Arrays]], width: int, rng: Optional[np.random.Generator],
+               stagger: int = 0) -> Iterator[Arrays]:
+    """Chunks of `streams`, at most `width` open at a time (opened in list order), each chunk drawn from a
+    random open one; width 1 reads the streams one after the other.
+
+    A stream opens only once `stagger` rows have come since the previous one opened, so the open streams
+    stand at spread-out positions. Opened together they would advance in lockstep, and files stored in the
+    same order (each sorted by label, say) would all serve the same label at the same time.
+    """
     waiting, open_ = list(reversed(streams)), []
+    since = stagger
     try:
         while waiting or open_:
-            while waiting and len(open_) < width:
+            if waiting and len(open_) < width and (since >= stagger or not open_):
                 open_.append(waiting.pop())
+                since = 0
+                continue
             pick = int(rng.integers(len(open_))) if rng is not None and len(open_) > 1 else 0
             chunk = next(open_[pick], None)
             if chunk is None:
                 open_.pop(pick)
-            else:
-                yield chunk
+                continue
+            since += len(next(iter(chunk.values())))
+            yield chunk
     finally:
         for stream in open_ + waiting:
             close = getattr(stream, "close", None)
