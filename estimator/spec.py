@@ -61,7 +61,7 @@ class ReaderSpec:
     pool_type: str = "thread"
     inmemory_cache_all: Optional[bool] = None  # None: in memory when the shards fit the memory budget
     mp_start_method: Optional[str] = None
-    shuffle_buffer_size: Optional[int] = None  # rows; None: estimator.data.shards.DEFAULT_SHUFFLE_BUFFER
+    shuffle_buffer_size: Optional[int] = None  # rows; None: estimator.data.shards.default_buffer_rows
     memory_budget_mb: Optional[float] = None  # per rank, from spark.executor.pyspark.memory when set
 
 

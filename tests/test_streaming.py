@@ -115,8 +115,11 @@ def test_files_each_sorted_by_label_do_not_come_out_in_lockstep(store):
     data = DataSpec(store, list_pieces(store, store.path("train")), (), ("features",), ("label",))
     spec = TrainSpec(data, b"", store.run("r"), 256, 256, 1, seed=1, reader=ReaderSpec(inmemory_cache_all=False,
                                                                                        shuffle_buffer_size=4000))
-    labels_per_batch = [len(np.unique(b)) for b in _labels(open_shards(spec, 0, 1)[0], 0)]
-    assert np.median(labels_per_batch) >= 6, labels_per_batch
+    batches = [np.array(b) for b in _labels(open_shards(spec, 0, 1)[0], 0)]
+    labels_per_batch = [len(np.unique(b)) for b in batches]
+    largest_share = [np.bincount(b).max() / len(b) for b in batches]
+    # opened together (no stagger) the files give a median of 3 labels, the largest 65% of a batch
+    assert np.median(labels_per_batch) >= 5 and np.median(largest_share) < 0.5, (labels_per_batch, largest_share)
 
 
 def test_the_shuffle_buffer_hands_out_every_row_once():

@@ -23,7 +23,8 @@ from estimator.spec import TrainSpec, total_rows
 
 HOST_MEMORY_SHARE = 0.25  # of the host's memory, shared by the ranks on it, without spark.executor.pyspark.memory
 CACHE_OVERHEAD = 2  # reading into memory holds Arrow's table and the numpy arrays at once
-DEFAULT_SHUFFLE_BUFFER = 10_000
+SHUFFLE_BUFFER_BYTES = 64 << 20  # the default shuffle buffer: rows that fit 64 MB, between the bounds below
+SHUFFLE_BUFFER_ROWS = (1_000, 100_000)
 
 
 class Shard(Protocol):
@@ -71,7 +72,7 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
     cached, why = cache_decision(spec.reader.inmemory_cache_all, needed,
                                  *memory_budget(spec.reader.memory_budget_mb, ranks_on_host))
     buffer_rows = spec.reader.shuffle_buffer_size
-    buffer_rows = DEFAULT_SHUFFLE_BUFFER if buffer_rows is None else buffer_rows
+    buffer_rows = default_buffer_rows(parts["train"]) if buffer_rows is None else buffer_rows
 
     def open_one(split: str, training: bool) -> Shard:
         pieces = data.train if training else data.val
@@ -80,6 +81,14 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
         return StreamingShard(spec, parts[split], total_rows(pieces), rank, world_size, training, buffer_rows, why)
 
     return open_one("train", True), open_one("val", False) if data.val else None
+
+
+def default_buffer_rows(parts) -> int:
+    """As many rows as fit SHUFFLE_BUFFER_BYTES (uncompressed, from the footers), within SHUFFLE_BUFFER_ROWS."""
+    rows = sum(s.rows for s in parts)
+    row_bytes = estimated_bytes(parts) / rows if rows else 1
+    low, high = SHUFFLE_BUFFER_ROWS
+    return int(min(high, max(low, SHUFFLE_BUFFER_BYTES / max(row_bytes, 1))))
 
 
 def _mb(n: int) -> str:

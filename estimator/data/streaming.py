@@ -20,6 +20,7 @@ from estimator.data.parquet import Span, read_span
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
 
 CHUNK_ROWS = 1024  # rows decoded at a time from one span
+PIECE_ROWS = 128  # rows the interleave takes from one span at a time: many small pieces mix in the buffer
 INTERLEAVE = 16  # spans open at once while shuffling
 
 
@@ -53,7 +54,7 @@ class StreamingShard:
         left = items
         while left > 0 and self.rows > 0:
             order = rng.permutation(len(self.parts)) if shuffle else range(len(self.parts))
-            streams = [self._span(self.parts[i]) for i in order]
+            streams = [self._span(self.parts[i], shuffle) for i in order]
             width = INTERLEAVE if shuffle else 1
             stagger = self.rows // len(self.parts) // min(width, len(self.parts))  # a span's rows / spans open
             for chunk in interleave(streams, width, rng, stagger):
@@ -65,8 +66,9 @@ class StreamingShard:
                 if left == 0:
                     return
 
-    def _span(self, span: Span) -> Iterator[Arrays]:
-        return read_span(self.spec.data.store, span, self.spec.data.columns, CHUNK_ROWS)
+    def _span(self, span: Span, shuffle: bool) -> Iterator[Arrays]:
+        chunks = read_span(self.spec.data.store, span, self.spec.data.columns, CHUNK_ROWS)
+        return pieces(chunks, PIECE_ROWS) if shuffle else chunks
 
     def describe(self) -> str:
         shuffle = f", shuffle buffer {self.buffer_rows} rows" if self.training and self.spec.shuffle else ""
@@ -105,6 +107,19 @@ def interleave(streams: List[Iterator[Arrays]], width: int, rng: Optional[np.ran
             close = getattr(stream, "close", None)
             if close is not None:
                 close()  # closes the span's file
+
+
+def pieces(chunks: Iterator[Arrays], rows: int) -> Iterator[Arrays]:
+    """Each chunk as views of at most `rows` rows (no copies)."""
+    try:
+        for chunk in chunks:
+            n = len(next(iter(chunk.values())))
+            for lo in range(0, n, rows):
+                yield {k: v[lo:lo + rows] for k, v in chunk.items()}
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def in_order(chunks: Iterator[Arrays], batch_size: int) -> Iterator[Arrays]:
