@@ -75,7 +75,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("inmemory_cache_all", "True: keep each rank's shard in memory; False: stream it from the store every "
               "epoch; None: in memory when it fits the rank's memory budget (README 'Reading data')", None,
               optional(is_bool), "True, False or None"),
-    ParamSpec("shuffle_buffer_size", "rows of the streaming reader's shuffle buffer (default 10,000)", None,
+    ParamSpec("shuffle_buffer_size", "rows of the streaming reader's shuffle buffer (default: as many as fit 64 MB, "
+              "1,000-100,000)", None,
               optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("checkpoint_steps", "rank 0 also checkpoints every N optimizer steps, with the reader's position, so a "
               "retry or a refit resumes inside the epoch; None: at epoch ends only", None, optional(is_int(1)),

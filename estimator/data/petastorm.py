@@ -14,7 +14,7 @@ import numpy as np
 
 from estimator.data.arrays import prepare_arrays
 from estimator.data.cached import ShardBatches
-from estimator.data.plan import EpochPlan, plan_epoch
+from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
 from estimator.spec import Piece, TrainSpec, total_rows
 
 PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
@@ -78,14 +78,14 @@ class PetastormShard:
             raise ValueError("reader='petastorm' cannot resume inside an epoch; use checkpoint_steps=None with it.")
         spec, plan = self.spec, self.plan()
         if self.options.inmemory_cache_all:
-            seed = np.random.SeedSequence([spec.seed, epoch, self.rank]).entropy if self.training else 0
+            seed = epoch_seed(spec.seed, epoch, self.rank).entropy if self.training else 0
             return self._cached().epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed)
         if not self.training:
             return rebatch(self._row_groups(1, 0), plan.batch_size, plan.steps, False, None)
         if self.stream is None:  # one endless reader for the whole run
             self.stream = self._row_groups(None, spec.seed + self.rank)
         return rebatch(self.stream, plan.batch_size, plan.steps, plan.shuffle,
-                       np.random.default_rng([spec.seed, epoch, self.rank]))
+                       np.random.default_rng(epoch_seed(spec.seed, epoch, self.rank)))
 
     def describe(self) -> str:
         cached = ", cached" if self.options.inmemory_cache_all else ""
