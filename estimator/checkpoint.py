@@ -21,6 +21,7 @@ class Position:
     step: int = 0
     sums: List[float] = field(default_factory=list)
     global_step: int = 0
+    layout: List[int] = field(default_factory=list)  # [batch_size, world_size] that `step` counts batches of
 
 
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -29,7 +30,8 @@ def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.op
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
                 "global_step": position.global_step, "history": history,
-                "position": {"step": position.step, "sums": list(position.sums)} if position.step else None,
+                "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
+                if position.step else None,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "format": CHECKPOINT_FORMAT}, buffer)
     store.write_bytes_atomic(path, buffer.getvalue())
@@ -45,7 +47,7 @@ def position_of(state: Optional[Dict[str, Any]]) -> Position:
         return Position()
     inside = state.get("position") or {}
     return Position(int(state["epoch"]), int(inside.get("step", 0)), [float(s) for s in inside.get("sums", [])],
-                    int(state.get("global_step", 0)))
+                    int(state.get("global_step", 0)), [int(v) for v in inside.get("layout", [])])
 
 
 def describe(position: Position) -> str:

@@ -95,6 +95,11 @@ class Run:
                       else open_shards(spec, ctx.rank, ctx.world_size))
         read_wait = time.perf_counter() - opening
         self.loop.global_step = position.global_step
+        if position.step and position.layout != self.layout():
+            log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks = %s; this run "
+                        "has %s, so the epoch starts over from its first batch", ctx.rank, position.step,
+                        position.epochs + 1, position.layout, self.layout())
+            position = Position(position.epochs, global_step=position.global_step)
         callbacks = self.objs.callbacks if ctx.rank == 0 else []
         _call(callbacks, "on_train_begin", {})
         try:
@@ -159,7 +164,10 @@ class Run:
         rank 0 writes them with the position, so a resumed epoch reports what an uninterrupted one would."""
         reduced = reduce_sums(sums.clone())
         if self.ctx.rank == 0:
-            self.save(Position(epoch, step, reduced, self.loop.global_step))
+            self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
+
+    def layout(self) -> List[int]:
+        return [self.spec.batch_size, self.ctx.world_size]
 
     def save(self, position: Position) -> None:
         save_checkpoint(self.spec.data.store, self.spec.run.checkpoint, self.model, self.optimizer, self.history,

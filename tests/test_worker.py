@@ -153,3 +153,40 @@ def test_label_shapes_reshape_labels_and_name_a_mismatch():
     bad = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 3),))
     with pytest.raises(ValueError, match=r"Column 'y' has 4 values per row, but its shape \[-1, 3\] needs 3"):
         to_tensors(batch, bad)
+
+
+@pytest.mark.parametrize("layout, global_steps", [([64, 1], 3 + 2), ([999, 1], 3 + 5)])
+def test_a_step_checkpoint_resumes_at_its_batch_only_for_the_same_batch_size_and_ranks(store, digits, caplog,
+                                                                                       layout, global_steps):
+    """300 rows, batch 64: 5 steps an epoch. A checkpoint 3 steps into epoch 1 resumes at batch 3 (2 steps left);
+    one taken with another batch size starts the epoch over (5 steps) and says so."""
+    import dataclasses
+    import logging
+
+    from estimator.checkpoint import Position, save_checkpoint
+
+    model = seeded(MLP)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = make_spec(store, digits, model, optimizer, train_rows=300, val_rows=50, epochs=1)
+    save_checkpoint(store, spec.run.checkpoint, model, optimizer, [], Position(0, 3, [0.0] * 4, 3, layout))
+    with caplog.at_level(logging.WARNING, logger="estimator"):
+        LocalLauncher().run(dataclasses.replace(spec, resume_from=spec.run.checkpoint), 1)
+    assert _checkpoint(store)["global_step"] == global_steps
+    assert ("the epoch starts over from its first batch" in caplog.text) == (layout != [64, 1])
+
+
+def test_the_memory_budget_comes_from_pyspark_memory_per_executor_core():
+    from estimator.estimator import pyspark_memory_per_task
+
+    class Conf(dict):
+        def get(self, key, default=None):
+            return super().get(key, default)
+
+    class Session:
+        def __init__(self, **conf):
+            self.conf = Conf({k.replace("_", "."): v for k, v in conf.items()})
+
+    assert pyspark_memory_per_task(Session()) is None
+    assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="4g", spark_executor_cores="4")) == 1024
+    assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="512m")) == 512
+    assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="2048")) == 2048  # Spark's unit: MiB
