@@ -9,6 +9,7 @@ import numpy as np
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import read_rows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+from estimator.spec import total_rows
 
 
 class ShardBatches:
@@ -48,7 +49,7 @@ class CachedShard:
         self.shard = ShardBatches(prepare_arrays(data, read_rows(data.store, pieces, start, stop, data.columns)),
                                   stop - start)
         self.spec, self.rank, self.world_size, self.training = spec, rank, world_size, training
-        self.rows, self.total, self.reason = stop - start, sum(p.num_rows for p in pieces), reason
+        self.rows, self.total, self.reason = stop - start, total_rows(pieces), reason
 
     def plan(self) -> EpochPlan:
         return plan_epoch(self.spec, self.total, self.rows, self.world_size, self.training)

@@ -8,6 +8,7 @@ and then served from memory.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from estimator.data.arrays import prepare_arrays
 from estimator.data.cached import ShardBatches
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+from estimator.data.streaming import in_order
 from estimator.spec import Piece, TrainSpec, total_rows
 
 PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
@@ -102,22 +104,9 @@ def rebatch(chunks: Iterator[Dict[str, np.ndarray]], batch_size: int, steps: int
             rng: Optional[np.random.Generator]) -> Iterator[Dict[str, np.ndarray]]:
     """Up to `steps` batches of `batch_size` rows from a stream of row groups (rows shuffled within
     each row group when asked). A finite stream ends with its last, possibly smaller, batch."""
-    pending: List[Dict[str, np.ndarray]] = []
-    have = 0
-    for _ in range(steps):
-        while have < batch_size:
-            chunk = next(chunks, None)
-            if chunk is None:
-                break
-            if shuffle and rng is not None:
-                order = rng.permutation(len(next(iter(chunk.values()))))
-                chunk = {k: v[order] for k, v in chunk.items()}
-            pending.append(chunk)
-            have += len(next(iter(chunk.values())))
-        if have == 0:
-            return
-        merged = {k: np.concatenate([c[k] for c in pending]) for k in pending[0]}
-        take = min(batch_size, have)
-        yield {k: v[:take] for k, v in merged.items()}
-        pending = [{k: v[take:] for k, v in merged.items()}] if have > take else []
-        have -= take
+    def permuted(chunk: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        order = rng.permutation(len(next(iter(chunk.values()))))
+        return {k: v[order] for k, v in chunk.items()}
+
+    rows = map(permuted, chunks) if shuffle and rng is not None else chunks
+    return itertools.islice(in_order(rows, batch_size), steps)
