@@ -7,7 +7,7 @@ numbers, not assertions. Tables go to benchmarks/RESULTS.md by hand.
            streamed, at 0.5M, 2M and 8M rows (and held in memory at 0.5M and 2M, for contrast). Each rank runs
            in a fresh Python worker (spark.python.worker.reuse=false), so each peak is that fit's own.
   w2:      1M x 64, refits of the same data, streaming and in memory alternating: training rows/s and the
-           fraction of training time the ranks waited for batches.
+           fraction of training time the ranks waited for batches. w2_1rank: the same with num_proc=1.
   sorted:  400k x 64 written in label order, 2 epochs: validation accuracy streaming (default
            shuffle_buffer_size) with a file per label, and with every file sorted by label (8 per rank), against
            the same rows in random order, and in memory.
@@ -57,17 +57,17 @@ def memory(spark, store, stages, sizes):
     return rows
 
 
-def w2(spark, store, stages, rows, repeat):
+def w2(spark, store, stages, rows, repeat, num_proc=2):
     df = frame(spark, rows, 64, seed=7)
-    ours_fit(df, 64, 1, 512, store)  # materializes; the refits below only train
+    ours_fit(df, 64, 1, 512, store, num_proc=num_proc)  # materializes; the refits below only train
     rates = {False: [], True: []}
     waits = {False: [], True: []}
     for _ in range(repeat):
         for cache in (False, True):
-            ours_fit(df, 64, 1, 512, store, inmemory_cache_all=cache)
+            ours_fit(df, 64, 1, 512, store, num_proc=num_proc, inmemory_cache_all=cache)
             rates[cache].append(rows / stages.last["train_s"])
             waits[cache].append(stages.last["data_wait_fraction"])
-    out = {"rows": rows}
+    out = {"rows": rows, "num_proc": num_proc}
     for cache, name in ((False, "streaming"), (True, "in_memory")):
         out[name] = {"rows_per_s": statistics.median(rates[cache]), "all": sorted(rates[cache]),
                      "data_wait_fraction": statistics.median(waits[cache])}
@@ -158,7 +158,11 @@ def images(spark, store, stages, copies, epochs, repeat):
     runs = {"pre-decoded arrays": (array_df, {}),
             "PNG, decoded by the feeding thread (train_reader_num_workers=1)":
                 (png_df, {"transformation_fn": decode, "train_reader_num_workers": 1}),
-            "PNG, 2 decode workers (default)": (png_df, {"transformation_fn": decode})}
+            "PNG, 2 decode threads (default)": (png_df, {"transformation_fn": decode}),
+            "PNG, 2 decode processes (reader_pool_type='process')":
+                (png_df, {"transformation_fn": decode, "reader_pool_type": "process"}),
+            "PNG, 1 decode process": (png_df, {"transformation_fn": decode, "reader_pool_type": "process",
+                                               "train_reader_num_workers": 1})}
     out = []
     for name, (df, extra) in runs.items():
         ours_fit(df, 784, 1, 128, store, feature_cols=["image"], inmemory_cache_all=True, **extra)  # materialize
@@ -186,7 +190,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                        "results_data.json"))
-    parser.add_argument("--only", default="memory,w2,sorted,images")
+    parser.add_argument("--only", default="memory,w2,w2_1rank,sorted,images")
+    parser.add_argument("--repeat", type=int, default=None, help="refits per reader (default 3, --quick 1)")
     args = parser.parse_args(argv)
     from store import Store
 
@@ -197,7 +202,7 @@ def main(argv=None):
     logging.getLogger("estimator").setLevel(logging.INFO)
     store = Store.create(os.path.join(tempfile.mkdtemp(prefix="bench-data-"), "store"))
     only = set(args.only.split(","))
-    repeat = 1 if args.quick else 3
+    repeat = args.repeat or (1 if args.quick else 3)
     results = {"date": time.strftime("%Y-%m-%d"), "cores": CORES}
     if "memory" in only:  # fresh Python workers: each fit's rank peak is its own
         spark = session(reuse=False)
@@ -207,6 +212,8 @@ def main(argv=None):
     spark = session()
     if "w2" in only:
         results["w2"] = w2(spark, store, stages, 200_000 if args.quick else 1_000_000, repeat)
+    if "w2_1rank" in only:  # one rank on 2 cores: the feeding thread has a core of its own
+        results["w2_1rank"] = w2(spark, store, stages, 200_000 if args.quick else 1_000_000, repeat, num_proc=1)
     if "sorted" in only:
         results["sorted"] = sorted_by_label(spark, store, 100_000 if args.quick else 400_000)
     if "images" in only:
@@ -222,12 +229,14 @@ def report(r):
     if "memory" in r:
         table("Peak RSS per rank, 1 epoch x 64 float32 (target: streaming largest <= 1.5x smallest)", r["memory"],
               ["rows", "reader", "rank_peak_rss_mb", "train_rows_per_s", "data_wait_fraction", "fit_s"])
-    if "w2" in r:
-        w = r["w2"]
-        table(f"W2 refits, {w['rows']:,} x 64 (target: streaming >= 0.9x in memory, data wait <= 10%)",
-              [{"reader": k, **w[k], "all": spread([v / 1000 for v in w[k]["all"]]) + " k"}
-               for k in ("streaming", "in_memory")] + [{"reader": "ratio", "rows_per_s": w["ratio"]}],
-              ["reader", "rows_per_s", "all", "data_wait_fraction"])
+    for key in ("w2", "w2_1rank"):
+        if key in r:
+            w = r[key]
+            table(f"W2 refits, {w['rows']:,} x 64, {w.get('num_proc', 2)} ranks (target: streaming >= 0.9x in "
+                  "memory, data wait <= 10%)",
+                  [{"reader": k, **w[k], "all": spread([v / 1000 for v in w[k]["all"]]) + " k"}
+                   for k in ("streaming", "in_memory")] + [{"reader": "ratio", "rows_per_s": w["ratio"]}],
+                  ["reader", "rows_per_s", "all", "data_wait_fraction"])
     if "sorted" in r:
         table("Rows in label order (target: within 2 points of random order)", r["sorted"],
               ["data", "val_accuracy_epoch_1", "val_accuracy_epoch_2", "fit_s"])

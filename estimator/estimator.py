@@ -95,9 +95,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         checks.check_params(p)
-        if p["mp_start_method"] is not None:
-            warnings.warn(f"TorchEstimator ignores mp_start_method={p['mp_start_method']!r} (accepted for Horovod "
-                          "compatibility; see README 'Migrating from Horovod').", UserWarning, stacklevel=4)
+        if p["mp_start_method"] is not None and (p["reader_pool_type"] != "process" or p["reader"] != "arrow"):
+            warnings.warn(f"TorchEstimator ignores mp_start_method={p['mp_start_method']!r}: it only starts the "
+                          "arrow reader's decoding processes (reader='arrow', reader_pool_type='process').",
+                          UserWarning, stacklevel=4)
         if p["reader"] == "petastorm":
             from estimator.data.petastorm import check_petastorm
 

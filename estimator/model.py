@@ -12,7 +12,7 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
+from pyspark.sql.types import ArrayType, BinaryType, DoubleType, FloatType, StructField, StructType
 
 from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict, make_predict_pandas
 from estimator.params import DeclaredParams, declare
@@ -68,6 +68,11 @@ class TorchModel(DeclaredParams, Model, Persistable):
             if column not in df.columns:
                 raise ValueError(f"Column {column!r} (from feature_cols) is not in the DataFrame. "
                                  f"Available columns: {', '.join(df.columns)}.")
+            if isinstance(df.schema[column].dataType, BinaryType):
+                raise ValueError(f"Column {column!r} (from feature_cols) holds bytes: TorchModel.transform feeds "
+                                 "numbers to the model and does not run transformation_fn. Decode the column into an "
+                                 "array column first (e.g. a pandas_udf around your decoding function, as in "
+                                 "notebooks/png_digits_example.py) and pass that with setFeatureCols([...]).")
         clash = [f.name for f in schema.fields if f.name in df.columns]
         if clash:
             raise ValueError(f"Output columns {clash} already exist in the DataFrame; choose other names with "

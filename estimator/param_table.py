@@ -63,14 +63,17 @@ ESTIMATOR_PARAMS = [
     ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow, in memory or streaming) or 'petastorm'",
               "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),
-    ParamSpec("train_reader_num_workers", "arrow reader: threads that run transformation_fn on training batches "
-              "(default 2 with a transformation_fn, else the one feeding thread); petastorm: its reader workers", None,
+    ParamSpec("train_reader_num_workers", "arrow reader: workers (reader_pool_type) that run transformation_fn on "
+              "training batches (default 2 with a transformation_fn, else the one feeding thread); petastorm: its "
+              "reader workers", None,
               optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("val_reader_num_workers", "the same for validation batches", None, optional(is_int(1)),
               "an int >= 1 or None"),
-    ParamSpec("reader_pool_type", "petastorm worker pool: 'thread', 'process' or 'dummy'", "thread",
+    ParamSpec("reader_pool_type", "what runs transformation_fn (arrow) or reads (petastorm): 'thread', 'process' "
+              "(no GIL: faster for image decoding) or 'dummy' (the feeding thread)", "thread",
               lambda v: v in ("thread", "process", "dummy"), "'thread', 'process' or 'dummy'"),
-    ParamSpec("mp_start_method", "start method of petastorm's process pool", None,
+    ParamSpec("mp_start_method", "start method of the arrow reader's decoding processes (reader_pool_type='process'; "
+              "default 'spawn')", None,
               lambda v: v in (None, "fork", "spawn", "forkserver"), "'fork', 'spawn', 'forkserver' or None"),
     ParamSpec("inmemory_cache_all", "True: keep each rank's shard in memory; False: stream it from the store every "
               "epoch; None: in memory when it fits the rank's memory budget (README 'Reading data')", None,

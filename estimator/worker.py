@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from estimator.checkpoint import Position, load_checkpoint, position_of, save_checkpoint
-from estimator.data import EarlyRead, Feed, Shard, Tensors, epoch_seed, feed_workers, open_shards, tensors_to
+from estimator.data import Decoders, EarlyRead, Feed, Shard, Tensors, epoch_seed, feed_workers, open_shards, tensors_to
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
 from estimator.host_allreduce import HostAllreduce
@@ -102,6 +102,7 @@ class Run:
             position = Position(position.epochs, global_step=position.global_step)
         callbacks = self.objs.callbacks if ctx.rank == 0 else []
         _call(callbacks, "on_train_begin", {})
+        self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
             for epoch in range(len(self.history), spec.epochs):
                 inside = position if epoch == position.epochs and position.step else Position(epoch)
@@ -109,9 +110,9 @@ class Run:
                 self.epoch(epoch, train, val, inside)
                 _call(callbacks, "on_epoch_end", epoch, dict(self.history[-1]))
         finally:
-            train.close()
-            if val is not None:
-                val.close()
+            for closing in (train, val, *self.decoders.values()):
+                if closing is not None:
+                    closing.close()
         _call(callbacks, "on_train_end", {"history": self.history})
         del self.ddp, self.loop  # the caller's teardown needs DDP gone before destroy_process_group
         reader = train.describe() + (f"; val {val.describe()}" if val is not None else "")
@@ -152,12 +153,15 @@ class Run:
             if spec.verbose:
                 log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
 
+    def open_decoders(self, training: bool) -> Decoders:
+        reader, fn = self.spec.reader, self.objs.transformation_fn
+        workers = feed_workers(reader.train_workers if training else reader.val_workers, fn is not None)
+        pool = reader.pool_type if reader.kind == "arrow" else "thread"  # petastorm's pool type is its readers'
+        return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}")
+
     def feed(self, batches: Iterator[Any], training: bool) -> Feed:
-        reader = self.spec.reader
-        workers = feed_workers(reader.train_workers if training else reader.val_workers,
-                               self.objs.transformation_fn is not None)
-        return Feed(batches, self.spec.data, self.objs.transformation_fn, workers,
-                    pin=self.device.type == "cuda", name=f"feed-rank-{self.ctx.rank}")
+        return Feed(batches, self.spec.data, self.decoders[training], pin=self.device.type == "cuda",
+                    name=f"feed-rank-{self.ctx.rank}")
 
     def checkpoint_inside(self, epoch: int, step: int, sums: torch.Tensor) -> None:
         """Every rank calls this at the same optimizer step: the sums so far are reduced (a collective), and

@@ -1,4 +1,5 @@
 """The streaming reader and the feed, without Spark: real Parquet files in a local store."""
+import os
 import threading
 import time
 
@@ -7,9 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from estimator.data import (CachedShard, EarlyRead, Feed, ShuffleBuffer, StreamingShard, cache_decision, list_pieces,
+from estimator.data import (CachedShard, Decoders, EarlyRead, Feed, StreamingShard, cache_decision, list_pieces,
                             open_shards, spans, to_tensors)
 from estimator.data.arrays import column_to_numpy
+from estimator.data.streaming import shuffled
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec
 from store import Store
 
@@ -122,16 +124,26 @@ def test_files_each_sorted_by_label_do_not_come_out_in_lockstep(store):
     assert np.median(labels_per_batch) >= 5 and np.median(largest_share) < 0.5, (labels_per_batch, largest_share)
 
 
-def test_the_shuffle_buffer_hands_out_every_row_once():
-    buffer = ShuffleBuffer(np.random.default_rng(0))
-    taken = []
-    for start in range(0, 1000, 90):
-        buffer.add({"x": np.arange(start, min(start + 90, 1000))})
-        while buffer.size >= 300:
-            taken.extend(buffer.take(32)["x"].tolist())
-    while buffer.size:
-        taken.extend(buffer.take(min(32, buffer.size))["x"].tolist())
-    assert sorted(taken) == list(range(1000)) and taken != sorted(taken)
+@pytest.mark.parametrize("capacity, batch", [(300, 32), (1, 32), (5000, 32), (64, 100)])
+def test_the_shuffle_buffer_hands_out_every_row_once(capacity, batch):
+    chunks = [{"x": np.arange(s, min(s + 90, 1000)), "y": -np.arange(s, min(s + 90, 1000))} for s in range(0, 1000, 90)]
+    out = list(shuffled(iter(chunks), batch, capacity, np.random.default_rng(0)))
+    assert [len(b["x"]) for b in out] == [batch] * (1000 // batch) + ([1000 % batch] if 1000 % batch else [])
+    taken = np.concatenate([b["x"] for b in out])
+    assert sorted(taken) == list(range(1000)) and (capacity == 1 or list(taken) != sorted(taken))
+    assert all((b["x"] == -b["y"]).all() for b in out)  # rows stay together
+
+
+def test_a_row_stays_in_the_shuffle_buffer_for_a_geometric_number_of_exchanges():
+    """Row r comes in as batch row r - capacity goes out; it stays `capacity` exchanges on average, some much
+    longer (label-sorted data needs that tail)."""
+    capacity, n = 300, 30_000
+    chunks = [{"x": np.arange(s, s + 100)} for s in range(0, n, 100)]
+    taken = np.concatenate([b["x"] for b in shuffled(iter(chunks), 64, capacity, np.random.default_rng(0))])
+    position = np.argsort(taken)
+    rows = np.arange(capacity, n - 20 * capacity)  # late rows may be drained at the end
+    stay = position[rows] - (rows - capacity)
+    assert stay.min() >= 1 and 280 < stay.mean() < 320 and stay.max() > 1500, (stay.mean(), stay.max())
 
 
 MEMORY_PROBE = """
@@ -207,26 +219,42 @@ def test_the_feed_keeps_a_bounded_queue_ahead_and_stops_early(store):
     assert not any(t.name == "feed" and t.is_alive() for t in threading.enumerate())
 
 
-def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_errors(store):
+@pytest.mark.parametrize("pool_type", ["thread", "process", "dummy"])
+def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_errors(store, pool_type):
     spec = _spec(store)
+    factor = 2  # a closure: processes get the function through cloudpickle
 
     def double(frame):
         time.sleep(0.01 * np.random.rand())  # workers finish out of order
-        frame["label"] = frame["label"] * 2
+        frame["label"] = frame["label"] * factor
+        return frame
+
+    def where(frame):
+        import os
+        frame["label"] = os.getpid()
         return frame
 
     batches = [{"features": np.zeros((2, 3), np.float32), "label": np.array([i, i])} for i in range(20)]
-    feed = Feed(iter(batches), spec.data, double, workers=3)
-    assert [t[1][0].tolist()[0] for t in feed] == [2 * i for i in range(20)]
-    feed.close()
+    decoders = Decoders(double, 3, pool_type)
+    for _ in range(2):  # a second epoch reuses the pool
+        feed = Feed(iter(batches), spec.data, decoders)
+        assert [t[1][0].tolist()[0] for t in feed] == [2 * i for i in range(20)]
+        feed.close()
+    decoders.close()
+    decoders = Decoders(where, 2, pool_type)
+    ran_in = {decoders.transform(batches[0])["label"][0] for _ in range(6)}
+    assert (os.getpid() not in ran_in) == (pool_type == "process"), ran_in
+    decoders.close()
 
     def broken(frame):
         raise KeyError("no such column")
 
-    feed = Feed(iter(batches), spec.data, broken, workers=2)
+    decoders = Decoders(broken, 2, pool_type)
+    feed = Feed(iter(batches), spec.data, decoders)
     with pytest.raises(KeyError, match="no such column"):
         next(feed)
     feed.close()
+    decoders.close()
 
 
 def test_binary_columns_arrive_as_bytes_and_need_a_transformation(store):

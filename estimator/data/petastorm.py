@@ -105,7 +105,7 @@ def rebatch(chunks: Iterator[Dict[str, np.ndarray]], batch_size: int, steps: int
     """Up to `steps` batches of `batch_size` rows from a stream of row groups (rows shuffled within
     each row group when asked). A finite stream ends with its last, possibly smaller, batch."""
     def permuted(chunk: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        order = rng.permutation(len(next(iter(chunk.values()))))
+        order = rng.permutation(rows_in(chunk))
         return {k: v[order] for k, v in chunk.items()}
 
     rows = map(permuted, chunks) if shuffle and rng is not None else chunks
