@@ -162,7 +162,9 @@ def images(spark, store, stages, copies, epochs, repeat):
             "PNG, 2 decode processes (reader_pool_type='process')":
                 (png_df, {"transformation_fn": decode, "reader_pool_type": "process"}),
             "PNG, 1 decode process": (png_df, {"transformation_fn": decode, "reader_pool_type": "process",
-                                               "train_reader_num_workers": 1})}
+                                               "train_reader_num_workers": 1}),
+            "PNG, 2 decode processes, mp_start_method='fork'":
+                (png_df, {"transformation_fn": decode, "reader_pool_type": "process", "mp_start_method": "fork"})}
     out = []
     for name, (df, extra) in runs.items():
         ours_fit(df, 784, 1, 128, store, feature_cols=["image"], inmemory_cache_all=True, **extra)  # materialize

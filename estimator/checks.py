@@ -1,12 +1,14 @@
 """Checks that need more than one param, or the DataFrame's schema. All run before any Spark job."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence
 
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
 from torch import nn
 
+from estimator.losses import check_metrics
 from estimator.params import param_error
 
 OWNER = "TorchEstimator"
@@ -34,11 +36,14 @@ def check_params(p: Dict[str, Any]) -> None:
         raise ValueError(param_error(OWNER, "loss_weights", f"a list of {n_labels} numbers, one per label column",
                                      p["loss_weights"]))
     if p["sample_weight_col"]:
-        bad = [fn for fn in losses if not (isinstance(fn, nn.Module) and hasattr(fn, "reduction"))]
+        bad = [fn for fn in losses if not (isinstance(fn, nn.Module) and hasattr(fn, "reduction"))
+               and not _takes_reduction(fn)]
         if bad:
             raise ValueError(param_error(
-                OWNER, "loss", "torch.nn loss modules (with a 'reduction' attribute) when sample_weight_col is set, "
-                "so that per-row losses can be weighted", p["loss"]))
+                OWNER, name, "torch.nn losses or functions that accept reduction='none' (such as "
+                "torch.nn.functional.binary_cross_entropy) when sample_weight_col is set, so that per-row losses "
+                "can be weighted", p[name]))
+    check_metrics(p["metrics"], losses_per_label(losses, n_labels), p["label_cols"])
     used = list(p["feature_cols"]) + list(p["label_cols"])
     overlap = sorted({c for c in used if used.count(c) > 1})
     if overlap:
@@ -90,9 +95,18 @@ def _trainable(dtype: DataType, scalar_only: bool) -> bool:
     return False
 
 
+def _takes_reduction(fn: Any) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    return any(p.name == "reduction" or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
 def losses_per_label(loss: Any, labels: int) -> List[Any]:
-    """One loss per label column: a single loss applies to every label."""
-    return list(loss) if isinstance(loss, (list, tuple)) else [loss] * labels
+    """One loss per label column: a single loss (or a list of one) applies to every label."""
+    losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+    return losses * labels if len(losses) == 1 else losses
 
 
 def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:

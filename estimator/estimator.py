@@ -21,10 +21,10 @@ from pyspark.sql import DataFrame, SparkSession
 from estimator import checks
 from estimator.compression import compression_name
 from estimator.checkpoint import Position, describe, load_checkpoint, position_of
-from estimator.data import list_pieces, parquet_columns, prepare_arrays, read_head, to_tensors, transform_batch
+from estimator.data import list_pieces, parquet_columns
 from estimator.distributed import RankFailed
+from estimator.dry_run import dry_run
 from estimator.launcher import SparkBarrierLauncher, check_slots
-from estimator.losses import Objective
 from estimator.materialize import materialize
 from estimator.model import TorchModel
 from estimator.param_table import ESTIMATOR_PARAMS
@@ -33,7 +33,7 @@ from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
-from estimator.worker import as_tuple, build_optimizer, format_metrics
+from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
@@ -284,41 +284,6 @@ def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:
         raise ValueError(f"reader='petastorm' shards by Parquet row group, and the training data has "
                          f"{len(data.train)} row groups for num_proc={num_proc}. Set partitions_per_process or "
                          "repartition the DataFrame.")
-
-
-def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
-    """Forward and loss on two training rows on the driver, before launching: a wrong signature,
-    shape or loss fails here in a second with a clear message, not on every rank. Returns the
-    per-row shape of each output (the TorchModel's output schema comes from it)."""
-    head = read_head(data.store, data.train, 2, data.columns)  # the first row group may hold only one
-    rows = len(head[data.columns[0]])
-    arrays = prepare_arrays(data, head)
-    if objs.transformation_fn is not None:
-        try:
-            arrays = transform_batch(objs.transformation_fn, arrays)
-        except Exception as exc:  # noqa: BLE001 - the user's function
-            raise ValueError(f"transformation_fn failed on {rows} training rows (a pandas DataFrame with columns "
-                             f"{list(arrays)}): {type(exc).__name__}: {exc}") from None
-    features, labels, weights = to_tensors(arrays, data)
-    model = copy.deepcopy(objs.model).eval()
-    shown = ", ".join(f"{c}: {tuple(t.shape)}" for c, t in zip(data.feature_cols, features))
-    try:
-        with torch.no_grad():
-            outputs = as_tuple(model(*features))
-    except Exception as exc:  # noqa: BLE001 - any failure here is the user's forward
-        raise ValueError(f"The model's forward() failed on {rows} training rows, called with the feature_cols "
-                         f"in order ({shown}): {type(exc).__name__}: {exc}. Check feature_cols, input_shapes and "
-                         "forward()'s arguments.") from None
-    objective = Objective(copy.deepcopy(objs.build_losses()), objs.loss_weights, objs.metrics, data.label_cols,
-                          weighted=data.sample_weight_col is not None)
-    try:
-        objective(outputs, labels, weights)
-    except Exception as exc:  # noqa: BLE001
-        got = ", ".join(str(tuple(o.shape)) for o in outputs)
-        want = ", ".join(f"{c}: {tuple(t.shape)} {t.dtype}" for c, t in zip(data.label_cols, labels))
-        raise ValueError(f"The loss or metrics failed on the model's outputs ({got}) and the labels ({want}): "
-                         f"{type(exc).__name__}: {exc}. Check loss, label_cols and label_shapes.") from None
-    return [tuple(o.shape[1:]) for o in outputs]
 
 
 def default_store() -> Store:

@@ -9,22 +9,67 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-# Losses whose target is a class index: a float label column (e.g. StringIndexer output) is cast.
-CLASS_INDEX_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss)
+# What a loss says about its outputs and labels. Class-index losses take (batch, classes) scores and integer
+# targets of shape (batch,); a float label column (e.g. StringIndexer output) is cast.
+CLASS_INDEX = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss, F.cross_entropy, F.nll_loss, F.multi_margin_loss)
+LOGITS = (nn.BCEWithLogitsLoss, F.binary_cross_entropy_with_logits)
+PROBABILITIES = (nn.BCELoss, F.binary_cross_entropy)
+REGRESSION = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.PoissonNLLLoss, nn.GaussianNLLLoss,
+              nn.KLDivLoss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
 
 
-def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Share of rows whose argmax (or, for one column, output >= 0.5) equals the label."""
-    if output.dim() > 1 and output.shape[-1] > 1:
-        predicted = output.argmax(dim=-1)
-    else:
-        predicted = (output.reshape(-1) >= 0.5).long()
-    return (predicted.reshape(-1) == target.reshape(-1).long()).double().mean()  # exact counts
+def loss_kind(loss_fn: Any) -> str:
+    """'class_index', 'logits', 'probabilities', 'regression' or 'unknown' (a user function)."""
+    for kind, known in (("class_index", CLASS_INDEX), ("logits", LOGITS), ("probabilities", PROBABILITIES),
+                        ("regression", REGRESSION)):
+        if any(loss_fn is k or (isinstance(k, type) and isinstance(loss_fn, k)) for k in known):
+            return kind
+    return "unknown"
 
 
-BUILTIN_METRICS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"accuracy": accuracy}
+def loss_name(loss_fn: Any) -> str:
+    return getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+
+
+class Accuracy:
+    """The share of rows predicted right, read the way the label's loss reads the output: class scores
+    (CrossEntropyLoss, NLLLoss) by argmax, logits (BCEWithLogitsLoss) by >= 0, probabilities (BCELoss) by >= 0.5
+    (every element for several binary labels per row). With a loss of the user's own, one score per class
+    (an output wider than the label) is read by argmax; a single column is refused (logit or probability?)."""
+
+    __name__ = "accuracy"
+
+    def __init__(self, loss_fn: Any):
+        self.kind, self.loss = loss_kind(loss_fn), loss_name(loss_fn)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        rows = output.shape[0]
+        if self.kind in ("logits", "probabilities"):
+            predicted = output >= (0.0 if self.kind == "logits" else 0.5)
+            return (predicted.reshape(rows, -1) == target.reshape(rows, -1).bool()).double().mean()
+        one_column = output.dim() < 2 or output.shape[-1] < 2
+        if self.kind == "unknown" and (one_column or target.reshape(rows, -1).shape[1] > 1):
+            raise ValueError(f"metrics=['accuracy'] cannot tell how to read the output of the loss {self.loss} "
+                             f"(output {tuple(output.shape)}, label {tuple(target.shape)}): use a torch loss that says "
+                             "it (CrossEntropyLoss / NLLLoss: class scores; BCEWithLogitsLoss: logits; BCELoss: "
+                             "probabilities), or pass your own metric function instead of 'accuracy'.")
+        return (output.argmax(dim=-1).reshape(-1) == target.reshape(-1).long()).double().mean()  # exact counts
+
+
+def accuracy_applies(loss_fn: Any) -> bool:
+    """Accuracy means nothing for a regression loss's label."""
+    return loss_kind(loss_fn) != "regression"
+
+
+def check_metrics(metrics: Sequence[Any], losses: Sequence[Any], label_cols: Sequence[str]) -> None:
+    """'accuracy' must mean something for at least one label (it is reported for the classification ones)."""
+    if "accuracy" in metrics and not any(accuracy_applies(fn) for fn in losses):
+        raise ValueError(f"metrics=['accuracy'] means nothing for {', '.join(label_cols)} with the regression loss "
+                         f"{', '.join(sorted({loss_name(fn) for fn in losses}))}: remove it, or pass a metric function "
+                         "(output, label) -> number such as mean absolute error.")
 
 
 def metric_name(metric: Any) -> str:
@@ -34,14 +79,35 @@ def metric_name(metric: Any) -> str:
 
 
 def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Fit the label tensor to what the loss expects, for the two mismatches users hit most."""
-    if isinstance(loss_fn, CLASS_INDEX_LOSSES) and target.is_floating_point() and target.dim() == 1:
-        return target.long()
+    """Fit the label tensor to what the loss expects, as plain PyTorch would be given it."""
+    if loss_kind(loss_fn) == "class_index":
+        if output.dim() < 2 or output.shape[1] < 2:
+            raise ValueError(f"{loss_name(loss_fn)} needs one output per class, but the model's output has shape "
+                             f"{tuple(output.shape)}: return (batch, classes) scores, or use BCEWithLogitsLoss "
+                             "with one output for two classes.")
+        if target.dim() == 2 and target.shape[1] == 1:
+            target = target.reshape(-1)  # (B, 1) class indices
+        return target.long() if target.dim() == 1 else target
     if target.dim() == 1 and output.dim() == 2 and output.shape[1] == 1:
         return target.reshape(-1, 1).to(output.dtype)  # (B, 1) outputs against (B,) labels
     if target.is_floating_point() and output.is_floating_point() and target.dtype != output.dtype:
         return target.to(output.dtype)
+    if not target.is_floating_point() and output.is_floating_point() and target.shape == output.shape:
+        return target.to(output.dtype)  # 0/1 integer labels for BCE-style losses
     return target
+
+
+def per_row_loss(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss of each row (sample weights): torch loss modules with reduction='none', functions called
+    with reduction='none' (as Horovod calls them)."""
+    if isinstance(loss_fn, nn.Module) and hasattr(loss_fn, "reduction"):
+        return loss_fn(output, target)  # its reduction was set to 'none'
+    try:
+        return loss_fn(output, target, reduction="none")
+    except TypeError as exc:
+        raise TypeError(f"sample_weight_col needs per-row losses: the loss {loss_name(loss_fn)} was called with "
+                        f"reduction='none' and failed ({exc}); use a torch.nn loss or a function that accepts "
+                        "reduction='none'.") from None
 
 
 class Objective:
@@ -54,13 +120,16 @@ class Objective:
         self.weighted = weighted
         if weighted:  # per-row losses, weighted by the sample weight column
             for fn in self.losses:
-                fn.reduction = "none"
+                if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
+                    fn.reduction = "none"
+        check_metrics(metrics, self.losses, label_cols)
         self.metrics: List[Tuple[str, int, Callable]] = []
         for m in metrics:
-            fn = BUILTIN_METRICS[m] if isinstance(m, str) else m
             for i, label in enumerate(label_cols):
+                if m == "accuracy" and not accuracy_applies(self.losses[i]):
+                    continue  # a regression label of a multi-output model
                 name = metric_name(m) if len(label_cols) == 1 else f"{label}_{metric_name(m)}"
-                self.metrics.append((name, i, fn))
+                self.metrics.append((name, i, Accuracy(self.losses[i]) if m == "accuracy" else m))
         self.width = 3 + len(self.metrics)
 
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
@@ -70,7 +139,8 @@ class Objective:
                              "columns; return one output per label column (a tuple for several).")
         rows = labels[0].shape[0]
         targets = [adapt_target(fn, out, lab) for fn, out, lab in zip(self.losses, outputs, labels)]
-        parts = [w * fn(out, tgt) for fn, w, out, tgt in zip(self.losses, self.loss_weights, outputs, targets)]
+        loss_of = per_row_loss if self.weighted else (lambda fn, out, tgt: fn(out, tgt))
+        parts = [w * loss_of(fn, out, tgt) for fn, w, out, tgt in zip(self.losses, self.loss_weights, outputs, targets)]
         sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
         if self.weighted:
             per_row = sum(p.reshape(rows, -1).mean(dim=1) for p in parts)

@@ -35,7 +35,9 @@ def _est(store, **kw):
     (dict(batch_size=0), "The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 0 instead."),
     (dict(feature_cols=["label"]), "appear in both feature_cols and label_cols"),
     (dict(sample_weight_col="weight", loss=lambda o, t: nn.functional.cross_entropy(o, t)),
-     "torch.nn loss modules (with a 'reduction' attribute) when sample_weight_col is set"),
+     "torch.nn losses or functions that accept reduction='none' (such as torch.nn.functional.binary_cross_entropy) "
+     "when sample_weight_col is set"),
+    (dict(loss=nn.MSELoss()), "metrics=['accuracy'] means nothing for label with the regression loss MSELoss"),
 ])
 def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
     errors = []
@@ -51,7 +53,7 @@ def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
 
 
 def test_forward_that_does_not_fit_the_columns_fails_on_the_driver(spark, store, df):
-    with pytest.raises(ValueError, match=r"The model's forward\(\) failed on 2 training rows.*features: \(2, 1, 8, 8\)"):
+    with pytest.raises(ValueError, match=r"The model's forward\(\) failed on 16 training rows.*features: \(16, 1, 8, 8\)"):
         _est(store, input_shapes=[[-1, 1, 8, 8]]).fit(df)  # an MLP cannot take images
 
 

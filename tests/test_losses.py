@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from estimator.losses import Objective, accuracy, adapt_target
+from estimator.losses import Objective, adapt_target
 
 
 def test_float_class_labels_are_cast_for_class_index_losses():
@@ -12,7 +12,7 @@ def test_float_class_labels_are_cast_for_class_index_losses():
 
 
 def test_unweighted_sums_are_row_weighted():
-    objective = Objective([nn.MSELoss()], [1.0], ["accuracy"], ["y"], weighted=False)
+    objective = Objective([nn.MSELoss()], [1.0], [], ["y"], weighted=False)
     out = torch.tensor([[0.0], [1.0], [2.0]])
     target = torch.tensor([0.0, 0.0, 0.0])
     loss, sums = objective((out,), (target,), None)
@@ -41,9 +41,4 @@ def test_several_outputs_combine_losses_with_weights_and_name_metrics_per_label(
     expected = nn.CrossEntropyLoss()(logits, torch.tensor([0, 1])) + 0.5 * 2.0
     assert torch.isclose(loss, expected)
     names = [name for name, _, _ in objective.metrics]
-    assert names == ["digit_accuracy", "big_accuracy"]
-
-
-def test_accuracy_argmax_and_threshold():
-    assert accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1])).item() == 0.5
-    assert accuracy(torch.tensor([[0.7], [0.2]]), torch.tensor([1.0, 0.0])).item() == 1.0
+    assert names == ["digit_accuracy"]  # not for the regression label

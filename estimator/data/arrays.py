@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F401 - re-exported
 from estimator.spec import DataSpec
 
 Arrays = Dict[str, np.ndarray]
@@ -53,15 +54,6 @@ def is_binary(dtype: pa.DataType) -> bool:
     return pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype)
 
 
-def torch_dtype_array(values: np.ndarray) -> np.ndarray:
-    """float64 -> float32 (models are float32), bools -> float32, ints -> int64; bytes stay as they are."""
-    if values.dtype == np.float64 or values.dtype == np.bool_:
-        return values.astype(np.float32)
-    if np.issubdtype(values.dtype, np.integer) and values.dtype != np.int64:
-        return values.astype(np.int64)
-    return values
-
-
 def reshape(values: np.ndarray, shape: Optional[Sequence[int]], name: str) -> np.ndarray:
     """Reshape a (rows, ...) block to `shape` ([-1, 1, 28, 28]: -1 is the batch)."""
     if shape is None:
@@ -87,21 +79,6 @@ def prepare_arrays(data: DataSpec, arrays: Arrays) -> Arrays:
     if data.sample_weight_col:
         out[data.sample_weight_col] = arrays[data.sample_weight_col].astype(np.float32)
     return {k: np.require(v, requirements=["C", "W"]) for k, v in out.items()}
-
-
-def transform_batch(fn: Any, batch: Arrays) -> Arrays:
-    """Apply the user's transformation_fn to a batch as a pandas DataFrame (one row per sample;
-    array columns hold one numpy array per row, as petastorm gives them; binary columns hold bytes)."""
-    import pandas as pd
-
-    frame = pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in batch.items()})
-    frame = fn(frame)
-    out = {}
-    for k in batch:
-        column = frame[k].to_numpy()
-        values = np.stack(column) if column.dtype == object else column
-        out[k] = np.require(torch_dtype_array(values), requirements=["C", "W"])
-    return out
 
 
 def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.device("cpu"), pin: bool = False

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import cloudpickle
 
-from estimator.data.arrays import Arrays, Tensors, to_tensors, transform_batch
+from estimator.data.arrays import Arrays, Tensors, to_tensors
+from estimator.data.frames import load_transformation, run_loaded, transform_batch
 from estimator.spec import DataSpec
 
 _END = object()
@@ -34,7 +35,7 @@ class Decoders:
         self._threads = (ThreadPoolExecutor(self.workers, thread_name_prefix=name)
                          if self.workers > 1 or processes else None)
         self._processes = (ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(
-            start_method or "spawn"), initializer=_load_fn, initargs=(cloudpickle.dumps(fn),)) if processes else None)
+            start_method or "spawn"), initializer=load_transformation, initargs=(cloudpickle.dumps(fn),)) if processes else None)
 
     def submit(self, raw: Arrays, finish: Callable[[Arrays], Tensors]) -> "Future[Tensors]":
         """`finish(transformed batch)`, on a pool thread (or here, without one)."""
@@ -46,25 +47,13 @@ class Decoders:
         if self.fn is None:
             return raw
         if self._processes is not None:
-            return self._processes.submit(_transform, raw).result()
+            return self._processes.submit(run_loaded, raw).result()
         return transform_batch(self.fn, raw)
 
     def close(self) -> None:
         for pool in (self._threads, self._processes):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-
-
-_FN: Any = None  # a decoding process's transformation_fn
-
-
-def _load_fn(payload: bytes) -> None:
-    global _FN
-    _FN = cloudpickle.loads(payload)
-
-
-def _transform(raw: Arrays) -> Arrays:
-    return transform_batch(_FN, raw)
 
 
 class Feed:

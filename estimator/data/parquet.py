@@ -7,7 +7,7 @@ in `Span`s, the units both readers work with. pyarrow only, no pyspark.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -119,3 +119,25 @@ def read_head(store: Store, pieces: Sequence[Piece], rows: int, columns: Sequenc
     if not pieces or rows <= 0:
         return table_to_arrays(None, columns)
     return next(read_span(store, Span(pieces[0], 0, min(rows, pieces[0].num_rows)), columns, rows))
+
+
+def column_max(store: Store, pieces: Sequence[Piece], column: str) -> Optional[float]:
+    """The largest value of a numeric column, from the row groups' footer statistics (no data read); None when
+    a row group has no statistics for it."""
+    fs, best = arrow_filesystem(store), None
+    by_file: dict = {}
+    for piece in pieces:
+        by_file.setdefault(piece.path, []).append(piece.row_group)
+    for path, groups in by_file.items():
+        with fs.open_input_file(path) as handle:
+            meta = pq.ParquetFile(handle).metadata
+        paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+        if column not in paths:  # an array column: its leaf is column.list.element
+            return None
+        index = paths.index(column)
+        for group in groups:
+            stats = meta.row_group(group).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                return None
+            best = stats.max if best is None else max(best, stats.max)
+    return None if best is None else float(best)

@@ -1,0 +1,121 @@
+"""The driver's dry run: forward and loss on a few training rows before launching, so that a wrong signature,
+shape, output type, loss or class count fails in a second with a clear message instead of on every rank (or,
+worse, trains on numbers that broadcast). Returns the per-row shape of each output (the TorchModel's output
+schema comes from it).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from estimator.data import column_max, prepare_arrays, read_head, to_tensors, transform_batch
+from estimator.losses import Objective, loss_kind, loss_name
+from estimator.spec import DataSpec, UserObjects
+
+HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
+
+
+def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
+    head = read_head(data.store, data.train, HEAD_ROWS, data.columns)
+    arrays = prepare_arrays(data, head)
+    rows = len(head[data.columns[0]])
+    if objs.transformation_fn is not None:
+        try:
+            arrays = transform_batch(objs.transformation_fn, arrays)
+        except Exception as exc:  # noqa: BLE001 - the user's function
+            raise ValueError(f"transformation_fn failed on {rows} training rows (a pandas DataFrame with columns "
+                             f"{list(arrays)}): {type(exc).__name__}: {exc}") from None
+    model = copy.deepcopy(objs.model).eval()
+    outputs = forward(model, data, arrays, rows)
+    checked = rows_unlike(outputs, rows)  # a row count no output dimension equals: shape mistakes cannot broadcast
+    if checked != rows:
+        arrays = {k: v[:checked] for k, v in arrays.items()}
+        outputs = forward(model, data, arrays, checked)
+    losses = copy.deepcopy(objs.build_losses())
+    check_classes(losses, outputs, data)
+    objective = Objective(losses, objs.loss_weights, objs.metrics, data.label_cols,
+                          weighted=data.sample_weight_col is not None)
+    _, labels, weights = to_tensors(arrays, data)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            objective(outputs, labels, weights)
+        broadcast = [w for w in caught if "target size" in str(w.message)]
+        if broadcast:  # MSELoss and friends warn, then broadcast (batch,) against (batch, n) into nonsense
+            raise BroadcastWarning(str(broadcast[0].message))
+    except Exception as exc:  # noqa: BLE001
+        got = ", ".join(str(tuple(o.shape)) for o in outputs)
+        want = ", ".join(f"{c}: {tuple(t.shape)} {t.dtype}" for c, t in zip(data.label_cols, labels))
+        raise ValueError(f"The loss or metrics failed on the model's outputs ({got}) and the labels ({want}): "
+                         f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, label_cols, label_shapes and the model's "
+                         "output shape.") from None
+    return [tuple(o.shape[1:]) for o in outputs]
+
+
+class BroadcastWarning(ValueError):
+    """A loss warned that it broadcasts the output against the label (torch trains on, with wrong numbers)."""
+
+    def __str__(self) -> str:
+        return f"UserWarning: {self.args[0]}"
+
+
+def forward(model: torch.nn.Module, data: DataSpec, arrays: Any, rows: int) -> Tuple[torch.Tensor, ...]:
+    features, _, _ = to_tensors(arrays, data)
+    shown = ", ".join(f"{c}: {tuple(t.shape)}" for c, t in zip(data.feature_cols, features))
+    try:
+        with torch.no_grad():
+            raw = model(*features)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the user's forward
+        raise ValueError(f"The model's forward() failed on {rows} training rows, called with the feature_cols "
+                         f"in order ({shown}): {type(exc).__name__}: {exc}. Check feature_cols, input_shapes and "
+                         "forward()'s arguments.") from None
+    return check_outputs(raw, data.label_cols)
+
+
+def check_outputs(raw: Any, label_cols: Sequence[str]) -> Tuple[torch.Tensor, ...]:
+    """One tensor, or a tuple/list of tensors in label_cols order; anything else is refused by name."""
+    if isinstance(raw, dict):
+        raise ValueError(f"The model's forward() returned a dict (keys {list(raw)}); outputs must be a tensor, or a "
+                         f"tuple of tensors in the order of label_cols {list(label_cols)}: return "
+                         f"({', '.join(f'out[{k!r}]' for k in raw)}) instead.")
+    outputs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
+    for i, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"The model's forward() returned a {type(out).__name__} as output {i}; outputs must be "
+                             f"tensors (one per label column of {list(label_cols)}).")
+    if len(outputs) != len(label_cols):
+        raise ValueError(f"The model returned {len(outputs)} outputs but there are {len(label_cols)} label "
+                         f"columns {list(label_cols)}; return one output per label column (a tuple for several).")
+    return outputs
+
+
+def rows_unlike(outputs: Sequence[torch.Tensor], rows: int) -> int:
+    """The largest row count <= rows (at least 3 when there are 3) that equals no per-row output dimension."""
+    dims = {d for o in outputs for d in o.shape[1:]}
+    for n in range(rows, 2, -1):
+        if n not in dims:
+            return n
+    return rows
+
+
+def check_classes(losses: Sequence[Any], outputs: Sequence[torch.Tensor], data: DataSpec) -> None:
+    """A class-index loss needs an output per class: at least one more than the largest label (from the
+    Parquet footers' statistics of the whole training and validation data, no pass over the rows)."""
+    for fn, out, label in zip(losses, outputs, data.label_cols):
+        if loss_kind(fn) != "class_index":
+            continue
+        classes = out.shape[1] if out.dim() > 1 else 1
+        if classes < 2:
+            raise ValueError(f"{loss_name(fn)} needs one output per class, but the model's output for label "
+                             f"{label!r} has {classes} unit (shape {tuple(out.shape)}); plain PyTorch would refuse "
+                             "it too. Return (batch, classes) scores, or use BCEWithLogitsLoss with one output for "
+                             "two classes.")
+        largest = [column_max(data.store, pieces, label) for pieces in (data.train, data.val) if pieces]
+        largest = [v for v in largest if v is not None]
+        if largest and max(largest) >= classes:
+            raise ValueError(f"Label column {label!r} holds class {max(largest):g}, but the model's output has "
+                             f"{classes} classes (0-{classes - 1}) for {loss_name(fn)}: give the last layer at "
+                             f"least {int(max(largest)) + 1} outputs, or re-index the labels (StringIndexer).")

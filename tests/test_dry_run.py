@@ -1,0 +1,137 @@
+"""The driver's dry run and the loss/metric rules: mistakes that plain PyTorch refuses, or that would train on
+broadcast numbers, fail before launching with a message naming what to change."""
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from estimator.data import list_pieces
+from estimator.dry_run import dry_run
+from estimator.losses import Objective
+from estimator.pickling import user_objects
+from estimator.spec import DataSpec
+
+
+def _data(store, labels, width=4, label_width=None):
+    rows = len(labels)
+    x = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    y = pa.array(list(labels)) if label_width is None else pa.array(list(np.tile(labels[:, None], label_width)))
+    store.makedirs(store.path("train"))
+    pq.write_table(pa.table({"x": pa.array(list(x)), "y": y}), store.path("train", "part.parquet"),
+                   row_group_size=max(rows // 3, 1))
+    return DataSpec(store, list_pieces(store, store.path("train")), (), ("x",), ("y",))
+
+
+def _objs(model, loss, metrics=()):
+    model.scale = nn.Parameter(torch.ones(1))  # the test models without weights still need an optimizer
+    return user_objects(model, torch.optim.SGD(model.parameters(), lr=0.1), [loss], [1.0], list(metrics))
+
+
+def test_cross_entropy_against_one_output_unit_is_refused(store):
+    data = _data(store, np.array([0, 1] * 20, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss needs one output per class, but the model's output for "
+                                         r"label 'y' has 1 unit .* BCEWithLogitsLoss"):
+        dry_run(_objs(nn.Linear(4, 1), nn.CrossEntropyLoss()), data)
+    with pytest.raises(ValueError, match="NLLLoss needs one output per class"):
+        dry_run(_objs(nn.Linear(4, 1), nn.NLLLoss()), data)
+
+
+def test_fewer_output_classes_than_the_largest_label_is_refused_with_both_numbers(store):
+    labels = np.array([0, 1, 2] * 10 + [7], dtype=np.float64)  # the 7 is in the last row group only
+    data = _data(store, labels)
+    with pytest.raises(ValueError, match=r"Label column 'y' holds class 7, but the model's output has 3 classes "
+                                         r"\(0-2\) for CrossEntropyLoss: give the last layer at least 8 outputs"):
+        dry_run(_objs(nn.Linear(4, 3), nn.CrossEntropyLoss()), data)
+    assert dry_run(_objs(nn.Linear(4, 8), nn.CrossEntropyLoss()), data) == [(8,)]
+
+
+def test_outputs_that_would_broadcast_against_the_labels_are_refused(store):
+    """MSELoss on (rows, 2) outputs against (rows,) labels broadcasts; with 2 rows it even has matching
+    sizes. The dry run uses a row count that equals no output dimension and refuses torch's warning."""
+    data = _data(store, np.arange(40, dtype=np.float64))
+    with pytest.raises(ValueError, match=r"The loss or metrics failed on the model's outputs \(\(13, 2\)\) and the "
+                                         r"labels \(y: \(13,\) torch.float32\)"):
+        dry_run(_objs(nn.Linear(4, 2), nn.MSELoss()), data)
+    assert dry_run(_objs(nn.Linear(4, 1), nn.MSELoss()), data) == [(1,)]
+
+    class Flat(nn.Module):  # (rows,) outputs against (rows, 1) labels: torch only warns, then broadcasts
+        def forward(self, x):
+            return x.sum(dim=1)
+
+    data = _data(store, np.arange(40, dtype=np.float64), label_width=1)
+    with pytest.raises(ValueError, match=r"outputs \(\(13,\)\) and the labels \(y: \(13, 1\) .*UserWarning: "
+                                         r"Using a target size"):
+        dry_run(_objs(Flat(), nn.MSELoss()), data)
+
+
+def test_a_row_count_that_equals_an_output_dimension_is_avoided(store):
+    data = _data(store, np.arange(40, dtype=np.float64))  # 13 rows in the first row group
+
+    class Square(nn.Module):  # (rows, 13): 13 rows would make (rows,) labels broadcast without a warning
+        def forward(self, x):
+            return x[:, :1].repeat(1, 13)
+
+    with pytest.raises(ValueError, match=r"outputs \(\(12, 13\)\)"):
+        dry_run(_objs(Square(), nn.MSELoss()), data)
+
+
+def test_dict_and_non_tensor_outputs_are_refused_by_name(store):
+    data = _data(store, np.array([0, 1] * 20, dtype=np.int64))
+
+    class Dict(nn.Module):
+        def forward(self, x):
+            return {"logits": torch.zeros(x.shape[0], 2)}
+
+    with pytest.raises(ValueError, match=r"returned a dict \(keys \['logits'\]\); .* return \(out\['logits'\]\)"):
+        dry_run(_objs(Dict(), nn.CrossEntropyLoss()), data)
+
+    class Text(nn.Module):
+        def forward(self, x):
+            return "no"
+
+    with pytest.raises(ValueError, match="returned a str as output 0; outputs must be tensors"):
+        dry_run(_objs(Text(), nn.CrossEntropyLoss()), data)
+
+
+def test_accuracy_reads_the_output_as_the_loss_does():
+    logits = torch.tensor([[-2.0], [-0.5], [0.3], [2.0]])  # sigmoid: 0.12, 0.38, 0.57, 0.88
+    target = torch.tensor([0.0, 1.0, 1.0, 1.0])
+
+    def accuracy_of(loss, output):
+        objective = Objective([loss], [1.0], ["accuracy"], ["y"], weighted=False)
+        return objective._one(objective((output,), (target,), None)[1].tolist(), "")["accuracy"]
+
+    assert accuracy_of(nn.BCEWithLogitsLoss(), logits) == 0.75  # logits >= 0; thresholding at 0.5 gave 0.5
+    assert accuracy_of(nn.BCELoss(), torch.sigmoid(logits)) == 0.75  # probabilities >= 0.5
+    scores = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.4, 0.6]])
+    assert accuracy_of(nn.CrossEntropyLoss(), scores) == 0.5  # argmax
+    with pytest.raises(ValueError, match="cannot tell how to read the output of the loss <lambda>"):
+        accuracy_of(lambda o, t: ((o - t) ** 2).mean(), logits)
+
+
+def test_accuracy_is_reported_only_for_classification_labels():
+    objective = Objective([nn.CrossEntropyLoss(), nn.MSELoss()], [1.0, 0.5], ["accuracy"], ["digit", "size"],
+                          weighted=False)
+    assert [name for name, _, _ in objective.metrics] == ["digit_accuracy"]
+    with pytest.raises(ValueError, match=r"metrics=\['accuracy'\] means nothing for y with the regression loss "
+                                         r"MSELoss"):
+        Objective([nn.MSELoss()], [1.0], ["accuracy"], ["y"], weighted=False)
+
+
+def test_class_index_targets_are_integers_of_shape_batch():
+    objective = Objective([nn.CrossEntropyLoss()], [1.0], [], ["y"], weighted=False)
+    scores = torch.tensor([[3.0, 0.0], [0.0, 3.0]])
+    for target in (torch.tensor([0.0, 1.0]), torch.tensor([[0.0], [1.0]]), torch.tensor([0, 1])):
+        loss, _ = objective((scores,), (target,), None)
+        assert torch.isclose(loss, nn.CrossEntropyLoss()(scores, torch.tensor([0, 1])))
+
+
+def test_functional_losses_take_sample_weights_with_reduction_none():
+    objective = Objective([nn.functional.binary_cross_entropy], [1.0], [], ["y"], weighted=True)
+    p = torch.tensor([[0.9], [0.2]])
+    y = torch.tensor([1.0, 1.0])
+    loss, _ = objective((p,), (y,), torch.tensor([1.0, 3.0]))
+    expected = (-np.log(0.9) * 1 - np.log(0.2) * 3) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
