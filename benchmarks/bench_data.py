@@ -159,12 +159,12 @@ def images(spark, store, stages, copies, epochs, repeat):
             "PNG, decoded by the feeding thread (train_reader_num_workers=1)":
                 (png_df, {"transformation_fn": decode, "train_reader_num_workers": 1}),
             "PNG, 2 decode threads (default)": (png_df, {"transformation_fn": decode}),
-            "PNG, 2 decode processes (reader_pool_type='process')":
+            "PNG, 2 decode processes (reader_pool_type='process', forked)":
                 (png_df, {"transformation_fn": decode, "reader_pool_type": "process"}),
             "PNG, 1 decode process": (png_df, {"transformation_fn": decode, "reader_pool_type": "process",
                                                "train_reader_num_workers": 1}),
-            "PNG, 2 decode processes, mp_start_method='fork'":
-                (png_df, {"transformation_fn": decode, "reader_pool_type": "process", "mp_start_method": "fork"})}
+            "PNG, 2 decode processes, mp_start_method='spawn'":
+                (png_df, {"transformation_fn": decode, "reader_pool_type": "process", "mp_start_method": "spawn"})}
     out = []
     for name, (df, extra) in runs.items():
         ours_fit(df, 784, 1, 128, store, feature_cols=["image"], inmemory_cache_all=True, **extra)  # materialize

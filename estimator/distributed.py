@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import os
+import re
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,23 +39,32 @@ class RankContext:
 
 
 class RankFailed(RuntimeError):
-    """A rank's training raised; carries the rank and its formatted traceback."""
+    """A rank failed. The message's first line is `rank N: <its exception type>: <message>`, then its Python
+    traceback once. `summary` is that exception line, `formatted` the traceback (or the explanation when the
+    rank left none, e.g. a crashed worker)."""
 
-    stage = "Training"
-
-    def __init__(self, rank: int, formatted: str):
-        super().__init__(f"{self.stage} failed on rank {rank}:\n{formatted}")
-        self.rank = rank
-        self.formatted = formatted
+    def __init__(self, rank: int, formatted: str, summary: Optional[str] = None):
+        self.rank, self.formatted = rank, formatted.rstrip()
+        self.summary = summary or exception_line(self.formatted)
+        body = "" if self.formatted == self.summary else "\n" + self.formatted
+        super().__init__(f"rank {rank}: {self.summary}{body}")
 
     def __reduce__(self):  # crosses process boundaries (LocalLauncher's pool) with its own arguments
-        return type(self), (self.rank, self.formatted)
+        return type(self), (self.rank, self.formatted, self.summary)
+
+
+def exception_line(formatted: str) -> str:
+    """`Type: message` from a formatted traceback (its last unindented `Name: ...` line), else the first line."""
+    lines = [line for line in formatted.splitlines() if line.strip()]
+    if lines and lines[0].startswith("Traceback (most recent call last)"):
+        named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(: |$)", line)]
+        if named:
+            return named[-1]
+    return lines[0] if lines else ""
 
 
 class RendezvousFailed(RankFailed):
     """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""
-
-    stage = "Rendezvous"
 
 
 def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float, poll: float = 0.05) -> None:
@@ -132,18 +142,20 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
         torch.cuda.set_device(torch.device(ctx.device))
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
     failure: Optional[str] = None
+    summary: Optional[str] = None
     result: Optional[T] = None
     try:
         result = work(ctx)
         finished = time.perf_counter()
         dist.barrier()  # nobody tears down while a peer still needs the group
-    except Exception:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
         failure = traceback.format_exc()
+        summary = exc.summary if isinstance(exc, RankFailed) else f"{type(exc).__name__}: {exc}".splitlines()[0]
     # The traceback (and the frames holding DDP) is released once the except block ends.
     gc.collect()
     dist.destroy_process_group()
     if failure is not None:
-        raise RankFailed(ctx.rank, failure)
+        raise RankFailed(ctx.rank, failure, summary)
     if dataclasses.is_dataclass(result) and hasattr(result, "teardown_seconds"):
         result = dataclasses.replace(result, teardown_seconds=time.perf_counter() - finished)
     return result  # type: ignore[return-value]

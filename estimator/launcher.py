@@ -59,6 +59,7 @@ class SparkBarrierLauncher:
             failure = rank_failure(str(exc))
             if failure is None:
                 raise
+            log.debug("Spark's report of the failed training job: %s", exc)  # the Java frames, for DEBUG only
             raise failure from None
         finally:
             sc.setJobDescription(None)
@@ -70,8 +71,8 @@ class SparkBarrierLauncher:
         return results
 
 
-_RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): (?:Training|Rendezvous) failed on rank (\d+):\n(.*?)"
-                          r"(?:\n\s*SQLSTATE|\n\tat |\Z)", re.S)
+_RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)\n?(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
+                          re.S)
 
 
 _BARRIER_TASK_FAILED = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finished unsuccessfully\.\s*\n(?:\S*Exception: )?"
@@ -92,7 +93,8 @@ def rank_failure(text: str) -> Optional[RankFailed]:
                       "native code. The executor's stderr holds whatever it printed.")
         return RankFailed(int(died.group(1)), reason)
     kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
-    return kind(int(match.group(2)), match.group(3).rstrip())
+    formatted = match.group(4).rstrip() or match.group(3)
+    return kind(int(match.group(2)), formatted, match.group(3))
 
 
 def task_slots(sc: Any) -> int:

@@ -73,7 +73,8 @@ ESTIMATOR_PARAMS = [
               "(no GIL: faster for image decoding) or 'dummy' (the feeding thread)", "thread",
               lambda v: v in ("thread", "process", "dummy"), "'thread', 'process' or 'dummy'"),
     ParamSpec("mp_start_method", "start method of the arrow reader's decoding processes (reader_pool_type='process'; "
-              "default 'spawn')", None,
+              "default 'fork' on Linux, as torch's DataLoader; 'spawn' or 'forkserver' when transformation_fn uses "
+              "threads or CUDA)", None,
               lambda v: v in (None, "fork", "spawn", "forkserver"), "'fork', 'spawn', 'forkserver' or None"),
     ParamSpec("inmemory_cache_all", "True: keep each rank's shard in memory; False: stream it from the store every "
               "epoch; None: in memory when it fits the rank's memory budget (README 'Reading data')", None,

@@ -40,7 +40,7 @@ def test_check_in_names_the_rank_that_did_not_arrive():
     waiter = threading.Thread(target=lambda: seen.setdefault("r1", _raised(lambda: check_in(client, 1, hosts, 1.0))))
     waiter.start()
     started = time.monotonic()
-    with pytest.raises(RendezvousFailed, match=r"^Rendezvous failed on rank 0:\nrank 2 \(host hostC\) did not arrive "
+    with pytest.raises(RendezvousFailed, match=r"^rank 0: rank 2 \(host hostC\) did not arrive "
                                                r"within rendezvous_timeout=1 s; 2 of 3 ranks did"):
         check_in(server, 0, hosts, 1.0)
     assert time.monotonic() - started < 5
@@ -71,3 +71,63 @@ def _raised(action):
     except Exception as exc:  # noqa: BLE001
         return str(exc)
     return ""
+
+
+def _spark_text(failure):
+    """What Spark's job failure says when a barrier task raised `failure` (the shape pyspark gives it)."""
+    return ("An error occurred while calling o91.collectAndServe.\n: org.apache.spark.SparkException: Job aborted due "
+            "to stage failure: Could not recover from a failed barrier ResultStage. Most recent failure reason: Stage "
+            "failed because barrier task ResultTask(3, 1) finished unsuccessfully.\norg.apache.spark.api.python."
+            "PythonException: Traceback (most recent call last):\n  File \"/x/pyspark/worker.py\", line 1247, in main\n"
+            "    process()\n  File \"/x/estimator/distributed.py\", line 160, in run_rank\n    raise RankFailed(ctx.rank, "
+            f"failure, summary)\n{type(failure).__module__}.{type(failure).__name__}: {failure}\n\n"
+            "\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(PythonRunner.scala:"
+            "572)\n\tat org.apache.spark.scheduler.Task.run(Task.scala:147)\n" * 3 + "Driver stacktrace:\n\tat x.y\n")
+
+
+def _raised_in_user_code():
+    import traceback
+
+    def forward():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x64 and 32x10)")
+
+    try:
+        forward()
+    except RuntimeError as exc:
+        return traceback.format_exc(), f"{type(exc).__name__}: {exc}"
+
+
+def test_a_rank_failure_reads_as_the_rank_and_its_own_exception_then_its_traceback_once():
+    from estimator.distributed import RankFailed
+
+    formatted, summary = _raised_in_user_code()
+    failure = RankFailed(1, formatted, summary)
+    lines = str(failure).splitlines()
+    assert lines[0] == "rank 1: RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x64 and 32x10)"
+    assert lines[1] == "Traceback (most recent call last):" and "in forward" in str(failure)
+    assert RankFailed(1, formatted).summary == summary  # read back from the traceback when not given
+    assert str(RankFailed(2, "its Python worker exited unexpectedly")) == "rank 2: its Python worker exited unexpectedly"
+
+
+@pytest.mark.parametrize("kind", ["RankFailed", "RendezvousFailed"])
+def test_the_driver_rebuilds_the_rank_failure_from_sparks_text_without_java_frames(kind):
+    import estimator.distributed as distributed
+    from estimator.launcher import rank_failure
+
+    formatted, summary = _raised_in_user_code()
+    rebuilt = rank_failure(_spark_text(getattr(distributed, kind)(1, formatted, summary)))
+    assert type(rebuilt).__name__ == kind and rebuilt.rank == 1
+    assert rebuilt.summary == summary and rebuilt.formatted == formatted.rstrip()
+    assert "\tat " not in str(rebuilt) and "org.apache" not in str(rebuilt)
+    assert str(rebuilt).count("Traceback (most recent call last)") == 1
+
+
+def test_a_rank_whose_worker_died_is_named_from_sparks_text():
+    from estimator.launcher import rank_failure
+
+    text = ("Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. Most recent "
+            "failure reason: Stage failed because barrier task ResultTask(5, 0) finished unsuccessfully.\n"
+            "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)\n\tat x.y")
+    failure = rank_failure(text)
+    assert failure.rank == 0 and str(failure).startswith("rank 0: its Python worker exited unexpectedly (crashed)")
+    assert rank_failure("some other Spark error") is None

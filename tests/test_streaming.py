@@ -219,8 +219,9 @@ def test_the_feed_keeps_a_bounded_queue_ahead_and_stops_early(store):
     assert not any(t.name == "feed" and t.is_alive() for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("pool_type", ["thread", "process", "dummy"])
-def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_errors(store, pool_type):
+@pytest.mark.parametrize("pool_type, method", [("thread", None), ("process", None), ("process", "spawn"),
+                                               ("dummy", None)])
+def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_errors(store, pool_type, method):
     spec = _spec(store)
     factor = 2  # a closure: processes get the function through cloudpickle
 
@@ -235,13 +236,13 @@ def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_e
         return frame
 
     batches = [{"features": np.zeros((2, 3), np.float32), "label": np.array([i, i])} for i in range(20)]
-    decoders = Decoders(double, 3, pool_type)
+    decoders = Decoders(double, 3, pool_type, method)
     for _ in range(2):  # a second epoch reuses the pool
         feed = Feed(iter(batches), spec.data, decoders)
         assert [t[1][0].tolist()[0] for t in feed] == [2 * i for i in range(20)]
         feed.close()
     decoders.close()
-    decoders = Decoders(where, 2, pool_type)
+    decoders = Decoders(where, 2, pool_type, method)
     ran_in = {decoders.transform(batches[0])["label"][0] for _ in range(6)}
     assert (os.getpid() not in ran_in) == (pool_type == "process"), ran_in
     decoders.close()
@@ -249,7 +250,7 @@ def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_e
     def broken(frame):
         raise KeyError("no such column")
 
-    decoders = Decoders(broken, 2, pool_type)
+    decoders = Decoders(broken, 2, pool_type, method)
     feed = Feed(iter(batches), spec.data, decoders)
     with pytest.raises(KeyError, match="no such column"):
         next(feed)
