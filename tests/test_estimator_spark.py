@@ -61,9 +61,9 @@ def test_output_schema_needs_no_spark_job(spark, store, frames):
     fitted = _estimator(store, seeded(MLP), epochs=1).fit(train)
     schemas = []
     assert jobs_run_by(spark, lambda: schemas.append(fitted.transform(test).schema)) == []
-    assert [f.name for f in schemas[0].fields][-2:] == ["label__output", "prediction"]
-    fitted.setOutputCols(["scores"]).setPredictionCol("digit")
-    assert fitted.transform(test).columns[-2:] == ["scores", "digit"]
+    assert [f.name for f in schemas[0].fields][-4:] == ["label__output", "prediction", "rawPrediction", "probability"]
+    fitted.setOutputCols(["scores"]).setPredictionCol("digit").setProbabilityCol("")
+    assert fitted.transform(test).columns[-3:] == ["scores", "digit", "rawPrediction"]
 
 
 def test_two_feature_columns_map_to_forward_arguments(spark, store, frames):

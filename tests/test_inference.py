@@ -11,7 +11,7 @@ from helpers import MLP, TwoOutputs, seeded
 
 def _layout(**kw):
     base = dict(feature_cols=("features",), input_shapes=None, output_names=("_0",), output_is_vector=(True,),
-                prediction_of=0, batch_size=7, use_gpu=False)
+                head="scores", batch_size=7, use_gpu=False)
     base.update(kw)
     return InferenceLayout(**base)
 
@@ -41,7 +41,7 @@ def test_model_is_unpickled_once_per_worker(monkeypatch):
 
 
 def test_scalar_and_vector_outputs_and_empty_batches():
-    layout = _layout(output_names=("_0", "_1"), output_is_vector=(True, False), prediction_of=None)
+    layout = _layout(output_names=("_0", "_1"), output_is_vector=(True, False), head=None)
     blob = cloudpickle.dumps(seeded(TwoOutputs))
     column = pa.array([[0.5] * 64] * 4, pa.list_(pa.float32()))
     result = predict_arrow("k-two", blob, layout, column)
@@ -84,3 +84,26 @@ def test_spark_workers_import_inference_without_pyspark_ml():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=root))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_prediction_columns_follow_what_the_loss_says_the_output_is():
+    from estimator.inference import PREDICTION_FIELD as P, PROBABILITY_FIELD as PR, RAW_FIELD as R
+    from estimator.inference import head_columns, head_of
+
+    assert [head_of(k, s) for k, s in [("class_index", (3,)), ("unknown", (3,)), ("logits", (1,)),
+                                       ("probabilities", ()), ("regression", (1,)), ("unknown", ()),
+                                       ("logits", (3,)), ("regression", (2,)), ("class_index", (3, 4))]] == \
+        ["softmax", "scores", "logit", "probability", "value", "value", None, None, None]
+    scores = np.array([[1.0, 3.0, 0.0], [2.0, -1.0, 0.5]])
+    soft = head_columns("softmax", scores)
+    np.testing.assert_allclose(soft[PR], np.exp(scores) / np.exp(scores).sum(1, keepdims=True))
+    assert soft[P].tolist() == [1.0, 0.0] and soft[R] is not None
+    assert PR not in head_columns("scores", scores)  # a loss of the user's own: no probabilities
+    logit = head_columns("logit", np.array([[-1.0], [2.0]]))
+    np.testing.assert_allclose(logit[R], [[1.0, -1.0], [-2.0, 2.0]])
+    np.testing.assert_allclose(logit[PR][:, 1], 1 / (1 + np.exp([1.0, -2.0])))
+    assert logit[P].tolist() == [0.0, 1.0]
+    prob = head_columns("probability", np.array([[0.3], [0.6]]))
+    np.testing.assert_allclose(prob[PR], [[0.7, 0.3], [0.4, 0.6]])
+    assert prob[P].tolist() == [0.0, 1.0]
+    assert head_columns("value", np.array([[2.5], [-1.0]]))[P].tolist() == [2.5, -1.0]

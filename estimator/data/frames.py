@@ -39,9 +39,15 @@ _LOADED: Any = None  # a decoding process's transformation_fn
 
 
 def load_transformation(payload: bytes) -> None:
-    """A decoding process's initializer: the cloudpickled transformation_fn, once."""
+    """A decoding process's initializer: the cloudpickled transformation_fn, once. A forked process has the
+    rank's torch already: one intra-op thread, as torch's DataLoader workers do (no oversubscription, and no
+    OpenMP pool of the parent's to inherit)."""
+    import sys
+
     import cloudpickle
 
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     global _LOADED
     _LOADED = cloudpickle.loads(payload)
 
