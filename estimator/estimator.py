@@ -28,7 +28,7 @@ from estimator.launcher import SparkBarrierLauncher, check_slots
 from estimator.losses import loss_kind
 from estimator.materialize import materialize
 from estimator.model import TorchModel
-from estimator.param_table import ESTIMATOR_PARAMS
+from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
@@ -116,7 +116,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
         weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
-        objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]))
+        objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, lr_scheduler_fn or callbacks",
@@ -238,8 +238,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         return TorchModel(model=trained, optimizer=optimizer, feature_cols=list(p["feature_cols"]),
                           label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],
                           output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
-                          run_id=run_id, batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
-                          use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()])
+                          run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
+                          use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
+                          **{s.name: p[s.name] for s in TRAINING_PARAMS})
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)

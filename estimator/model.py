@@ -68,7 +68,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             feature_cols=tuple(p["feature_cols"]),
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
-            head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 else None, batch_size=p["batch_size"],
+            head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 else None, batch_size=p["inference_batch_size"],
             use_gpu=p["use_gpu"], torch_threads=torch_threads)
 
     def _transform(self, df: DataFrame) -> DataFrame:

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from estimator.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
-                              is_number_list, is_run_id, is_seconds, is_shape_list, is_str_list, is_validation, optional)
+                              is_number_list, is_positive, is_run_id, is_seconds, is_shape_list, is_str_list, is_validation, optional)
 from store import Store
 
 ESTIMATOR_PARAMS = [
@@ -18,6 +18,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank", None,
               is_instance(torch.optim.Optimizer), "a torch.optim.Optimizer built over model.parameters()",
               json=False),
+    ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
+              "it", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("loss", "loss callable(output, label), or one per label column", None, optional(is_callable_or_list),
               "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False),
     ParamSpec("loss_weights", "weight of each label's loss in the total; default 1/len(label_cols) each", None,
@@ -141,7 +143,11 @@ MODEL_PARAMS = [
               lambda v: isinstance(v, list), "a list of dicts"),
     ParamSpec("run_id", "the training run that produced the model", None, optional(is_instance(str)),
               "a string or None"),
-    ParamSpec("batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
+    ParamSpec("inference_batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
 ]
+# The estimator's training params (batch_size, epochs, lr, ...) stay readable on the model it returns, as Spark's
+# models keep their estimator's params (what a CrossValidator picked): the same specs, not repeated.
+TRAINING_PARAMS = [s for s in ESTIMATOR_PARAMS if s.json and s.name not in {m.name for m in MODEL_PARAMS}]
+MODEL_PARAMS += TRAINING_PARAMS

@@ -38,8 +38,11 @@ def is_int(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
     return check
 
 
-def is_seconds(v: Any) -> bool:
+def is_positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+
+
+is_seconds = is_positive
 
 
 def optional(check: Check) -> Check:

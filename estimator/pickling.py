@@ -14,7 +14,7 @@ import sys
 import sysconfig
 import threading
 from types import ModuleType
-from typing import Any, Iterable, List, Sequence, Set
+from typing import Any, Iterable, List, Optional, Sequence, Set
 
 import cloudpickle
 import torch
@@ -27,12 +27,18 @@ _INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "bui
 
 
 def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer, losses: List[Any],
-                 loss_weights: List[float], metrics: List[Any]) -> UserObjects:
-    """A copy of everything the ranks need; the user's own model and optimizer are not touched."""
+                 loss_weights: List[float], metrics: List[Any], lr: Optional[float] = None) -> UserObjects:
+    """A copy of everything the ranks need; the user's own model and optimizer are not touched. `lr`
+    (the estimator's param) replaces the learning rate of every param group."""
     groups = optimizer_groups(optimizer, model)
+    defaults, state = constructor_defaults(optimizer), copy.deepcopy(optimizer.state_dict())
+    if lr is not None:
+        if "lr" in defaults:
+            defaults["lr"] = lr
+        for group in state["param_groups"]:
+            group["lr"] = lr
     return UserObjects(model=copy.deepcopy(model).cpu(), optimizer_cls=type(optimizer), optimizer_groups=groups,
-                       optimizer_defaults=constructor_defaults(optimizer),
-                       optimizer_state=copy.deepcopy(optimizer.state_dict()),
+                       optimizer_defaults=defaults, optimizer_state=state,
                        losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics))
 
 

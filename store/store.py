@@ -120,7 +120,8 @@ class Store:
         return self.url(self.run(run_id).root)
 
     def get_checkpoint_path(self, run_id: str) -> str:
-        return self.get_run_path(run_id)
+        """The checkpoint file of the run, as Horovod's Store returns it."""
+        return self.url(self.run(run_id).checkpoint)
 
     def get_checkpoint_filename(self) -> str:
         return self.checkpoint_filename

@@ -88,6 +88,11 @@ def test_reshape_to_input_shapes_and_clear_mismatch():
     assert reshape(values, [1, 8, 8, -1], "f").shape == (1, 8, 8, 4)
     with pytest.raises(ValueError, match=r"Column 'f' has 64 values per row, but its shape \[-1, 1, 28, 28\] needs 784"):
         reshape(values, [-1, 1, 28, 28], "f")
+    # without -1, a shape holding a row's values is per row, as in Horovod (its tests use [[2]])
+    assert reshape(values, [1, 8, 8], "f").shape == (4, 1, 8, 8)
+    assert reshape(values, [64], "f").shape == (4, 64)
+    assert reshape(np.zeros((3, 2)), [2], "f").shape == (3, 2)
+    assert reshape(values, [32, 64], "f").shape == (4, 64)  # otherwise the first dimension is the batch
 
 
 def test_every_rank_gets_the_same_number_of_equal_batches():

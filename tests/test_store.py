@@ -84,6 +84,7 @@ def test_horovod_getters_and_checkpoint_filename(tmp_path):
     assert store.get_checkpoint_filename() == "model.ckpt"
     assert store.run("r1").checkpoint.endswith("/runs/r1/model.ckpt")
     assert store.get_run_path("r1") == f"file://{tmp_path}/runs/r1"
+    assert store.get_checkpoint_path("r1") == f"file://{tmp_path}/runs/r1/model.ckpt"  # the file, as in Horovod
     with pytest.raises(ValueError, match="checkpoint_filename must be a file name"):
         Store.create(str(tmp_path), checkpoint_filename="a/b.pt")
 

@@ -55,7 +55,9 @@ def is_binary(dtype: pa.DataType) -> bool:
 
 
 def reshape(values: np.ndarray, shape: Optional[Sequence[int]], name: str) -> np.ndarray:
-    """Reshape a (rows, ...) block to `shape` ([-1, 1, 28, 28]: -1 is the batch)."""
+    """Reshape a (rows, ...) block to `shape`: with a -1, that is the batch ([-1, 1, 28, 28]); without one, a
+    shape holding a row's values is per row, as in Horovod ([1, 28, 28] or [2] -> (rows, 1, 28, 28), (rows, 2));
+    otherwise its first dimension stands for the batch ([64, 784] -> (rows, 784))."""
     if shape is None:
         return values
     rows = values.shape[0]
@@ -64,6 +66,8 @@ def reshape(values: np.ndarray, shape: Optional[Sequence[int]], name: str) -> np
     if -1 in target:
         target[target.index(-1)] = rows
         wanted = int(np.prod([d for d in shape if d != -1]))
+    elif int(np.prod(shape)) == per_row:
+        target, wanted = [rows] + target, per_row
     else:
         wanted = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         target[0] = rows
