@@ -1,6 +1,7 @@
 """TorchModel: a trained nn.Module as a Spark ML Model with batched Arrow inference."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import uuid
 import warnings
@@ -8,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
+import torch
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector, vector_to_array
 from pyspark.ml.linalg import VectorUDT
@@ -15,7 +17,9 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import ArrayType, BinaryType, DataType, DoubleType, FloatType, StructField, StructType
+from torch import nn
 
+from estimator.data.arrays import reshape
 from estimator.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
 from estimator.params import DeclaredParams, declare
@@ -24,10 +28,20 @@ from estimator.persistence import Persistable
 from estimator.pickling import dumps
 
 
+# Horovod's TorchModel constructor names, and the arguments it takes that inference does not use
+HOROVOD_NAMES = {"feature_columns": "feature_cols", "label_columns": "label_cols"}
+HOROVOD_UNUSED = ("_metadata", "loss", "loss_constructors")
+
+
 class TorchModel(DeclaredParams, Model, Persistable):
-    """A trained model: `transform` adds one output column per label (and `prediction`)."""
+    """A trained model: `transform` adds one output column per label (and Spark ML's prediction columns).
+    Also built directly, with Horovod's names (`TorchModel(model=m, feature_columns=[...], label_columns=[...],
+    input_shapes=[[2]], history=None, optimizer=o, run_id='a')`)."""
 
     def __init__(self, **kwargs: Any):
+        kwargs = {HOROVOD_NAMES.get(k, k): v for k, v in kwargs.items() if k not in HOROVOD_UNUSED}
+        if "history" in kwargs and kwargs["history"] is None:
+            kwargs["history"] = []
         super().__init__(**kwargs)
 
     def getOutputColumns(self) -> List[str]:
@@ -61,7 +75,10 @@ class TorchModel(DeclaredParams, Model, Persistable):
         if len(outputs) != len(p["label_cols"]):
             raise ValueError(f"The 'output_cols' parameter of TorchModel must list {len(p['label_cols'])} names, "
                              f"one per label column {p['label_cols']}. Got {outputs} instead.")
-        shapes = p["output_shapes"] or [[]] * len(outputs)
+        shapes = p["output_shapes"] if p["output_shapes"] is not None else self._probe_output_shapes(p)
+        if len(shapes) != len(outputs):
+            raise ValueError(f"The model returns {len(shapes)} outputs but TorchModel has {len(outputs)} label columns "
+                             f"{p['label_cols']}; pass one label column per output.")
         is_vector = tuple(int(np.prod(s)) > 1 for s in shapes)
         kinds = p["loss_kinds"] or ["unknown"] * len(outputs)
         return InferenceLayout(
@@ -106,6 +123,27 @@ class TorchModel(DeclaredParams, Model, Persistable):
         columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
                     else F.col(tmp).getField(n)).alias(f.name) for f, n in added]
         return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *columns)
+
+    def _probe_output_shapes(self, p: Dict[str, Any]) -> List[List[int]]:
+        """Per-row output shapes by one forward pass on the driver (no Spark job), for a TorchModel built
+        without output_shapes: the feature shapes come from input_shapes, else from a first Linear layer."""
+        rows, inputs = 2, []
+        for i, column in enumerate(p["feature_cols"]):
+            shape = p["input_shapes"][i] if p["input_shapes"] else None
+            if shape is None:
+                first = next((m for m in p["model"].modules() if isinstance(m, nn.Linear)), None)
+                if first is None or len(p["feature_cols"]) > 1:
+                    raise ValueError(f"TorchModel cannot tell the shape of {column!r} to find the model's output "
+                                     "columns without a Spark job: pass input_shapes (e.g. [[-1, 64]]) or "
+                                     "output_shapes (e.g. [[10]]).")
+                shape = [-1, first.in_features]
+            inputs.append(reshape(np.zeros((rows, int(np.prod([d for d in shape if d != -1]))), np.float32),
+                                  shape, column))
+        model = copy.deepcopy(p["model"]).cpu().eval()
+        with torch.no_grad():
+            out = model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs])
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return [list(o.shape[1:]) for o in outputs]
 
     def _model_blob(self) -> bytes:
         model = self.getModel()

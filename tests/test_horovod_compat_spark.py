@@ -224,3 +224,25 @@ def test_epoch_lines_reach_the_driver_while_training_runs(spark, store, df):
     lines = out.getvalue().splitlines()
     assert [re.search(r"epoch (\d):", line).group(1) for line in lines] == ["1", "2", "3"]
     assert finished - out.times[0] > 3.0  # epoch 1 was reported while epochs 2 and 3 still ran
+
+
+def test_a_torch_model_built_directly_with_horovods_names_transforms(spark):
+    """Horovod's own test builds TorchModel(history=None, model=..., input_shapes=[[2]], feature_columns=...,
+    label_columns=..., optimizer=..., run_id=..., _metadata=...) without output shapes, then transforms."""
+    from estimator import TorchModel
+
+    rows = [([float(i), float(-i)], float(i % 2)) for i in range(10)]
+    frame = spark.createDataFrame(rows, "features array<float>, y double")
+    for outputs in (1, 3):
+        model = seeded(nn.Linear, 2, outputs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch_model = TorchModel(history=None, model=model, input_shapes=[[2]], feature_columns=["features"],
+                                 label_columns=["y"], optimizer=optimizer, run_id="a", _metadata={})
+        schemas = []
+        assert jobs_run_by(spark, lambda: schemas.append(torch_model.transform(frame).schema)) == []  # one forward
+        out = torch_model.transform(frame).toPandas()
+        with torch.no_grad():
+            expected = model(torch.tensor([r[0] for r in rows])).numpy()
+        got = np.stack(out["y__output"]) if outputs > 1 else out["y__output"].to_numpy()[:, None]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        assert torch_model.getHistory() == [] and torch_model.getFeatureColumns() == ["features"]
