@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 import uuid
@@ -216,14 +217,16 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     @staticmethod
     def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
-        """One epoch's line, live on the driver: to the Horovod backend's stdout, else the log."""
+        """One epoch's line, live on the driver: to the Horovod backend's stdout, else printed to stderr (a
+        notebook shows it without any logging set up; also logged at DEBUG)."""
         if not p["verbose"]:
             return
         line = f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}"
         if p["backend"] is not None and hasattr(p["backend"], "write"):
             p["backend"].write(line)
         else:
-            log.info(line)
+            print(line, file=sys.stderr, flush=True)
+            log.debug(line)
 
     def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple]
                ) -> TorchModel:

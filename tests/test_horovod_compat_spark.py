@@ -226,6 +226,15 @@ def test_epoch_lines_reach_the_driver_while_training_runs(spark, store, df):
     assert finished - out.times[0] > 3.0  # epoch 1 was reported while epochs 2 and 3 still ran
 
 
+def test_epoch_lines_are_printed_by_default_and_verbose_0_is_silent(spark, store, df, capsys):
+    _est(store, epochs=2).fit(df)  # no logging configured: a notebook shows stderr
+    err = capsys.readouterr().err
+    assert re.search(r"^run \S+ epoch 1: loss=[\d.]+ accuracy=[\d.]+ val_loss=", err, re.M), err[-2000:]
+    assert re.search(r"^run \S+ epoch 2: loss=", err, re.M)
+    _est(store, epochs=2, verbose=0).fit(df)
+    assert "epoch 1:" not in capsys.readouterr().err
+
+
 def test_a_torch_model_built_directly_with_horovods_names_transforms(spark):
     """Horovod's own test builds TorchModel(history=None, model=..., input_shapes=[[2]], feature_columns=...,
     label_columns=..., optimizer=..., run_id=..., _metadata=...) without output shapes, then transforms."""
