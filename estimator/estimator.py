@@ -39,6 +39,7 @@ from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
+SPLIT_SEED = 0  # the validation split's seed when random_seed is not given
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class RunPlan:
     objs: UserObjects
     payload: bytes
     num_proc: int
-    seed: int
+    seed: int  # shuffles, dropout
+    split_seed: int  # the validation split
     store: Store
     run_id: str
 
@@ -66,8 +68,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
         materialize_started = time.perf_counter()
-        m = materialize(df, run.store, columns, p["validation"], run.seed, run.num_proc, p["partitions_per_process"],
-                        p["drop_nulls"])
+        m = materialize(df, run.store, columns, p["validation"], run.split_seed, run.num_proc,
+                        p["partitions_per_process"], p["drop_nulls"])
         data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                         m.train_dir, m.val_dir, time.perf_counter() - materialize_started)
@@ -129,12 +131,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
         run_id = p["run_id"] or new_run_id()
-        seed = p["random_seed"]
+        seed, split_seed = p["random_seed"], p["random_seed"]
         if seed is None and p["run_id"]:  # a refit of a named run keeps its split and shuffles
-            seed = run_metadata(store, run_id).get("seed")
+            known = run_metadata(store, run_id)
+            seed, split_seed = known.get("seed"), known.get("split_seed", known.get("seed"))
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
-        return RunPlan(objs, payload, num_proc, seed, store, run_id)
+        # Without random_seed the split does not follow the drawn training seed: refits of the same data with a
+        # validation fraction reuse one materialized copy instead of writing a new one each time.
+        return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id)
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
         started = time.perf_counter()
@@ -158,7 +163,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
             rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]))
         if not store.exists(spec.run.metadata):
-            store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "run_id": run_id}).encode())
+            store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
+                                                                    "run_id": run_id}).encode())
         launched = time.perf_counter()
         results = self._launch_with_retries(p, run, spec, spark)
         launch_seconds = time.perf_counter() - launched

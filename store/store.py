@@ -129,6 +129,13 @@ class Store:
     def get_logs_path(self, run_id: str) -> str:
         return self.url(self.run(run_id).logs)
 
+    def cleanup(self, keep_runs: Optional[int] = None, older_than: Optional[float] = None, grace: float = 3600.0,
+                dry_run: bool = False) -> List[str]:
+        """Remove orphaned materialization attempts, and runs/data by age or count; see store.cleanup."""
+        from store.cleanup import cleanup
+
+        return cleanup(self, keep_runs, older_than, grace, dry_run)
+
     def read(self, path: str) -> bytes:
         return self.read_bytes(self.fs._strip_protocol(path))
 

@@ -226,6 +226,14 @@ def test_epoch_lines_reach_the_driver_while_training_runs(spark, store, df):
     assert finished - out.times[0] > 3.0  # epoch 1 was reported while epochs 2 and 3 still ran
 
 
+def test_fits_without_random_seed_reuse_one_materialized_copy(spark, store, df):
+    """The drawn training seed does not pick the validation split: refits write no new copy of the data."""
+    fits = [_est(store, epochs=1, random_seed=None) for _ in range(2)]
+    first, second = (est.fit(df) for est in fits)
+    assert len(store.ls(store.path("data"))) == 1
+    assert first.getHistory()[0]["loss"] != second.getHistory()[0]["loss"]  # the shuffles still differ
+
+
 def test_epoch_lines_are_printed_by_default_and_verbose_0_is_silent(spark, store, df, capsys):
     _est(store, epochs=2).fit(df)  # no logging configured: a notebook shows stderr
     err = capsys.readouterr().err

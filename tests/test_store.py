@@ -127,3 +127,38 @@ def test_probe_timeout_is_the_users(tmp_path, monkeypatch):
     release.set()
     with pytest.raises(ValueError, match="probe_timeout must be a number of seconds > 0. Got 0 instead."):
         Store.create(str(tmp_path), probe_timeout=0)
+
+
+def test_cleanup_removes_orphaned_attempts_and_old_or_surplus_runs(tmp_path):
+    import json
+    import os
+    import time
+
+    store = Store.create(str(tmp_path / "store"))
+    day = 86400
+
+    def touch(path, age):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("x")
+        os.utime(path, (time.time() - age, time.time() - age))
+
+    data = store.path("data", "k1")
+    touch(os.path.join(data, "attempt-good", "train", "part-0.parquet"), 2 * day)
+    touch(os.path.join(data, "attempt-lost", "train", "part-0.parquet"), 2 * day)  # interrupted, long ago
+    touch(os.path.join(data, "attempt-busy", "train", "part-0.parquet"), 60)  # another fit writing right now
+    with open(os.path.join(data, "_COMMITTED.json"), "w") as f:
+        json.dump({"attempt": "good"}, f)
+    for run, age in (("old", 30 * day), ("mid", 2 * day), ("new", 60)):
+        touch(store.path("runs", run, "checkpoint.pt"), age)
+    touch(store.path("mine", "notes.txt"), 90 * day)  # not the estimator's: never touched
+
+    assert store.cleanup(dry_run=True) == [store.url(os.path.join(data, "attempt-lost"))]
+    assert os.path.exists(os.path.join(data, "attempt-lost"))  # a dry run removes nothing
+    store.cleanup()
+    assert sorted(os.listdir(data)) == ["_COMMITTED.json", "attempt-busy", "attempt-good"]
+    assert store.cleanup(keep_runs=2) == [store.url(store.path("runs", "old"))]
+    assert sorted(os.listdir(store.path("runs"))) == ["mid", "new"]
+    removed = store.cleanup(older_than=day)
+    assert store.url(store.path("runs", "mid")) in removed and store.url(data) not in removed  # data: 60 s ago
+    assert os.listdir(store.path("runs")) == ["new"] and os.path.exists(store.path("mine", "notes.txt"))
