@@ -33,3 +33,15 @@ def test_png_digits_example_trains_on_decoded_image_bytes(tmp_path):
     assert "PNG files written: 5000" in stdout
     assert accuracy >= 0.85
     assert "Ranks read their data: arrow streaming (inmemory_cache_all=False" in stderr
+
+
+@pytest.mark.spark
+def test_the_readme_use_snippet_runs_as_shown(tmp_path):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    code = re.search(r"^## Use\n+```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    code = code.replace('"/tmp/', f'"{tmp_path}/')  # its own folders instead of the machine's /tmp
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    accuracy, history, count = result.stdout.strip().splitlines()[-3:]
+    assert float(accuracy) > 0.85 and "'val_accuracy'" in history and int(count) > 250
