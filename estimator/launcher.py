@@ -71,7 +71,7 @@ class SparkBarrierLauncher:
         return results
 
 
-_RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)\n?(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
+_RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
                           re.S)
 
 
@@ -93,7 +93,7 @@ def rank_failure(text: str) -> Optional[RankFailed]:
                       "native code. The executor's stderr holds whatever it printed.")
         return RankFailed(int(died.group(1)), reason)
     kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
-    formatted = match.group(4).rstrip() or match.group(3)
+    formatted = match.group(4).strip("\n").rstrip() or match.group(3)
     return kind(int(match.group(2)), formatted, match.group(3))
 
 

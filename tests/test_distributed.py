@@ -122,6 +122,16 @@ def test_the_driver_rebuilds_the_rank_failure_from_sparks_text_without_java_fram
     assert str(rebuilt).count("Traceback (most recent call last)") == 1
 
 
+def test_a_one_line_rank_failure_keeps_sparks_sqlstate_out():
+    from estimator.launcher import rank_failure
+
+    text = ("Job aborted.\norg.apache.spark.api.python.PythonException: Traceback (most recent call last):\n  File "
+            "\"x.py\", line 1, in f\nestimator.distributed.RankFailed: rank 0: use_gpu=True but ranks [0, 1] see no "
+            "CUDA device.\n SQLSTATE: 38000\n\tat org.apache.spark.x(X.scala:1)\n")
+    failure = rank_failure(text)
+    assert str(failure) == "rank 0: use_gpu=True but ranks [0, 1] see no CUDA device."
+
+
 def test_a_rank_whose_worker_died_is_named_from_sparks_text():
     from estimator.launcher import rank_failure
 
