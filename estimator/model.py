@@ -55,11 +55,11 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
     def output_schema(self) -> StructType:
         """The columns transform adds, from params alone (no Spark job)."""
-        return StructType([field for field, _ in self._added(self.validated())])
+        p = self.validated()
+        return StructType([field for field, _ in self._added(p, self._layout(p))])
 
-    def _added(self, p: Dict[str, Any]) -> List[Tuple[StructField, str]]:
+    def _added(self, p: Dict[str, Any], layout: InferenceLayout) -> List[Tuple[StructField, str]]:
         """Each added column with the field of the inference struct it comes from."""
-        layout = self._layout(p)
         added = [(StructField(name, ArrayType(FloatType(), False) if vec else DoubleType(), False), field)
                  for name, vec, field in zip(self.getOutputColumns(), layout.output_is_vector, layout.output_names)]
         names = {PREDICTION_FIELD: p["prediction_col"], RAW_FIELD: p["raw_prediction_col"],
@@ -91,7 +91,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
         layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
-        added = self._added(p)
+        added = self._added(p, layout)
         schema = StructType([field for field, _ in added])
         for column in p["feature_cols"]:
             if column not in df.columns:
