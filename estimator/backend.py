@@ -31,7 +31,9 @@ class SparkBackend:
         spark = SparkSession.getActiveSession()
         if spark is None:
             raise RuntimeError("SparkBackend(num_proc=None) needs an active SparkSession to count task slots.")
-        return spark.sparkContext.defaultParallelism
+        from estimator.session import default_num_proc
+
+        return default_num_proc(spark)
 
     def write(self, line: str) -> None:
         """One line of run output, to `stdout` (sys.stdout when none was given)."""

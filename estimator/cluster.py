@@ -1,10 +1,15 @@
-"""A real Spark standalone cluster on 127.0.0.1 from the pip-installed pyspark, for examples, benchmarks
-and tests: one master and N workers (each with its own cores and SPARK_WORKER_DIR), started as processes
-and stopped by process id.
+"""Real Spark servers on 127.0.0.1 from the pip-installed pyspark, for examples, benchmarks and tests,
+started as processes and stopped by process id:
+
+- a standalone cluster: one master and N workers (each with its own cores and SPARK_WORKER_DIR);
+- a Spark Connect server (pyspark >= 3.5 ships its jar), for sessions made with `builder.remote(url)`.
 
     with LocalStandaloneCluster(workers=2, cores=1) as cluster:
         spark = SparkSession.builder.master(cluster.master_url).getOrCreate()
         cluster.wait_for_executors(spark)
+
+    with LocalConnectServer(master="local[2]") as server:
+        spark = SparkSession.builder.remote(server.url).getOrCreate()
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 def free_port() -> int:
@@ -109,6 +114,65 @@ class LocalStandaloneCluster:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalStandaloneCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class LocalConnectServer:
+    """A Spark Connect server (`SparkConnectServer` through spark-submit) with its own master, on a free port."""
+
+    def __init__(self, master: str = "local[2]", conf: Optional[Dict[str, str]] = None,
+                 base_dir: Optional[str] = None):
+        self.master, self.conf = master, dict(conf or {})
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or tempfile.mkdtemp(prefix="spark-connect-")
+        self.process: Optional[subprocess.Popen] = None
+        self.url = ""
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.base_dir, "connect-server.log")
+
+    def start(self, seconds: float = 180) -> "LocalConnectServer":
+        import pyspark
+
+        home = os.path.dirname(pyspark.__file__)
+        port = free_port()
+        env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1", SPARK_CONNECT_MODE="0",
+                   PYSPARK_PYTHON=os.environ.get("PYSPARK_PYTHON", sys.executable))
+        env.pop("SPARK_REMOTE", None)
+        command = [os.path.join(home, "bin", "spark-submit"), "--class",
+                   "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "Spark Connect server",
+                   "--master", self.master, "--conf", f"spark.connect.grpc.binding.port={port}",
+                   "--conf", "spark.connect.grpc.binding.address=127.0.0.1"]
+        for key, value in self.conf.items():
+            command += ["--conf", f"{key}={value}"]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=self.base_dir)
+        try:
+            wait_for_port(port, self.process, seconds)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"sc://127.0.0.1:{port}"
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalConnectServer":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -6,6 +6,7 @@ connected `TCPStore`; everything after that is the same everywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import gc
 import logging
 import os
@@ -38,19 +39,74 @@ class RankContext:
         return "nccl" if self.device.startswith("cuda") else "gloo"
 
 
+class FailureKind(str, enum.Enum):
+    """What failed on a rank. The driver decides from it whether another launch can help."""
+
+    RENDEZVOUS = "rendezvous"  # the ranks did not all meet (late, unreachable)
+    PEER = "peer"  # this rank stopped because another rank failed: never the cause
+    USER = "user"  # an exception from the model, loss, transformation_fn... or anything not named below
+    NAN = "nan"  # a non-finite loss with terminate_on_nan: it would recur
+    READ = "read"  # reading the training data from the store
+    WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
+
+    @property
+    def retryable(self) -> bool:
+        return self is not FailureKind.NAN
+
+
 class RankFailed(RuntimeError):
     """A rank failed. The message's first line is `rank N: <its exception type>: <message>`, then its Python
     traceback once. `summary` is that exception line, `formatted` the traceback (or the explanation when the
-    rank left none, e.g. a crashed worker)."""
+    rank left none, e.g. a crashed worker); `kind` says what failed."""
 
-    def __init__(self, rank: int, formatted: str, summary: Optional[str] = None):
+    default_kind = FailureKind.USER
+
+    def __init__(self, rank: int, formatted: str, summary: Optional[str] = None,
+                 kind: Optional[FailureKind] = None):
         self.rank, self.formatted = rank, formatted.rstrip()
         self.summary = summary or exception_line(self.formatted)
+        self.kind = FailureKind(kind) if kind is not None else self.default_kind
         body = "" if self.formatted == self.summary else "\n" + self.formatted
         super().__init__(f"rank {rank}: {self.summary}{body}")
 
     def __reduce__(self):  # crosses process boundaries (LocalLauncher's pool) with its own arguments
-        return type(self), (self.rank, self.formatted, self.summary)
+        return type(self), (self.rank, self.formatted, self.summary, self.kind)
+
+    def record(self) -> dict:
+        """What a rank leaves in the store for the driver (launcher.launch_failure reads it back)."""
+        return {"rank": self.rank, "kind": self.kind.value, "summary": self.summary, "formatted": self.formatted,
+                "rendezvous": isinstance(self, RendezvousFailed), "time": time.time()}
+
+    @staticmethod
+    def from_record(record: dict) -> "RankFailed":
+        cls = RendezvousFailed if record.get("rendezvous") else RankFailed
+        return cls(int(record["rank"]), record["formatted"], record["summary"], FailureKind(record["kind"]))
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """The kind of an exception raised on a rank: named by the exception (its `failure_kind`, on it or on an
+    exception it was raised from), a torch.distributed error (a peer went away), else the user's code."""
+    seen = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RankFailed):
+            return current.kind
+        named = getattr(current, "failure_kind", None)
+        if named is not None:
+            return FailureKind(named)
+        if isinstance(current, dist.DistError):
+            return FailureKind.PEER
+        current = current.__cause__ or current.__context__
+    return FailureKind.USER
+
+
+def as_rank_failure(rank: int, exc: BaseException) -> RankFailed:
+    """`exc`, raised on rank `rank` (inside an except block), as the RankFailed the driver sees."""
+    if isinstance(exc, RankFailed):
+        return exc
+    summary = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return RankFailed(rank, traceback.format_exc(), summary, failure_kind(exc))
 
 
 def exception_line(formatted: str) -> str:
@@ -65,6 +121,8 @@ def exception_line(formatted: str) -> str:
 
 class RendezvousFailed(RankFailed):
     """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""
+
+    default_kind = FailureKind.RENDEZVOUS
 
 
 def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float, poll: float = 0.05) -> None:
@@ -102,7 +160,8 @@ def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float,
                                          f"{timeout:g} s (+30 s): {type(exc).__name__}: {exc}") from None
         time.sleep(2)  # rank 0 failed first: let its own error reach the driver before this echo
         raise RendezvousFailed(rank, f"rank {rank} lost rank 0's rendezvous store (host {hosts[0]}): rank 0 "
-                                     f"failed or was stopped ({type(exc).__name__}: {exc})") from None
+                                     f"failed or was stopped ({type(exc).__name__}: {exc})",
+                               kind=FailureKind.PEER) from None
     if verdict != "ok":
         raise RendezvousFailed(rank, verdict)
 
@@ -141,21 +200,21 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(ctx.device))
     dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
-    failure: Optional[str] = None
-    summary: Optional[str] = None
+    failure: Optional[RankFailed] = None
     result: Optional[T] = None
     try:
         result = work(ctx)
         finished = time.perf_counter()
         dist.barrier()  # nobody tears down while a peer still needs the group
     except Exception as exc:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
-        failure = traceback.format_exc()
-        summary = exc.summary if isinstance(exc, RankFailed) else f"{type(exc).__name__}: {exc}".splitlines()[0]
+        failure = as_rank_failure(ctx.rank, exc)
+        if failure is exc:  # keep its kind, not its frames: they hold DDP
+            failure = type(exc)(ctx.rank, traceback.format_exc(), exc.summary, exc.kind)
     # The traceback (and the frames holding DDP) is released once the except block ends.
     gc.collect()
     dist.destroy_process_group()
     if failure is not None:
-        raise RankFailed(ctx.rank, failure, summary)
+        raise failure
     if dataclasses.is_dataclass(result) and hasattr(result, "teardown_seconds"):
         result = dataclasses.replace(result, teardown_seconds=time.perf_counter() - finished)
     return result  # type: ignore[return-value]

@@ -25,7 +25,7 @@ from estimator.checkpoint import Position, describe, load_checkpoint, position_o
 from estimator.data import list_pieces, parquet_columns
 from estimator.distributed import RankFailed
 from estimator.dry_run import dry_run
-from estimator.launcher import SparkBarrierLauncher, check_slots
+from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
 from estimator.materialize import materialize
 from estimator.model import TorchModel
@@ -34,6 +34,7 @@ from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher
+from estimator.session import check_slots, default_num_proc, default_retries
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
 from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
@@ -126,8 +127,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                         roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
                                *p["callbacks"], p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
-        num_proc = num_proc or spark.sparkContext.defaultParallelism
-        check_slots(spark.sparkContext, num_proc)
+        num_proc = num_proc or default_num_proc(spark)
+        check_slots(spark, num_proc)
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
         run_id = p["run_id"] or new_run_id()
@@ -196,7 +197,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
         times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
         checkpoint already has every requested epoch."""
-        retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark.sparkContext)
+        retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
         launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
         for attempt in range(retries + 1):
             done = resume_point(run.store, spec.run, p["model"], run.run_id)
@@ -260,18 +261,10 @@ def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:
     return json.loads(store.read_bytes(path)) if store.exists(path) else {}
 
 
-def default_retries(sc: Any) -> int:
-    """Spark's own task retry budget: spark.task.maxFailures - 1, or local[N, F]'s F - 1 (local[N]: 0)."""
-    local = re.fullmatch(r"local(?:\[[^,\]]+(?:,\s*(\d+))?\])?", sc.master)
-    if local:
-        return int(local.group(1)) - 1 if local.group(1) else 0
-    return max(0, int(sc.getConf().get("spark.task.maxFailures", "4")) - 1)
-
-
 def retryable(exc: BaseException) -> bool:
-    """Worth another launch from the checkpoint: a crashed or lost worker, a rank's error, a late rank.
-    Not: NaN/inf losses with terminate_on_nan (they would recur)."""
-    return not (isinstance(exc, RankFailed) and "FloatingPointError" in exc.formatted)
+    """Worth another launch from the checkpoint: a crashed or lost worker, a rank's error, a late rank, a failed
+    read. Not: NaN/inf losses with terminate_on_nan (they would recur). Read from the failure's kind."""
+    return not isinstance(exc, RankFailed) or exc.kind.retryable
 
 
 def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str) -> Position:

@@ -47,6 +47,8 @@ ECHO_DELAY = 2.0  # seconds a rank waits before reporting a peer's failure (as t
 class PeerFailed(RuntimeError):
     """A peer raised, died or timed out during the shared-memory gradient allreduce."""
 
+    failure_kind = "peer"  # estimator.distributed.FailureKind: never the cause, the driver looks for another
+
 
 class HostAllreduce:
     """Mean of equally shaped contiguous tensors over the ranks of one host. Use `hook` as a DDP comm hook."""

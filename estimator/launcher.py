@@ -1,13 +1,14 @@
 """Launchers start `num_proc` ranks and return each rank's WorkerResult.
 
-- SparkBarrierLauncher: one Spark barrier task per rank; one `allGather` to rendezvous (each call
-  costs about a second, since Spark polls), then everything goes through torch.distributed.
+- SparkBarrierLauncher: one Spark barrier task per rank (barrier mapInArrow: classic and Spark Connect
+  sessions alike); one `allGather` to rendezvous (each call costs about a second, since Spark polls),
+  then everything goes through torch.distributed. A failing rank leaves a typed record in the store.
 - LocalLauncher: ranks as local processes (or in-process for one rank); same per-rank code.
 pyspark is imported only inside the Spark launcher.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import multiprocessing
@@ -24,9 +25,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 from torch.distributed import TCPStore
 
-from estimator.distributed import (RankContext, RankFailed, RendezvousFailed, assigned_gpu, check_in, choose_device,
-                                   run_rank)
+from estimator.distributed import (FailureKind, RankContext, RankFailed, RendezvousFailed, as_rank_failure,
+                                   assigned_gpu, check_in, choose_device, failure_kind, run_rank)
 from estimator.faults import Fault, from_env, inject
+from estimator.session import job_tag
 from estimator.spec import TrainSpec, WorkerResult
 from estimator.data import EarlyRead
 from estimator.worker import train_worker
@@ -39,36 +41,58 @@ class Launcher(Protocol):
 
 
 # -- Spark --------------------------------------------------------------------------------------
+RESULT_SCHEMA = "rank long, result binary"
+
+
 class SparkBarrierLauncher:
+    """`num_proc` barrier tasks of `spark.range(num_proc).mapInArrow(..., barrier=True)`: the same job on
+    classic and Spark Connect sessions. The ranks read what to train from the launch's folder in the store,
+    send their results back as rows, and leave a failure record there when they fail."""
+
     def __init__(self, spark: Any, description: str = "TorchEstimator.fit"):
         self.spark = spark
         self.description = description
 
     def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
-        sc = self.spark.sparkContext
-        check_slots(sc, num_proc)
-        blob = sc.broadcast(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
-        faults, attempt = from_env(), spec.attempt
-        sc.setJobDescription(f"{self.description}: train on {num_proc} ranks")
+        store, launch = spec.data.store, spec.run.launch(spec.launch_id)
+        store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id),
+                                 pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt)
+        ranks = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(task, RESULT_SCHEMA, barrier=True)
         try:
-            rdd = sc.parallelize(range(num_proc), num_proc).barrier()
-            with _sql_worker_env(self.spark):
-                payloads = rdd.mapPartitions(lambda _: _spark_rank(blob.value, faults, attempt)).collect()
-            blob.unpersist()  # after a failure, killed tasks may still read it: Spark's cleaner drops it later
-        except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Java text
-            failure = rank_failure(str(exc))
+            with job_tag(self.spark, self.description):
+                rows = ranks.collect()
+        except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Spark's error
+            failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc))
             if failure is None:
                 raise
             log.debug("Spark's report of the failed training job: %s", exc)  # the Java frames, for DEBUG only
             raise failure from None
         finally:
-            sc.setJobDescription(None)
-            _remove_quietly(spec.data.store, spec.run.launch(spec.launch_id))
-        results = sorted((pickle.loads(p) for p in payloads), key=lambda r: r.rank)
+            _remove_quietly(store, launch)
+        results = sorted((pickle.loads(row["result"]) for row in rows), key=lambda r: r.rank)
         for r in results:
             if r.assigned_gpu is not None:
                 log.info("rank %d ran on %s (Spark assigned GPU %s to its task)", r.rank, r.device, r.assigned_gpu)
         return results
+
+
+def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str) -> Optional[RankFailed]:
+    """The cause of a failed launch: the failure records the ranks left in the store (the first that is not
+    a peer's echo of another rank's failure), else what Spark's error text tells (a rank's worker died, or
+    a record could not be written); None when the failure is not a rank's (e.g. Spark refused the job)."""
+    records = []
+    for rank in range(num_proc):
+        try:
+            records.append(json.loads(store.read_bytes(run.failure(launch_id, rank))))
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - the text below still names the failure
+            log.debug("could not read rank %d's failure record", rank, exc_info=True)
+    if records:
+        records.sort(key=lambda r: (r["kind"] == FailureKind.PEER.value, r["time"]))
+        return RankFailed.from_record(records[0])
+    return rank_failure(text)
 
 
 _RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
@@ -80,7 +104,7 @@ _BARRIER_TASK_FAILED = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finish
 
 
 def rank_failure(text: str) -> Optional[RankFailed]:
-    """The first rank's own error and Python traceback, out of Spark's job-failure text; or, when a
+    """From Spark's job-failure text alone: the first rank's own error and Python traceback; or, when a
     rank's process died without one (killed, out of memory, a crash in native code), which rank it was."""
     match = _RANK_FAILED.search(text)
     if not match:
@@ -91,27 +115,36 @@ def rank_failure(text: str) -> Optional[RankFailed]:
         if "Python worker exited unexpectedly" in reason:
             reason = ("its Python worker exited unexpectedly (crashed): killed, out of memory, os._exit or a crash in "
                       "native code. The executor's stderr holds whatever it printed.")
-        return RankFailed(int(died.group(1)), reason)
+        return RankFailed(int(died.group(1)), reason, kind=FailureKind.WORKER_DEATH)
     kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
     formatted = match.group(4).strip("\n").rstrip() or match.group(3)
     return kind(int(match.group(2)), formatted, match.group(3))
 
 
-def task_slots(sc: Any) -> int:
-    """Tasks the cluster can run at once now (0 while no executor has registered)."""
-    jsc = sc._jsc.sc()
-    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...], attempt: int,
+                  batches: Iterator[Any]) -> Iterator[Any]:
+    """One rank, as a barrier task of mapInArrow: its result as one row; on failure, a record in the store
+    (what failed, and its traceback) for the driver, then the error for Spark."""
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:  # the task's one input row; its partition id is the rank
+        pass
+    rank = BarrierTaskContext.get().partitionId()
+    try:
+        result = _spark_rank(store.read_bytes(run.launch_spec(launch_id)), faults, attempt)
+    except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it is
+        failure = as_rank_failure(rank, exc)
+        try:
+            store.write_bytes_atomic(run.failure(launch_id, rank), json.dumps(failure.record()).encode())
+        except Exception:  # noqa: BLE001 - the driver falls back to Spark's text
+            log.debug("could not write rank %d's failure record", rank, exc_info=True)
+        raise failure from None
+    yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [pickle.dumps(result)]},
+                                     schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
 
 
-def check_slots(sc: Any, num_proc: int) -> None:
-    """A barrier stage needs all its tasks at once; Spark would otherwise retry for minutes."""
-    slots = task_slots(sc)
-    if 0 < slots < num_proc:
-        raise ValueError(f"The 'num_proc' parameter of TorchEstimator must be at most the {slots} task slots this "
-                         f"Spark application has. Got {num_proc} instead. Lower num_proc or add executors/cores.")
-
-
-def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> Iterator[bytes]:
+def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> WorkerResult:
     """The body of one barrier task: meet through Spark once (rank 0's store port), check in at that
     store (naming late ranks), then train. Each step has the rendezvous timeout."""
     from pyspark import BarrierTaskContext
@@ -154,11 +187,11 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> I
     ctx = RankContext(rank, world, local_rank, device, hosts[0], port, assigned)
     result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt, early),
                       timeout=timedelta(seconds=spec.collective_timeout))
-    del store, server, early
+    del store, server
+    early = None  # noqa: F841 - the shard it read goes with it
     total = time.perf_counter() - started
-    result = replace(result, setup_seconds=total - result.seconds - result.teardown_seconds,
-                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    yield pickle.dumps(result)
+    return replace(result, setup_seconds=total - result.seconds - result.teardown_seconds,
+                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:
@@ -173,29 +206,6 @@ def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:
     thread = threading.Thread(target=write, name=f"arrival-rank-{rank}", daemon=True)
     thread.start()
     return thread
-
-
-@contextlib.contextmanager
-def _sql_worker_env(spark: Any) -> Iterator[None]:
-    """Run the ranks in Python workers that the model's transform can reuse afterwards.
-
-    Spark keeps one pool of Python workers per environment, and SQL UDFs (our transform) add
-    SPARK_SIMPLIFIED_TRACEBACK=1 to theirs, so an RDD job's workers are never reused for them: the
-    transform after a fit started new workers and paid for importing torch again (2-3 s per worker on
-    the benchmark machine). Giving the training job the same variable puts its workers, torch already
-    imported, in the pool the transform draws from. Rank errors travel as text in RankFailed, so the
-    simplified traceback loses nothing of them.
-    """
-    sc = spark.sparkContext
-    enabled = str(spark.conf.get("spark.sql.execution.pyspark.udf.simplifiedTraceback.enabled", "true"))
-    owned = enabled.lower() == "true" and "SPARK_SIMPLIFIED_TRACEBACK" not in sc.environment
-    if owned:
-        sc.environment["SPARK_SIMPLIFIED_TRACEBACK"] = "1"  # read when the job's Python function is built
-    try:
-        yield
-    finally:
-        if owned:
-            sc.environment.pop("SPARK_SIMPLIFIED_TRACEBACK", None)
 
 
 def _warm_up(early: Optional[EarlyRead]) -> None:
@@ -243,7 +253,8 @@ def _all_gather(task: Any, message: str, timeout: float,
 def _late_at_barrier(spec: TrainSpec, rank: int, hosts: List[str], timeout: float) -> str:
     try:
         present = {int(os.path.basename(p)[len("rank-"):-len(".json")])
-                   for p in spec.data.store.ls(spec.run.launch(spec.launch_id)) if p.endswith(".json")}
+                   for p in spec.data.store.ls(spec.run.launch(spec.launch_id))
+                   if os.path.basename(p).startswith("rank-") and p.endswith(".json")}
     except Exception:  # noqa: BLE001 - the markers only refine the message
         present = {rank}
     late = [r for r in range(len(hosts)) if r not in present]
@@ -298,7 +309,7 @@ class LocalLauncher:
                 except Exception as exc:  # noqa: BLE001 - every rank's outcome first, then the cause
                     failures.append(exc)
         if failures:  # the failing rank's own error, not a peer's echo of it
-            raise next((f for f in failures if "PeerFailed" not in str(f)), failures[0])
+            raise next((f for f in failures if failure_kind(f) is not FailureKind.PEER), failures[0])
         return results
 
 

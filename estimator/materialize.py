@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
 from estimator.data import list_pieces, pieces_of_files
+from estimator.session import job_tag
 from estimator.spec import Piece, total_rows
 from store import Store
 
@@ -69,13 +69,24 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
         return _committed(store, key, marker["attempt"], marker.get("files"), True, started)
     attempt = uuid.uuid4().hex[:12]
     observation = Observation(f"checks-{attempt}")
-    written = _write(df, store, key, attempt, columns, validation, seed, files, observation, drop_nulls)
+    written = _write(df, store, key, attempt, columns, validation, seed, files if files > 0 else None, observation,
+                     drop_nulls)
     try:
         check_observed(observation.get, columns, drop_nulls)
     except ValueError:
         store.rm(layout.attempt(attempt))  # never committed, never reused; nothing of the user's is touched
         raise
     result = _committed(store, key, attempt, written, False, started)
+    if files < 0 and len(result.train) < num_proc <= result.train_rows:
+        # Fewer row groups than ranks (a DataFrame of few partitions): written once more over num_proc files,
+        # so that every rank has its own row group (petastorm needs it; the arrow reader reads less).
+        log.info("The DataFrame wrote %d training row groups for %d ranks: writing it again in %d partitions",
+                 len(result.train), num_proc, num_proc)
+        store.rm(layout.attempt(attempt))
+        attempt = uuid.uuid4().hex[:12]
+        written = _write(df, store, key, attempt, columns, validation, seed, num_proc,
+                         Observation(f"checks-{attempt}"), drop_nulls)
+        result = _committed(store, key, attempt, written, False, started)
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
               "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written}
     store.write_bytes_atomic(layout.commit_marker, json.dumps(marker).encode())
@@ -85,20 +96,22 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
 
 def data_key(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
              files: int) -> str:
-    """What produced the data: the analyzed plan (expression ids removed), its semantic hash (which
-    covers inline data), the input files, the columns and the split. Not Python object identity."""
-    plan = re.sub(r"#\d+L?", "", df._jdf.queryExecution().analyzed().toString())
-    parts = [plan, str(df.semanticHash()), json.dumps(sorted(df.inputFiles())), json.dumps(list(columns)),
-             repr(validation), str(seed if isinstance(validation, float) else None), str(FORMAT_VERSION)]
+    """What produced the data, from what classic and Connect sessions both answer: the plan's semantic hash
+    (expression ids left out; it covers inline data), the schema, the input files, the columns and the split.
+    Not Python object identity."""
+    parts = [str(df.semanticHash()), df.schema.json(), json.dumps(sorted(df.inputFiles())),
+             json.dumps(list(columns)), repr(validation), str(seed if isinstance(validation, float) else None),
+             str(FORMAT_VERSION)]
     digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
     return f"{digest}-{abs(files)}"
 
 
 def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequence[str],
-           validation: Union[None, float, str], seed: int, files: int, observation: Observation,
+           validation: Union[None, float, str], seed: int, partitions: Optional[int], observation: Observation,
            drop_nulls: bool) -> Optional[Dict[str, List[str]]]:
-    """Write both splits; returns the files written when executors wrote them (None: Spark's writer).
-    The same job counts rows with nulls and array lengths per column (`observation`): no extra pass."""
+    """Write both splits (in `partitions` partitions when given, else the DataFrame's own); returns the files
+    written when executors wrote them (None: Spark's writer). The same job counts rows with nulls and array
+    lengths per column (`observation`): no extra pass."""
     layout = store.data(key)
     selected = [_as_array(df, c) for c in columns]
     if isinstance(validation, str):
@@ -117,18 +130,13 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
     out = plain.observe(observation, *checks)
     if drop_nulls:
         out = out.filter(~functools.reduce(lambda a, b: a | b, bad.values()))
-    partitions = out.rdd.getNumPartitions()
-    if (files > 0 and partitions != files) or partitions < -files:  # at least one file (row group) per rank
-        out = out.repartition(abs(files))
-    spark = df.sparkSession
-    spark.sparkContext.setJobDescription(f"TorchEstimator.fit: materialize {key}")
-    try:
+    if partitions:
+        out = out.repartition(partitions)
+    with job_tag(df.sparkSession, f"TorchEstimator.fit materialize {key}"):
         if store.protocol in SPARK_WRITES:
             out.write.mode("overwrite").partitionBy(_VAL).parquet(store.url(layout.attempt(attempt)))
             return None
         return _write_with_executors(out, store, layout.attempt(attempt))
-    finally:
-        spark.sparkContext.setJobDescription(None)
 
 
 def _write_with_executors(out: DataFrame, store: Store, root: str) -> Dict[str, List[str]]:

@@ -241,8 +241,14 @@ class TrainLoop:
 
     def check_finite(self, loss: torch.Tensor, epoch: int, step: int) -> None:
         if self.spec.terminate_on_nan and not torch.isfinite(loss.detach()).all():
-            raise FloatingPointError(f"Loss is {loss.item()} at epoch {epoch + 1}, step {step + 1} on rank "
+            raise NonFiniteLoss(f"Loss is {loss.item()} at epoch {epoch + 1}, step {step + 1} on rank "
                                      f"{self.ctx.rank}; stopping because terminate_on_nan=True.")
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A NaN or infinite loss with terminate_on_nan=True. Another launch would meet it again."""
+
+    failure_kind = "nan"  # estimator.distributed.FailureKind
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

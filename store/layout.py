@@ -51,11 +51,18 @@ class RunLayout:
         return posixpath.join(self.root, "metadata.json")
 
     def launch(self, launch_id: str) -> str:
-        """Per-launch scratch: each rank's arrival marker (read only when the rendezvous times out)."""
+        """Per-launch scratch, removed when the launch ends: what the ranks train (the spec), each rank's
+        arrival marker (read only when the rendezvous times out) and failure record."""
         return posixpath.join(self.root, f"launch-{launch_id}")
+
+    def launch_spec(self, launch_id: str) -> str:
+        return posixpath.join(self.launch(launch_id), "spec.pkl")
 
     def arrival(self, launch_id: str, rank: int) -> str:
         return posixpath.join(self.launch(launch_id), f"rank-{rank}.json")
+
+    def failure(self, launch_id: str, rank: int) -> str:
+        return posixpath.join(self.launch(launch_id), f"failed-{rank}.json")
 
     @property
     def logs(self) -> str:

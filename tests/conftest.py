@@ -10,13 +10,46 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
 
+def pytest_addoption(parser):
+    parser.addoption("--spark-session", choices=("classic", "connect"), default="classic",
+                     help="the session the `spark` fixture gives: classic (local[2]), or a Spark Connect client of "
+                          "a local Connect server started for the run. With connect, only the tests marked "
+                          "`connect` run (one Python process cannot hold both kinds of session).")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--spark-session") != "connect":
+        return
+    chosen = [item for item in items if item.get_closest_marker("connect")]
+    config.hook.pytest_deselected(items=[item for item in items if not item.get_closest_marker("connect")])
+    items[:] = chosen
+
+
 @pytest.fixture(scope="session")
-def spark():
+def spark_kind(request):
+    return request.config.getoption("--spark-session")
+
+
+@pytest.fixture(scope="session")
+def spark(spark_kind):
     from pyspark.sql import SparkSession
 
-    session = (SparkSession.builder.master("local[2]").appName("spark-torch-estimator-tests")
-               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
-               .getOrCreate())
+    conf = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"}
+    if spark_kind == "connect":
+        from estimator.cluster import LocalConnectServer, free_port
+
+        ui_port = free_port()  # its REST API counts the server's jobs (spark_helpers.jobs_run_by)
+        conf.update({"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)})
+        os.environ["SPARK_TEST_CONNECT_UI"] = f"http://127.0.0.1:{ui_port}"
+        with LocalConnectServer(master="local[2]", conf=conf) as server:
+            session = SparkSession.builder.remote(server.url).getOrCreate()
+            yield session
+            session.stop()
+        return
+    builder = SparkSession.builder.master("local[2]").appName("spark-torch-estimator-tests")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

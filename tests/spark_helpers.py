@@ -1,10 +1,18 @@
+import json
+import os
+import urllib.request
 import uuid
 
 import numpy as np
 
 
 def jobs_run_by(spark, action):
-    """Run `action` and return the ids of the Spark jobs it started."""
+    """Run `action` and return the ids of the Spark jobs it started (on a Connect session: the jobs the
+    server's application ran meanwhile, from its UI's REST API; the tests run one at a time)."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        before = _server_jobs()
+        action()
+        return sorted(_server_jobs() - before)
     sc = spark.sparkContext
     group = f"probe-{uuid.uuid4().hex}"
     sc.setJobGroup(group, group)
@@ -26,3 +34,14 @@ def digits_frame(spark, digits, partitions=2):
 
 def outputs_of(df, column):
     return np.array([r[0] for r in df.select(column).collect()], dtype=np.float64)
+
+
+def _server_jobs():
+    ui = os.environ["SPARK_TEST_CONNECT_UI"]  # set by the `spark` fixture
+
+    def get(path):
+        with urllib.request.urlopen(ui + "/api/v1/applications" + path, timeout=30) as response:
+            return json.loads(response.read())
+
+    app = get("")[0]["id"]
+    return {job["jobId"] for job in get(f"/{app}/jobs")}

@@ -141,3 +141,59 @@ def test_a_rank_whose_worker_died_is_named_from_sparks_text():
     failure = rank_failure(text)
     assert failure.rank == 0 and str(failure).startswith("rank 0: its Python worker exited unexpectedly (crashed)")
     assert rank_failure("some other Spark error") is None
+    assert failure.kind.value == "worker_death" and failure.kind.retryable
+
+
+def _raise(exc):
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001 - the test looks at what was caught
+        return caught
+
+
+def test_failure_kinds_come_from_the_exception_types_not_their_text():
+    import torch.distributed as dist
+
+    from estimator.data import ReadFailed
+    from estimator.distributed import FailureKind, RankFailed, RendezvousFailed, failure_kind
+    from estimator.host_allreduce import PeerFailed
+    from estimator.worker import NonFiniteLoss
+
+    assert failure_kind(NonFiniteLoss("Loss is nan")) is FailureKind.NAN
+    assert not FailureKind.NAN.retryable
+    assert failure_kind(PeerFailed("rank 1 died")) is FailureKind.PEER
+    assert failure_kind(dist.DistBackendError("Connection closed by peer")) is FailureKind.PEER
+    assert failure_kind(ReadFailed("could not read x")) is FailureKind.READ
+    assert failure_kind(RuntimeError("PeerFailed FloatingPointError")) is FailureKind.USER  # text means nothing
+    assert failure_kind(RendezvousFailed(1, "late")) is FailureKind.RENDEZVOUS
+    assert failure_kind(RankFailed(1, "x", kind=FailureKind.NAN)) is FailureKind.NAN
+    try:  # a read error re-raised by the user's code (or a feeding thread) keeps its kind
+        raise ValueError("while decoding") from ReadFailed("could not read x")
+    except ValueError as exc:
+        assert failure_kind(exc) is FailureKind.READ
+
+
+def test_the_driver_takes_the_failing_ranks_record_not_a_peers_echo(store):
+    import json
+    import time
+
+    from estimator.distributed import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
+    from estimator.host_allreduce import PeerFailed
+    from estimator.launcher import launch_failure
+
+    run, launch = store.run("r"), "abc"
+    echo = as_rank_failure(0, _raise(PeerFailed("rank 1 failed during training")))
+    cause = RankFailed(1, *_raised_in_user_code())
+    store.write_bytes_atomic(run.failure(launch, 0), json.dumps(echo.record()).encode())  # written first
+    time.sleep(0.01)
+    store.write_bytes_atomic(run.failure(launch, 1), json.dumps(cause.record()).encode())
+    found = launch_failure(store, run, launch, 2, "Spark's text, not read when records exist")
+    assert found.rank == 1 and found.kind is FailureKind.USER and str(found) == str(cause)
+    assert echo.kind is FailureKind.PEER and "PeerFailed: rank 1 failed" in str(echo)
+    store.rm(run.failure(launch, 1))  # only the echo left: it is what there is
+    assert launch_failure(store, run, launch, 2, "").rank == 0
+    store.rm(run.failure(launch, 0))
+    store.write_bytes_atomic(run.failure(launch, 1), json.dumps(RendezvousFailed(1, "late").record()).encode())
+    late = launch_failure(store, run, launch, 2, "")
+    assert isinstance(late, RendezvousFailed) and late.kind is FailureKind.RENDEZVOUS
+    assert launch_failure(store, store.run("other"), launch, 2, "some other Spark error") is None

@@ -8,7 +8,7 @@ from estimator import TorchEstimator
 from helpers import MLP, seeded
 from spark_helpers import digits_frame, jobs_run_by
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 @pytest.fixture(scope="module")

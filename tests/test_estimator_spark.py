@@ -13,7 +13,7 @@ from estimator import TorchEstimator, TorchModel
 from helpers import MLP, DigitsCNN, TwoInputs, TwoOutputs, seeded
 from spark_helpers import digits_frame, jobs_run_by, outputs_of
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,7 @@ def test_output_schema_needs_no_spark_job(spark, store, frames):
     fitted = _estimator(store, seeded(MLP), epochs=1).fit(train)
     schemas = []
     assert jobs_run_by(spark, lambda: schemas.append(fitted.transform(test).schema)) == []
+    assert jobs_run_by(spark, lambda: fitted.transform(test).count())  # the probe sees jobs when there are
     assert [f.name for f in schemas[0].fields][-4:] == ["label__output", "prediction", "rawPrediction", "probability"]
     fitted.setOutputCols(["scores"]).setPredictionCol("digit").setProbabilityCol("")
     assert fitted.transform(test).columns[-3:] == ["scores", "digit", "rawPrediction"]

@@ -10,7 +10,7 @@ from torch import nn
 from estimator import TorchEstimator
 from helpers import MLP, seeded
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 def _frame(spark, X, y, label_type="double"):

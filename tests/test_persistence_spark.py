@@ -11,7 +11,7 @@ from estimator import TorchEstimator, TorchModel
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 @pytest.fixture(scope="module")

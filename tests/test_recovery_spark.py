@@ -16,7 +16,7 @@ from estimator.faults import ENV
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 class DropoutMLP(nn.Module):  # dropout: the resumed epochs must draw the same random numbers

@@ -9,7 +9,7 @@ from estimator import TorchEstimator, TorchModel
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 
 
 def test_cross_validator_picks_the_better_learning_setup(spark, store, digits):

@@ -13,7 +13,7 @@ _MODULES = {
     "frames": "torch_dtype_array transform_batch",
     "cached": "CachedShard ShardBatches",
     "feed": "Decoders Feed feed_workers",
-    "parquet": "Span column_max list_pieces parquet_columns pieces_of_files read_head read_rows read_span "
+    "parquet": "ReadFailed Span column_max list_pieces parquet_columns pieces_of_files read_head read_rows read_span "
                "shard_range spans",
     "plan": "EpochPlan epoch_seed plan_epoch plan_steps",
     "shards": "EarlyRead Shard cache_decision memory_budget open_shards",

@@ -6,6 +6,7 @@ in `Span`s, the units both readers work with. pyarrow only, no pyspark.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -19,6 +20,23 @@ from estimator.spec import Piece
 from store import Store
 
 READ_BUFFER = 1 << 20  # bytes pyarrow buffers per column while it decodes a row group piece by piece
+
+
+class ReadFailed(OSError):
+    """Reading the training data from the store failed (a missing, unreadable or corrupt file, a lost
+    connection). A later launch may succeed: the store may come back."""
+
+    failure_kind = "read"  # estimator.distributed.FailureKind
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, pa.ArrowException) as exc:
+        if isinstance(exc, ReadFailed):
+            raise
+        raise ReadFailed(f"could not read {path} from the store: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -91,15 +109,16 @@ def read_rows(store: Store, pieces: Sequence[Piece], start: int, stop: int, colu
     fmt, fs = ds.ParquetFileFormat(), arrow_filesystem(store)
     tables = []
     for span in spans(pieces, start, stop):
-        fragment = fmt.make_fragment(span.piece.path, filesystem=fs, row_groups=[span.piece.row_group])
-        tables.append(fragment.to_table(columns=list(columns)).slice(span.lo, span.rows))
+        with reading(span.piece.path):
+            fragment = fmt.make_fragment(span.piece.path, filesystem=fs, row_groups=[span.piece.row_group])
+            tables.append(fragment.to_table(columns=list(columns)).slice(span.lo, span.rows))
     return table_to_arrays(pa.concat_tables(tables) if tables else None, columns)
 
 
 def read_span(store: Store, span: Span, columns: Sequence[str], chunk_rows: int) -> Iterator[Arrays]:
     """A span's rows in chunks of at most `chunk_rows`, decoded piece by piece: memory holds about one
     chunk and a read buffer per column, however large the row group is."""
-    with arrow_filesystem(store).open_input_file(span.piece.path) as handle:
+    with reading(span.piece.path), arrow_filesystem(store).open_input_file(span.piece.path) as handle:
         # pre_buffer=False: pyarrow would otherwise fetch the whole row group's column chunks up front
         batches = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False).iter_batches(
             batch_size=chunk_rows, row_groups=[span.piece.row_group], columns=list(columns))

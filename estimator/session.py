@@ -1,0 +1,108 @@
+"""What the driver asks of the SparkSession, the same way on classic and Spark Connect sessions.
+
+A Spark Connect session (Databricks serverless, standard-access clusters, `SparkSession.builder.remote`)
+has no SparkContext, RDDs or JVM handles, so everything here reads public, Connect-safe APIs:
+`spark.conf`, job tags. Where a classic session can tell more (the executors' task slots), that is an
+optional refinement, used only when it is there.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from typing import Any, Iterator, Optional
+
+log = logging.getLogger("estimator")
+_LOCAL = re.compile(r"local(?:\[\s*(\*|\d+)\s*(?:,\s*(\d+)\s*)?\])?")
+
+
+def is_connect(spark: Any) -> bool:
+    """A Spark Connect session (pyspark.sql.connect), not a classic one."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def conf(spark: Any, key: str) -> Optional[str]:
+    """A Spark conf value, or None when it is unset or the session may not read it."""
+    try:
+        value = spark.conf.get(key, None)
+    except Exception:  # noqa: BLE001 - a Connect server may refuse to show some confs
+        log.debug("could not read %s from the session", key, exc_info=True)
+        return None
+    return None if value is None else str(value)
+
+
+def task_slots(spark: Any) -> Optional[int]:
+    """Tasks the application can run at once, when it can be known: local[N] masters, fixed executor counts
+    (spark.executor.instances x spark.executor.cores), or, on a classic session, the registered executors.
+    None when unknown (e.g. dynamic allocation on a Connect session), and 0 while no executor has registered."""
+    cpus = int(conf(spark, "spark.task.cpus") or 1)
+    master = conf(spark, "spark.master") or ""
+    local = _LOCAL.fullmatch(master)
+    if local:
+        cores = local.group(1) or "1"
+        return max(1, (os.cpu_count() or 1) if cores == "*" else int(cores)) // cpus
+    classic = _classic_slots(spark)
+    if classic is not None:
+        return classic
+    instances, cores = conf(spark, "spark.executor.instances"), conf(spark, "spark.executor.cores")
+    dynamic = (conf(spark, "spark.dynamicAllocation.enabled") or "false").lower() == "true"
+    if instances and cores and not dynamic:
+        return int(instances) * int(cores) // cpus
+    return None
+
+
+def _classic_slots(spark: Any) -> Optional[int]:
+    """The optional refinement of a classic session: Spark's own count of concurrent task slots now."""
+    if is_connect(spark):
+        return None
+    try:
+        jsc = spark.sparkContext._jsc.sc()
+        return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - a refinement only
+        log.debug("could not count the task slots of this classic session", exc_info=True)
+        return None
+
+
+def default_num_proc(spark: Any) -> int:
+    """num_proc when the user gave none: every task slot."""
+    slots = task_slots(spark)
+    if not slots:
+        raise ValueError("The 'num_proc' parameter of TorchEstimator is needed on this session: its task slots "
+                         "cannot be read (a Spark Connect session with dynamic allocation, or no executor yet). "
+                         "Set num_proc to the number of training processes, at most the cluster's task slots.")
+    return slots
+
+
+def check_slots(spark: Any, num_proc: int) -> None:
+    """A barrier stage needs all its tasks at once; Spark would otherwise retry for minutes."""
+    slots = task_slots(spark)
+    if slots and slots < num_proc:
+        raise ValueError(f"The 'num_proc' parameter of TorchEstimator must be at most the {slots} task slots this "
+                         f"Spark application has. Got {num_proc} instead. Lower num_proc or add executors/cores.")
+
+
+def default_retries(spark: Any) -> int:
+    """Spark's own task retry budget: spark.task.maxFailures - 1, or local[N, F]'s F - 1 (local[N]: 0)."""
+    local = _LOCAL.fullmatch(conf(spark, "spark.master") or "")
+    if local:
+        return int(local.group(2)) - 1 if local.group(2) else 0
+    return max(0, int(conf(spark, "spark.task.maxFailures") or 4) - 1)
+
+
+@contextlib.contextmanager
+def job_tag(spark: Any, text: str) -> Iterator[None]:
+    """Tag the Spark jobs started inside (the Spark UI lists them by tag; `spark.interruptTag` stops them).
+    Sessions without tags (classic pyspark 3.5) run the jobs untagged."""
+    add, remove = getattr(spark, "addTag", None), getattr(spark, "removeTag", None)
+    tag = re.sub(r"[^A-Za-z0-9_.:-]+", "-", text).strip("-")
+    try:
+        add(tag)
+    except Exception:  # noqa: BLE001 - a label only
+        log.debug("this session does not tag jobs", exc_info=True)
+        yield
+        return
+    try:
+        yield
+    finally:
+        remove(tag)
