@@ -20,6 +20,7 @@ from fsspec.core import url_to_fs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from estimator.pickling import dumps, rebind_optimizer
+from estimator.session import is_connect
 from store import Store
 
 
@@ -28,9 +29,18 @@ class ParamsWriter(MLWriter):
         super().__init__()
         self.instance = instance
 
+    def save(self, path: str) -> None:
+        """overwrite() removes what is at `path` through fsspec, as the objects are written: no JVM call, so
+        that Spark Connect sessions save too."""
+        if self.shouldOverwrite:
+            fs, root = url_to_fs(path)
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+        self.saveImpl(path)
+
     def saveImpl(self, path: str) -> None:
         json_params, objects = split_params(self.instance)
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc, paramMap=json_params)
+        DefaultParamsWriter.saveMetadata(self.instance, path, _metadata_session(self), paramMap=json_params)
         fs, root = url_to_fs(path)
         model = objects.pop("model", None)
         if isinstance(objects.get("store"), Store):
@@ -49,7 +59,7 @@ class ParamsReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        metadata = DefaultParamsReader.loadMetadata(path, _metadata_session(self))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
@@ -76,6 +86,12 @@ class Persistable(MLReadable, MLWritable):
     @classmethod
     def read(cls) -> ParamsReader:
         return ParamsReader(cls)
+
+
+def _metadata_session(io: Any) -> Any:
+    """What pyspark's metadata writer and reader take: the session on Spark Connect (pyspark 4 writes the
+    metadata with a DataFrame then), else the SparkContext (pyspark 3.5 takes only that)."""
+    return io.sparkSession if is_connect(io.sparkSession) else io.sc
 
 
 def split_params(instance: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

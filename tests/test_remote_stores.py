@@ -19,7 +19,7 @@ from servers import free_port, wait_for_port
 from spark_helpers import digits_frame, jobs_run_by
 from store import AdlsStore, Store, StoreUnavailable
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AZURITE = os.path.join(ROOT, ".cache", "azurite", "node_modules", ".bin", "azurite-blob")
 S3_SECRET = "s3cr3t-ACCESS-value"
