@@ -35,6 +35,7 @@ from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher
 from estimator.session import check_slots, default_num_proc, default_retries
+from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
 from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
@@ -131,6 +132,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         check_slots(spark, num_proc)
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
+        ship_package(spark)
         run_id = p["run_id"] or new_run_id()
         seed, split_seed = p["random_seed"], p["random_seed"]
         if seed is None and p["run_id"]:  # a refit of a named run keeps its split and shuffles

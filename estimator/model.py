@@ -26,6 +26,7 @@ from estimator.params import DeclaredParams, declare
 from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
 from estimator.pickling import dumps
+from estimator.shipping import ship_package
 
 
 # Horovod's TorchModel constructor names, and the arguments it takes that inference does not use
@@ -91,6 +92,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
         layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
+        ship_package(df.sparkSession)
         added = self._added(p, layout)
         schema = StructType([field for field, _ in added])
         for column in p["feature_cols"]:

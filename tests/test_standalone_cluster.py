@@ -1,7 +1,8 @@
 """A real Spark standalone cluster on loopback, from the pip-installed pyspark: one master and two
 workers (1 core each, their own SPARK_WORKER_DIR), started and stopped by process id. The README
 example's --cluster flag does it (estimator.cluster.LocalStandaloneCluster); a barrier stage of 2 tasks
-on 1-core executors must put one rank on each executor."""
+on 1-core executors must put one rank on each executor. The executors' Python cannot import this
+project (as on a cluster where only torch is installed): the driver ships it."""
 import os
 import re
 import subprocess
@@ -18,12 +19,47 @@ def _java_pids(marker):
     return [line for line in out.splitlines() if marker in line and "java" in line]
 
 
+HIDE_PROJECT = """import importlib.machinery, sys
+
+
+class OnlyShipped:
+    \"\"\"estimator and store import only from the zip the driver ships (spark_torch_estimator-*.zip).\"\"\"
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name not in ("estimator", "store"):
+            return None
+        shipped = [p for p in sys.path if "spark_torch_estimator-" in p and p.endswith(".zip")]
+        spec = importlib.machinery.PathFinder.find_spec(name, shipped)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} on this executor", name=name)
+        return spec
+
+
+sys.meta_path.insert(0, OnlyShipped)
+"""
+
+
+def executor_python_without_this_project(folder):
+    """A PYSPARK_PYTHON that runs this interpreter (torch, pyarrow...) but cannot import estimator or store
+    unless they were shipped."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HIDE_PROJECT)
+    wrapper = folder / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{folder}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    hidden = subprocess.run([str(wrapper), "-c", "import estimator"], capture_output=True, text=True)
+    assert "No module named 'estimator' on this executor" in hidden.stderr  # the premise of the test holds
+    return str(wrapper)
+
+
 def test_example_fits_and_transforms_across_two_executors(tmp_path):
     base = tmp_path / "cluster"
+    python = executor_python_without_this_project(tmp_path / "executor-python")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "notebooks", "digits_example.py"), "--cluster",
                              "--cluster-dir", str(base), "--store", str(tmp_path / "store"), "--epochs", "5"],
                             capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
-                            env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
+                            env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=python))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "executors registered: 2" in result.stdout
     assert "ranks: 2" in result.stdout  # num_proc defaulted to the cluster's two task slots

@@ -1,0 +1,93 @@
+"""The executors run this project's code (the ranks, the Parquet writer, the transform): send it from the
+driver, so that a cluster needs only torch and pyarrow installed, and runs exactly the driver's version.
+
+One zip of the `estimator` and `store` packages (their .py files, named by a hash of their content) is added
+to the session once with `spark.addArtifacts(zip, pyfile=True)` (pyspark 4, classic and Connect; pyspark 3.5's
+classic sessions: `addPyFile`). Classic `local[...]` masters run their executors from the driver's own Python
+and get nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import tempfile
+import threading
+import zipfile
+from typing import Any, Optional, Set
+
+from estimator.session import conf, is_connect
+
+log = logging.getLogger("estimator")
+PACKAGES = ("estimator", "store")
+_lock = threading.Lock()
+_zip: Optional[str] = None
+_shipped: Set[str] = set()  # the sessions (Connect session ids, classic application ids) that have it
+
+
+def package_zip() -> str:
+    """The zip of this project's packages, built once per driver process."""
+    global _zip
+    with _lock:
+        if _zip is None or not os.path.exists(_zip):
+            _zip = _build_zip()
+        return _zip
+
+
+def _build_zip() -> str:
+    import estimator
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(estimator.__file__)))
+    files = []
+    for package in PACKAGES:
+        for folder, dirs, names in os.walk(os.path.join(root, package)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            files += [os.path.join(folder, n) for n in sorted(names) if n.endswith(".py")]
+    buffer, digest = io.BytesIO(), hashlib.sha256()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in files:
+            name = os.path.relpath(path, root).replace(os.sep, "/")
+            with open(path, "rb") as handle:
+                data = handle.read()
+            digest.update(name.encode() + b"\0" + data)
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
+    folder = os.path.join(tempfile.gettempdir(), "spark-torch-estimator-packages")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"spark_torch_estimator-{digest.hexdigest()[:16]}.zip")
+    if not os.path.exists(path):
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(buffer.getvalue())
+        os.replace(temporary, path)
+    return path
+
+
+def needs_shipping(spark: Any) -> bool:
+    """Connect sessions always (their server's executors are not the client's Python); classic sessions
+    unless their master is local."""
+    if is_connect(spark):
+        return True
+    return not (conf(spark, "spark.master") or "local").startswith("local")
+
+
+def ship_package(spark: Any) -> None:
+    """Make the executors of `spark` import this driver's `estimator` and `store` (once per session)."""
+    if not needs_shipping(spark):
+        return
+    key = f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
+    with _lock:
+        if key in _shipped:
+            return
+        _shipped.add(key)
+    path = package_zip()
+    try:
+        if hasattr(spark, "addArtifacts"):
+            spark.addArtifacts(path, pyfile=True)
+        else:  # pyspark 3.5, classic
+            spark.sparkContext.addPyFile(path)
+    except Exception:
+        with _lock:
+            _shipped.discard(key)
+        raise
+    log.info("Sent this driver's estimator and store packages to the executors (%s)", os.path.basename(path))
