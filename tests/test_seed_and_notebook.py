@@ -1,8 +1,10 @@
 """Seed 002 with only its imports changed, and the MNIST notebook executed headless."""
+import json
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -17,12 +19,32 @@ def _env(master):
     return env
 
 
-def test_seed_002_runs_with_only_its_imports_changed(tmp_path):
+@pytest.mark.parametrize("session", ["classic", "connect"])
+def test_seed_002_runs_with_only_its_imports_changed(tmp_path, session):
     """The Synapse notebook's code: 3 processes (as its numExecutors), SparkBackend output with
-    timestamps, setOutputCols, an argmax udf over the output vectors, the evaluator."""
+    timestamps, setOutputCols, an argmax udf over the output vectors, the evaluator. On a classic session, and
+    on a Spark Connect session (SPARK_REMOTE makes its `SparkSession.builder.getOrCreate()` a Connect client)."""
+    from estimator.cluster import LocalConnectServer, free_port
+
     script = os.path.join(ROOT, "tests", "seeds", "seed_002_horovod_synapse.py")
-    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
-                            env=_env("local[3]"))
+    env, server, server_jobs = _env("local[3]"), None, []
+    if session == "connect":
+        ui = free_port()
+        server = LocalConnectServer(master="local[3]", conf={"spark.ui.port": str(ui)}).start()
+        env.pop("PYSPARK_SUBMIT_ARGS")
+        env["SPARK_REMOTE"] = server.url
+    try:
+        result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=900,
+                                cwd=str(tmp_path), env=env)
+        if server is not None:  # the script's jobs ran on the Connect server, not in a session of its own
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/api/v1/applications", timeout=30) as response:
+                app = json.loads(response.read())[0]["id"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{ui}/api/v1/applications/{app}/jobs",
+                                        timeout=30) as response:
+                server_jobs = json.loads(response.read())
+    finally:
+        if server is not None:
+            server.stop()
     assert result.returncode == 0, result.stderr[-4000:]
     epochs = re.findall(r"^\w{3} \w{3} [ \d]\d [\d:]{8} \d{4} run \S+ epoch (\d): loss=([\d.]+) val_loss=([\d.]+)"
                         r" data_wait=[\d.]+$",
@@ -30,6 +52,8 @@ def test_seed_002_runs_with_only_its_imports_changed(tmp_path):
     assert [e[0] for e in epochs] == ["1", "2", "3"], result.stdout[-3000:]
     accuracy = float(re.search(r"^Test accuracy: ([\d.]+)$", result.stdout, re.MULTILINE).group(1))
     assert 0.0 <= accuracy <= 1.0  # learning is the notebook's test: 3 epochs on 4,000 raw-pixel rows is too few
+    if session == "connect":
+        assert len(server_jobs) >= 3, server_jobs  # materialize, train, evaluate at least
 
 
 def test_mnist_notebook_executes_and_reaches_85_percent(tmp_path, monkeypatch):
