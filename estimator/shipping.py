@@ -17,6 +17,8 @@ import threading
 import zipfile
 from typing import Any, Optional, Set
 
+import pyspark
+
 from estimator.session import conf, is_connect
 
 log = logging.getLogger("estimator")
@@ -82,9 +84,9 @@ def ship_package(spark: Any) -> None:
         _shipped.add(key)
     path = package_zip()
     try:
-        if hasattr(spark, "addArtifacts"):
+        if is_connect(spark) or int(pyspark.__version__.split(".")[0]) >= 4:
             spark.addArtifacts(path, pyfile=True)
-        else:  # pyspark 3.5, classic
+        else:  # pyspark 3.5's classic sessions have artifacts only on Spark Connect
             spark.sparkContext.addPyFile(path)
     except Exception:
         with _lock:

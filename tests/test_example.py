@@ -36,12 +36,26 @@ def test_png_digits_example_trains_on_decoded_image_bytes(tmp_path):
 
 
 @pytest.mark.spark
-def test_the_readme_use_snippet_runs_as_shown(tmp_path):
+@pytest.mark.parametrize("session", ["classic", "connect"])
+def test_the_readme_use_snippet_runs_as_shown(tmp_path, session):
+    """As shown, and with its session made by `builder.remote(url)` of a local Spark Connect server."""
+    from estimator.cluster import LocalConnectServer
+
     readme = open(os.path.join(ROOT, "README.md")).read()
     code = re.search(r"^## Use\n+```python\n(.*?)^```", readme, re.S | re.M).group(1)
     code = code.replace('"/tmp/', f'"{tmp_path}/')  # its own folders instead of the machine's /tmp
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            cwd=str(tmp_path))
+    server = None
+    if session == "connect":
+        server = LocalConnectServer(master="local[2]", conf={"spark.ui.enabled": "false"}).start()
+        local = 'SparkSession.builder.master("local[2]")'
+        assert local in code
+        code = code.replace(local, f'SparkSession.builder.remote("{server.url}")')
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                cwd=str(tmp_path))
+    finally:
+        if server is not None:
+            server.stop()
     assert result.returncode == 0, result.stderr[-4000:]
     accuracy, history, count = result.stdout.strip().splitlines()[-3:]
     assert float(accuracy) > 0.85 and "'val_accuracy'" in history and int(count) > 250
