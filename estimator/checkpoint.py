@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,8 +25,10 @@ class Position:
 
 
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    history: List[Dict[str, float]], position: Position, scheduler: Any = None) -> None:
-    """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint)."""
+                    history: List[Dict[str, float]], position: Position, scheduler: Any = None,
+                    copies: Sequence[str] = ()) -> None:
+    """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint), at `path`
+    and at each of `copies` (the best epochs' checkpoints)."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
                 "global_step": position.global_step, "history": history,
@@ -34,7 +36,8 @@ def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.op
                 if position.step else None,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "format": CHECKPOINT_FORMAT}, buffer)
-    store.write_bytes_atomic(path, buffer.getvalue())
+    for target in (path, *copies):
+        store.write_bytes_atomic(target, buffer.getvalue())
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:

@@ -8,8 +8,9 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
 from torch import nn
 
-from estimator.losses import check_metrics
+from estimator.losses import Objective, check_metrics
 from estimator.params import param_error
+from estimator.stopping import Monitor, default_mode, default_monitor
 
 OWNER = "TorchEstimator"
 
@@ -111,3 +112,20 @@ def losses_per_label(loss: Any, labels: int) -> List[Any]:
 
 def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:
     return None if value is None else tuple(tuple(int(d) for d in s) for s in value)
+
+
+def monitor_for(p: Dict[str, Any], losses: Sequence[Any], has_validation: bool) -> Monitor:
+    """The monitored history key (one the history will have), its direction and the early-stopping rule."""
+    n_labels = len(p["label_cols"])
+    key = p["monitor"] or default_monitor(has_validation)
+    objective = Objective(losses_per_label(list(losses), n_labels), [1.0] * n_labels, p["metrics"], p["label_cols"],
+                          weighted=False)
+    names = ["loss"] + [name for name, _, _ in objective.metrics]
+    keys = names + ([f"val_{name}" for name in names] if has_validation else []) + ["data_wait"]
+    if key not in keys:
+        raise ValueError(param_error(OWNER, "monitor", "a key of the history this fit writes: " + ", ".join(
+            repr(k) for k in keys) + ("" if has_validation else " (val_ keys need validation data)"), key))
+    if p["restore_best"] and p["save_top_k"] == 0:
+        raise ValueError(f"{OWNER} keeps no best checkpoint with save_top_k=0, so restore_best=True has nothing to "
+                         "restore. Set save_top_k >= 1 or restore_best=False.")
+    return Monitor(key, p["monitor_mode"] or default_mode(key), float(p["min_delta"]), p["early_stopping_patience"])

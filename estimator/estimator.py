@@ -13,7 +13,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from pyspark.ml import Estimator
@@ -37,6 +37,7 @@ from estimator.progress import ProgressWatcher
 from estimator.session import check_slots, default_num_proc, default_retries
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
+from estimator.stopping import Monitor
 from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
 
@@ -55,6 +56,7 @@ class RunPlan:
     split_seed: int  # the validation split
     store: Store
     run_id: str
+    monitor: Monitor
 
 
 class TorchEstimator(DeclaredParams, Estimator, Persistable):
@@ -66,7 +68,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _fit(self, df: DataFrame) -> TorchModel:
         p = self._checked()
         checks.check_schema(p, df.schema)
-        run = self._prepare(p, df.sparkSession)
+        run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
         materialize_started = time.perf_counter()
@@ -82,7 +84,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         holding the feature, label and weight columns."""
         p = self._checked()
         spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-        run = self._prepare(p, spark)
+        run = self._prepare(p, spark, has_validation=val_path is not None)
         store = run.store
         train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
         data = DataSpec(store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else (),
@@ -115,13 +117,14 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                  "checkpoint_steps=None or reader='arrow'.")
         return p
 
-    def _prepare(self, p: Dict[str, Any], spark: SparkSession) -> RunPlan:
+    def _prepare(self, p: Dict[str, Any], spark: SparkSession, has_validation: bool) -> RunPlan:
         """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
         losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
         weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
+        monitor = checks.monitor_for(p, losses or [make() for make in constructors], has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, lr_scheduler_fn or callbacks",
@@ -142,7 +145,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             seed = random.SystemRandom().randrange(2**31)
         # Without random_seed the split does not follow the drawn training seed: refits of the same data with a
         # validation fraction reuse one materialized copy instead of writing a new one each time.
-        return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id)
+        return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id,
+                       monitor)
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
         started = time.perf_counter()
@@ -160,7 +164,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
                               p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
-            checkpoint_steps=p["checkpoint_steps"],
+            checkpoint_steps=p["checkpoint_steps"], monitor=run.monitor, save_top_k=p["save_top_k"],
             backward_passes_per_step=p["backward_passes_per_step"],
             compression=compression_name(p["gradient_compression"]),
             shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
@@ -189,7 +193,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                                                for r in results),
                       "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
             log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
-        model = self._model(p, run.objs, store, run_id, output_shapes)
+        model = self._model(p, run, output_shapes)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
@@ -202,10 +206,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
         launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
         for attempt in range(retries + 1):
-            done = resume_point(run.store, spec.run, p["model"], run.run_id)
+            done, history = resume_point(run.store, spec.run, p["model"], run.run_id)
             if done.epochs >= spec.epochs:
                 log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
                          done.epochs, spec.epochs)
+                return []
+            stopped = run.monitor.stop_reason(history)
+            if stopped is not None:
+                log.info("Run %s stopped early after epoch %d: nothing to train (%s)", run.run_id, done.epochs,
+                         stopped)
                 return []
             if done.epochs or done.step:
                 log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
@@ -225,23 +234,47 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         raise AssertionError("unreachable")
 
     @staticmethod
+    def _report_stop(p: Dict[str, Any], run: RunPlan, history: List[Dict[str, float]]) -> None:
+        """Say why a run ended before `epochs` (early stopping), and which epoch was best."""
+        stopped = run.monitor.stop_reason(history) if len(history) < p["epochs"] else None
+        if stopped is None:
+            return
+        best = run.monitor.best_epoch(history)
+        log.info("Run %s stopped early after epoch %d of %d: %s", run.run_id, len(history), p["epochs"], stopped)
+        TorchEstimator._say(p, f"run {run.run_id} stopped early after epoch {len(history)} of {p['epochs']}: "
+                               f"{stopped}; best epoch {best}" + (" (restored)" if p["restore_best"] else ""))
+
+    @staticmethod
     def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
-        """One epoch's line, live on the driver: to the Horovod backend's stdout, else printed to stderr (a
-        notebook shows it without any logging set up; also logged at DEBUG)."""
+        """One epoch's line, live on the driver."""
+        TorchEstimator._say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}")
+
+    @staticmethod
+    def _say(p: Dict[str, Any], line: str) -> None:
+        """A line of the run for the user: to the Horovod backend's stdout, else printed to stderr (a notebook
+        shows it without any logging set up; also logged at DEBUG). verbose=0 silences it."""
         if not p["verbose"]:
             return
-        line = f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}"
         if p["backend"] is not None and hasattr(p["backend"], "write"):
             p["backend"].write(line)
         else:
             print(line, file=sys.stderr, flush=True)
             log.debug(line)
 
-    def _model(self, p: Dict[str, Any], objs: UserObjects, store: Store, run_id: str, output_shapes: List[tuple]
-               ) -> TorchModel:
-        """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history)."""
-        checkpoint = load_checkpoint(store, store.run(run_id).checkpoint)
+    def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:
+        """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
+        restore_best, of its best epoch's checkpoint (the history stays whole)."""
+        objs, store, run_id, layout = run.objs, run.store, run.run_id, run.store.run(run.run_id)
+        checkpoint = load_checkpoint(store, layout.checkpoint)
         history = checkpoint["history"]
+        best = run.monitor.best_epoch(history)
+        self._report_stop(p, run, history)
+        if p["restore_best"] and best is not None and best != len(history):
+            if not store.exists(layout.best(best)):
+                raise ValueError(f"restore_best=True: run {run_id!r} has no checkpoint of its best epoch {best} by "
+                                 f"{run.monitor.key} ({store.url(layout.best(best))}); it keeps save_top_k="
+                                 f"{p['save_top_k']} of them. Refit under a new run_id to keep it.")
+            checkpoint = load_checkpoint(store, layout.best(best))
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()
@@ -251,6 +284,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],
                           output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
+                          best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
                           **{s.name: p[s.name] for s in TRAINING_PARAMS})
 
@@ -269,17 +303,19 @@ def retryable(exc: BaseException) -> bool:
     return not isinstance(exc, RankFailed) or exc.kind.retryable
 
 
-def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str) -> Position:
-    """Where the run's checkpoint stands (nothing done without one); its model must be this model."""
+def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str
+                 ) -> Tuple[Position, List[Dict[str, float]]]:
+    """Where the run's checkpoint stands, and its history (nothing done without one); its model must be this
+    model."""
     if not store.exists(run.checkpoint):
-        return Position()
+        return Position(), []
     state = load_checkpoint(store, run.checkpoint)
     try:
         copy.deepcopy(model).load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
                          f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
-    return position_of(state)
+    return position_of(state), list(state["history"])
 
 
 def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:

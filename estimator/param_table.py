@@ -9,8 +9,8 @@ from estimator.params import (ParamSpec, is_bool, is_callable_or_list, is_instan
 from store import Store
 
 ESTIMATOR_PARAMS = [
-    ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: the cluster's default "
-              "parallelism", None, optional(is_int(1)), "an int >= 1 or None"),
+    ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: every task slot, when the "
+              "session can tell (README 'Spark Connect')", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
               None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
     ParamSpec("model", "the torch.nn.Module to train (fit trains a copy)", None, is_instance(nn.Module),
@@ -88,6 +88,20 @@ ESTIMATOR_PARAMS = [
     ParamSpec("checkpoint_steps", "rank 0 also checkpoints every N optimizer steps, with the reader's position, so a "
               "retry or a refit resumes inside the epoch; None: at epoch ends only", None, optional(is_int(1)),
               "an int >= 1 or None"),
+    ParamSpec("early_stopping_patience", "stop after this many epochs in which `monitor` did not improve by more "
+              "than min_delta (all ranks decide together); None: train every epoch", None, optional(is_int(1)),
+              "an int >= 1 or None"),
+    ParamSpec("monitor", "the history key that decides the best epoch, the kept checkpoints and early stopping; "
+              "default 'val_loss' with validation data, else 'loss'", None, optional(is_instance(str)),
+              "a history key such as 'val_loss', 'loss' or 'val_accuracy', or None"),
+    ParamSpec("monitor_mode", "'min' or 'max': which way `monitor` improves; default 'max' for names containing "
+              "'accuracy', else 'min'", None, lambda v: v in (None, "min", "max"), "'min', 'max' or None"),
+    ParamSpec("min_delta", "the smallest change of `monitor` that counts as an improvement for early stopping", 0.0,
+              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
+    ParamSpec("restore_best", "the TorchModel gets the weights of the best epoch by `monitor` (False: the last "
+              "epoch's)", False, is_bool, "True or False"),
+    ParamSpec("save_top_k", "checkpoints of the best epochs by `monitor` kept in the run folder (runs/<run_id>/best) "
+              "besides the last one", 1, is_int(0), "an int >= 0"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("backward_passes_per_step", "batches whose gradients are accumulated before each optimizer step", 1,
@@ -144,6 +158,8 @@ MODEL_PARAMS = [
               lambda v: isinstance(v, list), "a list of dicts"),
     ParamSpec("run_id", "the training run that produced the model", None, optional(is_instance(str)),
               "a string or None"),
+    ParamSpec("best_epoch", "the best epoch (1-based) by the estimator's `monitor`, also when restore_best is False",
+              None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("inference_batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),

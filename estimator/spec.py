@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from estimator.stopping import Monitor
 from store import RunLayout, Store
 
 Shape = Tuple[int, ...]
@@ -92,6 +93,8 @@ class TrainSpec:
     attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
     resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
     checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)
+    monitor: Monitor = Monitor("loss")  # the best epoch, the checkpoints kept, early stopping
+    save_top_k: int = 1  # checkpoints of the best epochs kept besides the last one
 
 
 @dataclass

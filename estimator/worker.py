@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import posixpath
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -105,6 +106,11 @@ class Run:
         self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
             for epoch in range(len(self.history), spec.epochs):
+                stop = spec.monitor.stop_reason(self.history)  # the same on every rank: the rows are reduced
+                if stop is not None:
+                    if ctx.rank == 0:
+                        log.info("stopping early after epoch %d: %s", epoch, stop)
+                    break
                 inside = position if epoch == position.epochs and position.step else Position(epoch)
                 inject(self.faults, "epoch", ctx.rank, self.attempt, epoch + 1)
                 self.epoch(epoch, train, val, inside)
@@ -148,7 +154,7 @@ class Run:
         if self.scheduler is not None:
             step_scheduler(self.scheduler, row)
         if ctx.rank == 0:
-            self.save(Position(epoch + 1, global_step=self.loop.global_step))
+            self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
             spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
             if spec.verbose:
                 log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
@@ -173,9 +179,19 @@ class Run:
     def layout(self) -> List[int]:
         return [self.spec.batch_size, self.ctx.world_size]
 
-    def save(self, position: Position) -> None:
-        save_checkpoint(self.spec.data.store, self.spec.run.checkpoint, self.model, self.optimizer, self.history,
-                        position, self.scheduler)
+    def save(self, position: Position, best: bool = False) -> None:
+        """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
+        save_top_k best by the monitor, and the copies of epochs that left the top k are removed."""
+        spec, store = self.spec, self.spec.data.store
+        top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
+        epoch = len(self.history)
+        save_checkpoint(store, spec.run.checkpoint, self.model, self.optimizer, self.history, position,
+                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [])
+        if best:
+            keep = {posixpath.basename(spec.run.best(e)) for e in top}
+            for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
+                if posixpath.basename(path) not in keep:
+                    store.rm(path)
 
 
 class TrainLoop:

@@ -42,6 +42,14 @@ class RunLayout:
         return posixpath.join(self.root, self.checkpoint_filename)
 
     @property
+    def best_dir(self) -> str:
+        """Checkpoints of the best epochs by the monitored metric (save_top_k of them), one file per epoch."""
+        return posixpath.join(self.root, "best")
+
+    def best(self, epoch: int) -> str:
+        return posixpath.join(self.best_dir, f"epoch-{epoch}.pt")
+
+    @property
     def progress(self) -> str:
         """Per-epoch history so far, rewritten by rank 0 after every epoch (the driver polls it)."""
         return posixpath.join(self.root, "progress.json")
