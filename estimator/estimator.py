@@ -38,6 +38,7 @@ from estimator.session import check_slots, default_num_proc, default_retries
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
 from estimator.stopping import Monitor
+from estimator.tracking import check_mlflow, log_to_mlflow, tensorboard_available
 from estimator.worker import build_optimizer, format_metrics
 from store import LocalStore, Store
 
@@ -103,6 +104,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         checks.check_params(p)
+        check_mlflow(p["mlflow"])
         if p["mp_start_method"] is not None and (p["reader_pool_type"] != "process" or p["reader"] != "arrow"):
             warnings.warn(f"TorchEstimator ignores mp_start_method={p['mp_start_method']!r}: it only starts the "
                           "arrow reader's decoding processes (reader='arrow', reader_pool_type='process').",
@@ -165,6 +167,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                               p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
                               p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
             checkpoint_steps=p["checkpoint_steps"], monitor=run.monitor, save_top_k=p["save_top_k"],
+            tensorboard=tensorboard_on(), log_every_n_steps=p["log_every_n_steps"],
             backward_passes_per_step=p["backward_passes_per_step"],
             compression=compression_name(p["gradient_compression"]),
             shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
@@ -194,6 +197,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                       "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
             log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
         model = self._model(p, run, output_shapes)
+        json_params = {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}
+        logged = log_to_mlflow(p["mlflow"], json_params, model.getHistory(), model.getBestEpoch(), model.getModel())
+        if logged:
+            log.info("Logged run %s to MLflow run %s", run_id, logged)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
@@ -290,6 +297,20 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)
+
+
+_TENSORBOARD_OFF_SAID = []
+
+
+def tensorboard_on() -> bool:
+    """TensorBoard event files when the tensorboard package is installed; said once per driver when it is not."""
+    if tensorboard_available():
+        return True
+    if not _TENSORBOARD_OFF_SAID:
+        _TENSORBOARD_OFF_SAID.append(True)
+        log.warning("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
+                    "or this project's [tensorboard] extra).")
+    return False
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

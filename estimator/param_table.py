@@ -102,6 +102,11 @@ ESTIMATOR_PARAMS = [
               "epoch's)", False, is_bool, "True or False"),
     ParamSpec("save_top_k", "checkpoints of the best epochs by `monitor` kept in the run folder (runs/<run_id>/best) "
               "besides the last one", 1, is_int(0), "an int >= 0"),
+    ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "
+              "every N optimizer steps; epoch figures go every epoch", 50, is_int(1), "an int >= 1"),
+    ParamSpec("mlflow", "log params, every epoch's metrics, the best epoch and the trained model to MLflow: None when "
+              "mlflow is installed and a run is active at fit; True always (a run is started when none is); False "
+              "never", None, optional(is_bool), "True, False or None"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("backward_passes_per_step", "batches whose gradients are accumulated before each optimizer step", 1,

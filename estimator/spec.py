@@ -95,6 +95,8 @@ class TrainSpec:
     checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)
     monitor: Monitor = Monitor("loss")  # the best epoch, the checkpoints kept, early stopping
     save_top_k: int = 1  # checkpoints of the best epochs kept besides the last one
+    tensorboard: bool = False  # rank 0 writes event files into the run's logs folder
+    log_every_n_steps: int = 50  # the training loss goes to TensorBoard every N optimizer steps
 
 
 @dataclass

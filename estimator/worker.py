@@ -10,7 +10,7 @@ import json
 import logging
 import posixpath
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
@@ -28,6 +28,7 @@ from estimator.host_allreduce import HostAllreduce
 from estimator.losses import Objective
 from estimator.pickling import rebuild_optimizer
 from estimator.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.tracking import TensorBoardLog
 
 log = logging.getLogger("estimator")
 
@@ -88,6 +89,7 @@ class Run:
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
         self.faults, self.attempt = faults, attempt
         self.waited = self.looped = 0.0
+        self.tensorboard: Optional[TensorBoardLog] = None
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
@@ -102,6 +104,10 @@ class Run:
                         position.epochs + 1, position.layout, self.layout())
             position = Position(position.epochs, global_step=position.global_step)
         callbacks = self.objs.callbacks if ctx.rank == 0 else []
+        self.tensorboard = (TensorBoardLog.open(spec.data.store, spec.run.logs, spec.log_every_n_steps, spec.launch_id)
+                            if spec.tensorboard and ctx.rank == 0 else None)
+        if self.tensorboard is not None:
+            self.loop.on_step = self.tensorboard.step
         _call(callbacks, "on_train_begin", {})
         self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
@@ -116,7 +122,7 @@ class Run:
                 self.epoch(epoch, train, val, inside)
                 _call(callbacks, "on_epoch_end", epoch, dict(self.history[-1]))
         finally:
-            for closing in (train, val, *self.decoders.values()):
+            for closing in (train, val, *self.decoders.values(), self.tensorboard):
                 if closing is not None:
                     closing.close()
         _call(callbacks, "on_train_end", {"history": self.history})
@@ -151,6 +157,9 @@ class Run:
                **self.objective.summarize(reduced[:-2], with_val=val is not None),
                "data_wait": reduced[-2] / max(reduced[-1], 1e-9)}  # of the ranks' training time, all ranks
         self.history.append(row)
+        if self.tensorboard is not None:  # rows/s: every rank's rows over the ranks' mean epoch time
+            self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]),
+                                   float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9))
         if self.scheduler is not None:
             step_scheduler(self.scheduler, row)
         if ctx.rank == 0:
@@ -203,6 +212,7 @@ class TrainLoop:
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
         self.device = torch.device(ctx.device)
         self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
+        self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
 
     def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
         """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
@@ -229,6 +239,8 @@ class TrainLoop:
                 self.optimizer.step()
                 self.global_step += 1
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.on_step is not None:
+                    self.on_step(self.global_step, loss.detach())
                 steps = self.spec.checkpoint_steps
                 if steps and self.global_step % steps == 0 and not last and self.checkpoint is not None:
                     self.checkpoint(epoch, step + 1, sums)

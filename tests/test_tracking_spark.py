@@ -1,0 +1,73 @@
+"""TensorBoard event files read back with tensorboard's own reader; MLflow runs in a local tracking store."""
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from estimator import TorchEstimator
+from helpers import MLP, seeded
+from spark_helpers import digits_frame
+
+pytestmark = [pytest.mark.spark, pytest.mark.connect]
+
+
+def _estimator(store, **kw):
+    model = seeded(MLP)
+    params = dict(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                  loss=nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
+                  batch_size=64, epochs=3, validation="is_val", random_seed=3)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+def test_tensorboard_event_files_hold_every_epoch_key_and_the_step_loss(spark, store, digits):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    fitted = _estimator(store, log_every_n_steps=5).fit(digits_frame(spark, digits))
+    logs = store.run(fitted.getRunId()).logs  # a local store: its path is a folder here
+    assert store.get_logs_path(fitted.getRunId()).endswith(logs)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(logs))
+    events = event_accumulator.EventAccumulator(logs)
+    events.Reload()
+    history = fitted.getHistory()
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy", "data_wait"):
+        points = events.Scalars(f"epoch/{key}")
+        assert [p.step for p in points] == [1, 2, 3], key
+        assert [p.value for p in points] == pytest.approx([row[key] for row in history], rel=1e-6), key
+    assert [p.value for p in events.Scalars("epoch/lr")] == pytest.approx([0.1] * 3)
+    assert all(p.value > 0 for p in events.Scalars("epoch/rows_per_second"))
+    steps = [p.step for p in events.Scalars("step/loss")]
+    assert steps and all(s % 5 == 0 for s in steps) and steps == sorted(set(steps))
+
+
+def test_mlflow_run_holds_params_metric_histories_best_epoch_and_the_model(spark, store, digits, tmp_path,
+                                                                          monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local file store; no server
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow.set_experiment("spark-torch-estimator-tests")
+    df = digits_frame(spark, digits)
+    with mlflow.start_run() as run:
+        fitted = _estimator(store).fit(df)
+    client = MlflowClient()
+    history = fitted.getHistory()
+    for key in ("loss", "val_loss", "val_accuracy"):
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert logged == [(i + 1, pytest.approx(row[key])) for i, row in enumerate(history)], key
+    data = client.get_run(run.info.run_id).data
+    assert data.params["batch_size"] == "64" and data.params["epochs"] == "3"
+    assert data.metrics["best_epoch"] == fitted.getBestEpoch()
+    loaded = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    x = torch.tensor(np.asarray(digits[0][:8]), dtype=torch.float32)
+    assert torch.equal(loaded(x), fitted.getModel()(x))
+    with mlflow.start_run() as quiet:
+        _estimator(store, mlflow=False, epochs=1).fit(df)
+    assert client.get_run(quiet.info.run_id).data.metrics == {}
+    # no active run and mlflow=None: nothing is logged, nothing is started
+    runs_before = len(client.search_runs([run.info.experiment_id]))
+    _estimator(store, epochs=1).fit(df)
+    assert len(client.search_runs([run.info.experiment_id])) == runs_before
