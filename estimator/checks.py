@@ -45,6 +45,9 @@ def check_params(p: Dict[str, Any]) -> None:
                 "torch.nn.functional.binary_cross_entropy) when sample_weight_col is set, so that per-row losses "
                 "can be weighted", p[name]))
     check_metrics(p["metrics"], losses_per_label(losses, n_labels), p["label_cols"])
+    if p["precision"] == "16-mixed" and p["use_gpu"] is False:
+        raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
+                         "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")
     used = list(p["feature_cols"]) + list(p["label_cols"])
     overlap = sorted({c for c in used if used.count(c) > 1})
     if overlap:

@@ -102,6 +102,11 @@ ESTIMATOR_PARAMS = [
               "epoch's)", False, is_bool, "True or False"),
     ParamSpec("save_top_k", "checkpoints of the best epochs by `monitor` kept in the run folder (runs/<run_id>/best) "
               "besides the last one", 1, is_int(0), "an int >= 0"),
+    ParamSpec("precision", "'32'; 'bf16-mixed': forward and loss under torch.autocast in bfloat16 (CPU or GPU); "
+              "'16-mixed': float16 autocast with a GradScaler (CUDA only)", "32",
+              lambda v: v in ("32", "bf16-mixed", "16-mixed"), "'32', 'bf16-mixed' or '16-mixed'"),
+    ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
+              "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "
               "every N optimizer steps; epoch figures go every epoch", 50, is_int(1), "an int >= 1"),
     ParamSpec("mlflow", "log params, every epoch's metrics, the best epoch and the trained model to MLflow: None when "

@@ -97,6 +97,8 @@ class TrainSpec:
     save_top_k: int = 1  # checkpoints of the best epochs kept besides the last one
     tensorboard: bool = False  # rank 0 writes event files into the run's logs folder
     log_every_n_steps: int = 50  # the training loss goes to TensorBoard every N optimizer steps
+    precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
+    gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
 
 
 @dataclass

@@ -211,6 +211,11 @@ class TrainLoop:
         self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
         self.device = torch.device(ctx.device)
+        if spec.precision == "16-mixed" and self.device.type != "cuda":
+            raise ValueError(f"precision='16-mixed' needs CUDA (float16 autocast with a GradScaler) but rank "
+                             f"{ctx.rank} trains on {ctx.device}. Use precision='bf16-mixed' on CPUs, or GPUs.")
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
+        self.scaler = torch.amp.GradScaler("cuda") if spec.precision == "16-mixed" else None
         self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
         self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
 
@@ -231,12 +236,14 @@ class TrainLoop:
             features, labels, weights = batch
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
             with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
-                loss, batch_sums = self.objective(as_tuple(self.ddp(*features)), labels, weights)
+                with self.autocast():
+                    loss, batch_sums = self.objective(as_tuple(self.ddp(*features)), labels, weights)
                 self.check_finite(loss, epoch, step)
-                (loss / every if every > 1 else loss).backward()
+                scaled = loss / every if every > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums += batch_sums
             if stepping:
-                self.optimizer.step()
+                self.step()
                 self.global_step += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.on_step is not None:
@@ -245,6 +252,24 @@ class TrainLoop:
                 if steps and self.global_step % steps == 0 and not last and self.checkpoint is not None:
                     self.checkpoint(epoch, step + 1, sums)
         return sums
+
+    def autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def step(self) -> None:
+        """One optimizer step: gradients unscaled (16-mixed), the global norm clipped (gradient_clip_val; every
+        rank holds the same averaged gradients, so every rank clips alike), then the step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.spec.gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.spec.gradient_clip_val)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
 
     def seed(self, value: int) -> None:
         """This device's generator only: torch.manual_seed seeds every backend and took 200 us a step here."""
@@ -257,7 +282,7 @@ class TrainLoop:
         different numbers of validation batches, and no collective may run per batch."""
         model.eval()
         sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             for features, labels, weights in self.on_device(batches):
                 sums += self.objective(as_tuple(model(*features)), labels, weights)[1]
         return sums

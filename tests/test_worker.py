@@ -190,3 +190,36 @@ def test_the_memory_budget_comes_from_pyspark_memory_per_executor_core():
     assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="4g", spark_executor_cores="4")) == 1024
     assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="512m")) == 512
     assert pyspark_memory_per_task(Session(spark_executor_pyspark_memory="2048")) == 2048  # Spark's unit: MiB
+
+
+def test_gradient_clip_val_bounds_the_global_norm_of_every_step(store, digits, tmp_path):
+    from helpers import RecordingSGD
+
+    def norms(**fields):
+        RecordingSGD.path = str(tmp_path / f"norms-{len(fields)}.txt")
+        model = seeded(MLP)
+        spec = make_spec(store, digits, model, RecordingSGD(model.parameters(), lr=0.5), train_rows=600,
+                         val_rows=100, epochs=1, run=f"clip-{len(fields)}", **fields)
+        LocalLauncher().run(spec, 1)
+        return [float(line) for line in open(RecordingSGD.path)]
+
+    free = norms()
+    assert len(free) == 10 and max(free) > 0.05  # the premise: unclipped steps exceed the bound
+    clipped = norms(gradient_clip_val=0.05)
+    assert len(clipped) == 10 and max(clipped) <= 0.05 * (1 + 1e-5)
+
+
+def test_16_mixed_precision_on_a_cpu_rank_is_refused_with_what_to_use(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+                     precision="16-mixed")
+    with pytest.raises(RankFailed, match=r"precision='16-mixed' needs CUDA .* Use precision='bf16-mixed' on CPUs"):
+        LocalLauncher().run(spec, 1)
+
+
+def test_bf16_mixed_precision_trains_under_autocast_on_cpu(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                     train_rows=1000, val_rows=200, epochs=3, precision="bf16-mixed")
+    history = LocalLauncher().run(spec, 1)[0].history
+    assert history[-1]["val_accuracy"] > 0.75 and history[-1]["loss"] < history[0]["loss"]
