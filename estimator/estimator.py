@@ -1,6 +1,7 @@
 """TorchEstimator: validate -> materialize -> TrainSpec -> launcher.run -> TorchModel."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -13,7 +14,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from pyspark.ml import Estimator
@@ -33,7 +34,7 @@ from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
-from estimator.progress import ProgressWatcher
+from estimator.progress import ProgressWatcher, StepBar
 from estimator.session import check_slots, default_num_proc, default_retries
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
@@ -229,7 +230,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
                              resume_from=spec.run.checkpoint if done.epochs or done.step else None)
             try:
-                with ProgressWatcher(run.store, spec.run, lambda row: self._report_epoch(p, run.run_id, row)):
+                with self._watching(p, run, spec):
                     return launcher.run(launch, run.num_proc)
             except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
                 if attempt >= retries or not retryable(exc):
@@ -240,6 +241,23 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                 log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
                             run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _watching(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec) -> Iterator[None]:
+        """The live epoch lines while the ranks train, and with verbose=2 a bar of the running epoch's steps."""
+        bar = StepBar.open(p["verbose"])
+
+        def report(row: Dict[str, float]) -> None:
+            if bar is not None:
+                bar.close()
+            self._report_epoch(p, run.run_id, row)
+
+        try:
+            with ProgressWatcher(run.store, spec.run, report, steps=bar.update if bar is not None else None):
+                yield
+        finally:
+            if bar is not None:
+                bar.close()
 
     @staticmethod
     def _report_stop(p: Dict[str, Any], run: RunPlan, history: List[Dict[str, float]]) -> None:

@@ -53,7 +53,8 @@ ESTIMATOR_PARAMS = [
               "a name without '/', '\\\\' or '..', or None"),
     ParamSpec("use_gpu", "None: GPUs when every rank has one; True: require them; False: CPU", None,
               optional(is_bool), "True, False or None"),
-    ParamSpec("verbose", "0: quiet; 1 (and 2): a line per epoch, printed on the driver's stderr while training runs",
+    ParamSpec("verbose", "0: quiet; 1: a line per epoch, printed on the driver's stderr while training runs; 2: also a "
+              "live bar of each epoch's steps (rows/s, running loss; needs tqdm)",
               1, is_int(0, 2), "0, 1 or 2"),
     ParamSpec("backend", "Horovod compatibility: an object with num_processes() (estimator.backend.SparkBackend); "
               "excludes num_proc", None, optional(lambda v: callable(getattr(v, "num_processes", None))),

@@ -138,6 +138,8 @@ class Run:
     def epoch(self, epoch: int, train: Shard, val: Optional[Shard], inside: Position) -> None:
         spec, ctx = self.spec, self.ctx
         began = time.perf_counter()
+        if self.loop.steps_report is not None:
+            self.loop.steps_report.begin(train.plan().steps, float(sum(inside.sums[2:3])) if inside.sums else 0.0)
         feed = self.feed(train.epoch(epoch, inside.step), True)
         try:
             sums = self.loop.train_epoch(epoch, iter(feed), inside)
@@ -218,6 +220,7 @@ class TrainLoop:
         self.scaler = torch.amp.GradScaler("cuda") if spec.precision == "16-mixed" else None
         self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
         self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
+        self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
 
     def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
         """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
@@ -242,6 +245,8 @@ class TrainLoop:
                 scaled = loss / every if every > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums += batch_sums
+            if self.steps_report is not None:
+                self.steps_report.batch(epoch, step + 1, sums)
             if stepping:
                 self.step()
                 self.global_step += 1
@@ -302,6 +307,34 @@ class NonFiniteLoss(FloatingPointError):
     """A NaN or infinite loss with terminate_on_nan=True. Another launch would meet it again."""
 
     failure_kind = "nan"  # estimator.distributed.FailureKind
+
+
+class StepReport:
+    """verbose=2: rank 0 leaves where the epoch stands in the store about once a second (batch, of how many, rows/s,
+    the running loss of its own batches), for the driver's progress bar."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, spec: TrainSpec, ctx: RankContext):
+        self.spec, self.world = spec, ctx.world_size
+        self.steps = 0  # batches in this epoch, set by the Run before each epoch
+        self.started, self.last, self.rows_at_start = time.perf_counter(), 0.0, 0.0
+
+    def begin(self, steps: int, epoch_rows_so_far: float) -> None:
+        self.steps, self.started, self.last, self.rows_at_start = steps, time.perf_counter(), 0.0, epoch_rows_so_far
+
+    def batch(self, epoch: int, done: int, sums: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.INTERVAL and done < self.steps:
+            return
+        self.last = now
+        loss_sum, weight, rows = (float(v) for v in sums[:3])
+        state = {"epoch": epoch + 1, "step": done, "steps": self.steps, "loss": loss_sum / weight if weight else None,
+                 "rows_per_second": (rows - self.rows_at_start) * self.world / max(now - self.started, 1e-9)}
+        try:
+            self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
+        except Exception:  # noqa: BLE001 - progress only
+            log.debug("could not write the step progress", exc_info=True)
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

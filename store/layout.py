@@ -55,6 +55,11 @@ class RunLayout:
         return posixpath.join(self.root, "progress.json")
 
     @property
+    def steps(self) -> str:
+        """Where the current epoch stands (verbose=2): rewritten by rank 0 about once a second."""
+        return posixpath.join(self.root, "steps.json")
+
+    @property
     def metadata(self) -> str:
         return posixpath.join(self.root, "metadata.json")
 

@@ -1,0 +1,45 @@
+"""verbose=2's step progress: rank 0's steps.json, and the driver's tqdm bar fed from it (no Spark)."""
+import io
+import json
+
+import pytest
+import torch
+
+from estimator.launcher import LocalLauncher
+from estimator.progress import ProgressWatcher, StepBar
+from estimator.worker import StepReport
+from helpers import MLP, make_spec, seeded
+
+
+def test_rank_0_leaves_where_the_epoch_stands(store, digits, monkeypatch):
+    monkeypatch.setattr(StepReport, "INTERVAL", 0.0)  # every batch, not once a second
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=640, val_rows=64,
+                     epochs=2, verbose=2)
+    LocalLauncher().run(spec, 1)
+    state = json.loads(store.read_bytes(spec.run.steps))
+    assert state["epoch"] == 2 and state["step"] == state["steps"] == 10  # 640 rows in batches of 64
+    assert state["loss"] > 0 and state["rows_per_second"] > 0
+    quiet = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=640,
+                      val_rows=64, epochs=1, run="quiet", verbose=1)
+    LocalLauncher().run(quiet, 1)
+    assert not store.exists(quiet.run.steps)  # only verbose=2 writes it
+
+
+def test_the_driver_bar_shows_the_running_epoch_and_gives_way_to_the_epoch_line(store):
+    pytest.importorskip("tqdm")
+    run = store.run("bar")
+    out, lines = io.StringIO(), []
+    bar = StepBar(file=out)
+    watcher = ProgressWatcher(store, run, lambda row: (bar.close(), lines.append(row["epoch"])), steps=bar.update)
+    store.write_bytes_atomic(run.steps, json.dumps({"epoch": 1, "step": 4, "steps": 10, "loss": 0.5,
+                                                    "rows_per_second": 1234.0}).encode())
+    watcher.poll()
+    text = out.getvalue()
+    assert "epoch 1" in text and "4/10" in text and "loss=0.5000" in text and "rows/s=1234" in text
+    store.write_bytes_atomic(run.progress, json.dumps([{"epoch": 1.0, "loss": 0.4}]).encode())
+    watcher.poll()
+    assert lines == [1.0] and bar.bar is None  # the bar closed before the epoch's line
+    watcher.poll()  # the step state of a reported epoch does not reopen a bar
+    assert bar.bar is None
+    assert StepBar.open(1) is None and isinstance(StepBar.open(2), StepBar)
