@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -78,7 +79,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                         p["partitions_per_process"], p["drop_nulls"])
         data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
-                        m.train_dir, m.val_dir, time.perf_counter() - materialize_started)
+                        materialize_seconds=time.perf_counter() - materialize_started)
         return self._train(p, run, data, df.sparkSession)
 
     def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
@@ -91,7 +92,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
         data = DataSpec(store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else (),
                         tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
-                        checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]), train_dir, val_dir)
+                        checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]))
         if not data.train:
             raise ValueError(f"fit_on_parquet found no Parquet rows under {train_path!r} in {store!r}.")
         available = parquet_columns(store, data.train[0])
@@ -106,10 +107,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p = self.validated()
         checks.check_params(p)
         check_mlflow(p["mlflow"])
-        if p["mp_start_method"] is not None and (p["reader_pool_type"] != "process" or p["reader"] != "arrow"):
-            warnings.warn(f"TorchEstimator ignores mp_start_method={p['mp_start_method']!r}: it only starts the "
-                          "arrow reader's decoding processes (reader='arrow', reader_pool_type='process').",
-                          UserWarning, stacklevel=4)
+        for name, why in ignored_params(p):
+            warnings.warn(f"TorchEstimator ignores {name}={p[name]!r}: {why}", UserWarning, stacklevel=4)
         if p["reader"] == "petastorm":
             from estimator.data.petastorm import check_petastorm
 
@@ -158,22 +157,17 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data)
         dry_run_seconds = time.perf_counter() - checked
-        spec = TrainSpec(
-            data=data, payload=run.payload, run=store.run(run_id), batch_size=p["batch_size"],
-            val_batch_size=p["val_batch_size"] or p["batch_size"], epochs=p["epochs"],
-            train_steps_per_epoch=p["train_steps_per_epoch"],
-            validation_steps_per_epoch=p["validation_steps_per_epoch"], shuffle=p["shuffle"], seed=run.seed,
-            use_gpu=p["use_gpu"], verbose=p["verbose"],
-            reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
-                              p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
-                              p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
-            checkpoint_steps=p["checkpoint_steps"], monitor=run.monitor, save_top_k=p["save_top_k"],
-            tensorboard=tensorboard_on(), log_every_n_steps=p["log_every_n_steps"], precision=p["precision"],
-            gradient_clip_val=p["gradient_clip_val"],
-            backward_passes_per_step=p["backward_passes_per_step"],
-            compression=compression_name(p["gradient_compression"]),
-            shared_memory_allreduce=p["shared_memory_allreduce"], terminate_on_nan=p["terminate_on_nan"],
-            rendezvous_timeout=float(p["rendezvous_timeout"]), collective_timeout=float(p["collective_timeout"]))
+        # The fields named as params take the param's value; the rest are derived here, once.
+        derived = dict(data=data, payload=run.payload, run=store.run(run_id), seed=run.seed,
+                       val_batch_size=p["val_batch_size"] or p["batch_size"],
+                       reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
+                                         p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
+                                         p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
+                       monitor=run.monitor, tensorboard=tensorboard_on(),
+                       compression=compression_name(p["gradient_compression"]),
+                       rendezvous_timeout=float(p["rendezvous_timeout"]),
+                       collective_timeout=float(p["collective_timeout"]))
+        spec = TrainSpec(**{**{f.name: p[f.name] for f in dataclasses.fields(TrainSpec) if f.name in p}, **derived})
         if not store.exists(spec.run.metadata):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
                                                                     "run_id": run_id}).encode())
@@ -330,6 +324,22 @@ def tensorboard_on() -> bool:
         log.warning("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
                     "or this project's [tensorboard] extra).")
     return False
+
+
+def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Params set to values the chosen reader does not use, and why: a warning each, never silence."""
+    arrow, processes = p["reader"] == "arrow", p["reader_pool_type"] == "process"
+    ignored = []
+    if p["mp_start_method"] is not None and not (arrow and processes and p["transformation_fn"] is not None):
+        ignored.append(("mp_start_method", "it only starts the arrow reader's decoding processes (reader='arrow', "
+                                           "reader_pool_type='process' and a transformation_fn)."))
+    if arrow and processes and p["transformation_fn"] is None:
+        ignored.append(("reader_pool_type", "the arrow reader's processes run transformation_fn, and there is none: "
+                                            "batches are converted on threads."))
+    if not arrow and p["shuffle_buffer_size"] is not None:
+        ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
+                                               "groups and rows its own way."))
+    return ignored
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

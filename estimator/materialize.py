@@ -42,8 +42,6 @@ class Materialized:
     val: Tuple[Piece, ...]
     reused: bool
     seconds: float
-    train_dir: str = ""
-    val_dir: str = ""
 
     @property
     def train_rows(self) -> int:
@@ -192,7 +190,7 @@ def _committed(store: Store, key: str, attempt: str, written: Optional[Dict[str,
         train, val = pieces_of_files(store, written["false"]), pieces_of_files(store, written["true"])
     else:
         train, val = _pieces(store, train_dir), _pieces(store, val_dir)
-    return Materialized(key, train, val, reused, time.perf_counter() - started, train_dir, val_dir)
+    return Materialized(key, train, val, reused, time.perf_counter() - started)
 
 
 def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:

@@ -34,8 +34,6 @@ class DataSpec:
     sample_weight_col: Optional[str] = None
     input_shapes: Optional[Tuple[Shape, ...]] = None
     label_shapes: Optional[Tuple[Shape, ...]] = None
-    train_dir: str = ""  # the folders holding `train` / `val` (the petastorm reader reads folders)
-    val_dir: str = ""
     materialize_seconds: float = 0.0  # driver-side, for the fit's stage report
 
     @property

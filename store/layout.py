@@ -79,7 +79,5 @@ class RunLayout:
 
     @property
     def logs(self) -> str:
+        """TensorBoard event files (rank 0)."""
         return posixpath.join(self.root, "logs")
-
-    def log_file(self, rank: int) -> str:
-        return posixpath.join(self.logs, f"rank-{rank}.log")

@@ -79,7 +79,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     write_parquet(store.path("train", "part.parquet"), X[:train_rows], y[:train_rows], rows_per_group=300)
     write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
-                    ("features",), ("label",), train_dir=store.path("train"), val_dir=store.path("val"))
+                    ("features",), ("label",))
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
     return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3,
                      **spec_fields)

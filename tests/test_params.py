@@ -87,3 +87,23 @@ def test_copy_keeps_values_and_extra_overrides():
 
 def test_store_param_accepts_store():
     assert _valid(store=Store.create("memory://x")).validated()["store"].prefix == "memory://x"
+
+
+def test_params_the_reader_does_not_use_are_named_with_why():
+    import torch
+    from torch import nn
+
+    from estimator import TorchEstimator
+    from estimator.estimator import ignored_params
+
+    def ignored(**kw):
+        model = nn.Linear(2, 2)
+        est = TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss=nn.CrossEntropyLoss(), feature_cols=["x"], label_cols=["y"], **kw)
+        return [name for name, _ in ignored_params(est.validated())]
+
+    assert ignored() == []
+    assert ignored(reader_pool_type="process") == ["reader_pool_type"]  # processes only run transformation_fn
+    assert ignored(reader_pool_type="process", transformation_fn=lambda df: df, mp_start_method="spawn") == []
+    assert ignored(mp_start_method="spawn") == ["mp_start_method"]
+    assert ignored(reader="petastorm", shuffle_buffer_size=10) == ["shuffle_buffer_size"]
