@@ -44,6 +44,19 @@ def wait_for_port(port: int, process: Any, seconds: float = 90) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {seconds} s")
 
 
+def stop_processes(processes: Any) -> None:
+    """Terminate them in order, then wait for each (killed after 30 s)."""
+    processes = list(processes)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class LocalStandaloneCluster:
     def __init__(self, workers: int = 2, cores: int = 1, memory: str = "2g", base_dir: Optional[str] = None):
         self.workers, self.cores, self.memory = workers, cores, memory
@@ -101,14 +114,7 @@ class LocalStandaloneCluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for process in reversed(self.processes):  # workers first, then the master
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(reversed(self.processes))  # workers first, then the master
         self.processes = []
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
@@ -161,14 +167,8 @@ class LocalConnectServer:
         return self
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-            self.process = None
+        stop_processes([self.process] if self.process is not None else [])
+        self.process = None
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
