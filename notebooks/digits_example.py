@@ -3,6 +3,7 @@
     python notebooks/digits_example.py [--epochs 8] [--store /tmp/runs]
         [--cluster [--cluster-dir DIR]]   # a real standalone cluster on 127.0.0.1: master + 2 one-core workers
         [--master spark://host:7077]      # an existing cluster (then --store must be a path every executor sees)
+        [--remote sc://host:15002]        # a Spark Connect server (Databricks: the workspace's Connect URL)
 """
 from __future__ import annotations
 
@@ -53,9 +54,12 @@ def main(argv=None) -> float:
     parser.add_argument("--cluster", action="store_true", help="start a standalone cluster on 127.0.0.1 and use it")
     parser.add_argument("--cluster-dir", default=None, help="where the cluster's logs and work dirs go")
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--remote", default=None, help="train through a Spark Connect session of this server URL")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    if args.remote:
+        return train(args, None, remote=args.remote)
     if not args.cluster:
         return train(args, args.master)
     if args.cluster_dir:
@@ -64,10 +68,13 @@ def main(argv=None) -> float:
         return train(args, cluster.master_url, cluster)
 
 
-def train(args: argparse.Namespace, master: str, cluster: LocalStandaloneCluster = None) -> float:
-    spark = (SparkSession.builder.master(master).appName("digits").config("spark.executor.memory", "1g")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("WARN")
+def train(args: argparse.Namespace, master: str, cluster: LocalStandaloneCluster = None, remote: str = None) -> float:
+    if remote:  # a Connect client: the server owns the master and its settings
+        spark = SparkSession.builder.remote(remote).getOrCreate()
+    else:
+        spark = (SparkSession.builder.master(master).appName("digits").config("spark.executor.memory", "1g")
+                 .getOrCreate())
+        spark.sparkContext.setLogLevel("WARN")
     if cluster is not None:
         print("executors registered:", cluster.wait_for_executors(spark))
     train_df, test_df = digits_frames(spark)
@@ -84,7 +91,7 @@ def train(args: argparse.Namespace, master: str, cluster: LocalStandaloneCluster
                                                  metricName="accuracy").evaluate(predictions)
     for row in fitted.getHistory():
         print("epoch {epoch:.0f}: loss {loss:.4f} val_loss {val_loss:.4f} val_accuracy {val_accuracy:.4f}".format(**row))
-    print("ranks:", spark.sparkContext.defaultParallelism if cluster else 2)
+    print("ranks:", spark.sparkContext.defaultParallelism if cluster else 2)  # cluster: a classic session
     print(f"Test accuracy: {accuracy:.4f}")
     spark.stop()
     return accuracy

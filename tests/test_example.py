@@ -20,8 +20,18 @@ def run_example(name, *args, cwd):
 
 
 @pytest.mark.spark
-def test_digits_example_reaches_90_percent(tmp_path):
-    stdout, _, accuracy = run_example("digits_example.py", "--store", str(tmp_path / "runs"), cwd=tmp_path)
+@pytest.mark.parametrize("session", ["classic", "connect"])
+def test_digits_example_reaches_90_percent(tmp_path, session):
+    from estimator.cluster import LocalConnectServer
+
+    server = LocalConnectServer(master="local[2]").start() if session == "connect" else None
+    try:
+        remote = ["--remote", server.url] if server is not None else []
+        stdout, _, accuracy = run_example("digits_example.py", "--store", str(tmp_path / "runs"), *remote,
+                                          cwd=tmp_path)
+    finally:
+        if server is not None:
+            server.stop()
     assert accuracy >= 0.90
     assert re.search(r"^epoch 8: loss", stdout, re.MULTILINE)
 
