@@ -129,6 +129,15 @@ class LocalStandaloneCluster:
 class LocalConnectServer:
     """A Spark Connect server (`SparkConnectServer` through spark-submit) with its own master, on a free port."""
 
+    @staticmethod
+    def available() -> bool:
+        """pip's pyspark ships the Connect server's jar from 4.0 on (3.5 has only the client)."""
+        import glob
+
+        import pyspark
+
+        return bool(glob.glob(os.path.join(os.path.dirname(pyspark.__file__), "jars", "spark-connect_*.jar")))
+
     def __init__(self, master: str = "local[2]", conf: Optional[Dict[str, str]] = None,
                  base_dir: Optional[str] = None):
         self.master, self.conf = master, dict(conf or {})
@@ -144,6 +153,8 @@ class LocalConnectServer:
     def start(self, seconds: float = 180) -> "LocalConnectServer":
         import pyspark
 
+        if not self.available():
+            raise RuntimeError(f"pyspark {pyspark.__version__} ships no Spark Connect server jar: use pyspark >= 4.0.")
         home = os.path.dirname(pyspark.__file__)
         port = free_port()
         env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1", SPARK_CONNECT_MODE="0",
