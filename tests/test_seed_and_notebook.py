@@ -1,4 +1,5 @@
 """Seed 002 with only its imports changed, and the MNIST notebook executed headless."""
+import importlib.util
 import json
 import os
 import re
@@ -71,3 +72,6 @@ def test_mnist_notebook_executes_and_reaches_85_percent(tmp_path, monkeypatch):
     assert accuracy >= 0.85
     images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 1  # the training-history plot
+    if importlib.util.find_spec("tensorboard") is not None:  # the test extras have it: the run's event files
+        read_back = re.search(r"val_loss per epoch, read back from the event files: \[([^\]]*)\]", text)
+        assert read_back and len(read_back.group(1).split(",")) == 15, text[-2000:]
