@@ -134,13 +134,24 @@ def test_null_features_and_labels_are_named_with_their_count(spark, store):
 
 
 def test_drop_nulls_skips_those_rows(spark, store):
-    good = [([0.1] * 64, i % 10) for i in range(40)]
-    fitted = _est(store, drop_nulls=True, epochs=1).fit(_frame(spark, good + [(None, 1), ([0.2] * 64, None)]))
-    assert len(fitted.getHistory()) == 1
-    marker = next(store.find(store.path("data"), suffix="_COMMITTED.json"))
     import json
 
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    good = [([0.1 * (i % 7)] * 64, i % 10) for i in range(40)]
+    bad = [(None, 1), ([0.2] * 64, None), ([0.3] * 63 + [None], 2)]
+    fitted = _est(store, drop_nulls=True, epochs=1).fit(_frame(spark, good + bad))
+    assert len(fitted.getHistory()) == 1
+    marker = next(store.find(store.path("data"), suffix="_COMMITTED.json"))
     assert json.loads(store.read_bytes(marker))["train_rows"] == 40
+    # what was written: the good rows' values exactly, arrays whose elements Parquet knows are never null
+    files = list(store.find(store.path("data"), suffix=".parquet"))
+    tables = [pq.read_table(store.fs.open(f, "rb")) for f in files]
+    assert all(not t.schema.field("features").type.value_field.nullable for t in tables)
+    features = np.concatenate([np.stack(t.column("features").to_pylist()) for t in tables if t.num_rows])
+    want = np.array([r[0] for r in good], dtype=np.float32)
+    np.testing.assert_array_equal(np.sort(features[:, 0]), np.sort(want[:, 0]))
 
 
 def test_arrays_of_different_lengths_are_named(spark, store):
