@@ -26,15 +26,17 @@ class Position:
 
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                     history: List[Dict[str, float]], position: Position, scheduler: Any = None,
-                    copies: Sequence[str] = ()) -> None:
+                    copies: Sequence[str] = (), scaler: Any = None) -> None:
     """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint), at `path`
-    and at each of `copies` (the best epochs' checkpoints)."""
+    and at each of `copies` (the best epochs' checkpoints). `scaler`: 16-mixed's GradScaler, whose loss scale
+    and growth count a resumed run continues from (a fresh scale would overflow again for its first steps)."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
                 "global_step": position.global_step, "history": history,
                 "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
                 if position.step else None,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "grad_scaler": scaler.state_dict() if scaler is not None else None,
                 "format": CHECKPOINT_FORMAT}, buffer)
     for target in (path, *copies):
         store.write_bytes_atomic(target, buffer.getvalue())

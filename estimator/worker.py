@@ -31,6 +31,7 @@ from estimator.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.tracking import TensorBoardLog
 
 log = logging.getLogger("estimator")
+SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
 
 
 def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0,
@@ -61,6 +62,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         allreduce = "shared memory" if comm is not None else (
             f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt)
+        if state is not None and state.get("grad_scaler") and run.loop.scaler is not None:
+            run.loop.scaler.load_state_dict(state["grad_scaler"])
         return run.train(position_of(state), started, allreduce, early)
     except BaseException:
         if comm is not None:
@@ -197,7 +200,7 @@ class Run:
         top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
         epoch = len(self.history)
         save_checkpoint(store, spec.run.checkpoint, self.model, self.optimizer, self.history, position,
-                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [])
+                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [], scaler=self.loop.scaler)
         if best:
             keep = {posixpath.basename(spec.run.best(e)) for e in top}
             for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
@@ -213,11 +216,11 @@ class TrainLoop:
         self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
         self.device = torch.device(ctx.device)
-        if spec.precision == "16-mixed" and self.device.type != "cuda":
+        if spec.precision == "16-mixed" and self.device.type not in SCALED_DEVICES:
             raise ValueError(f"precision='16-mixed' needs CUDA (float16 autocast with a GradScaler) but rank "
                              f"{ctx.rank} trains on {ctx.device}. Use precision='bf16-mixed' on CPUs, or GPUs.")
         self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
-        self.scaler = torch.amp.GradScaler("cuda") if spec.precision == "16-mixed" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "16-mixed" else None
         self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
         self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None

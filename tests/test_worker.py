@@ -223,3 +223,32 @@ def test_bf16_mixed_precision_trains_under_autocast_on_cpu(store, digits):
                      train_rows=1000, val_rows=200, epochs=3, precision="bf16-mixed")
     history = LocalLauncher().run(spec, 1)[0].history
     assert history[-1]["val_accuracy"] > 0.75 and history[-1]["loss"] < history[0]["loss"]
+
+
+def test_a_resumed_16_mixed_run_continues_the_grad_scalers_scale(store, digits, monkeypatch):
+    """The checkpoint holds the GradScaler's state and a resume loads it. Run here on CPU (torch has a CPU
+    GradScaler; the estimator allows 16-mixed on CUDA only): the checkpoint of epoch 1 is edited to a scale of
+    1024 that grows at the next step; the resumed epoch must grow it to 2048, where a fresh scaler would start at
+    65536 and a fresh growth count would not grow it at all."""
+    import dataclasses
+
+    from estimator import worker
+    from estimator.checkpoint import Position, load_checkpoint, save_checkpoint
+
+    monkeypatch.setattr(worker, "SCALED_DEVICES", ("cuda", "cpu"))
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.05), train_rows=320, val_rows=64,
+                     epochs=1, batch=64, precision="16-mixed")
+    LocalLauncher().run(spec, 1)
+    state = load_checkpoint(store, spec.run.checkpoint)
+    assert state["grad_scaler"]["growth_interval"] == 2000 and state["grad_scaler"]["scale"] > 0
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict({**state["grad_scaler"], "scale": 1024.0, "_growth_tracker": 1999})
+    model.load_state_dict(state["model"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer.load_state_dict(state["optimizer"])
+    save_checkpoint(store, spec.run.checkpoint, model, optimizer, state["history"], Position(1, global_step=5),
+                    scaler=scaler)
+    LocalLauncher().run(dataclasses.replace(spec, epochs=2, resume_from=spec.run.checkpoint), 1)
+    resumed = load_checkpoint(store, spec.run.checkpoint)["grad_scaler"]
+    assert resumed["scale"] == 2048.0 and resumed["_growth_tracker"] == 4, resumed  # 5 steps, no overflow
