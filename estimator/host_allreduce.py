@@ -37,7 +37,8 @@ SHM_DIR = "/dev/shm"
 MAX_SLOT_BYTES = 4 << 20  # per rank and parity: larger buckets go through in chunks
 HEADER_WORDS = 8  # per rank, int64: [0] published step, [1] abort flag, [2] pid (one 64-byte line per rank)
 TOKEN_BYTES = 16
-SPIN_BEFORE_YIELD = 2_000
+SPIN_BEFORE_YIELD = 50  # spinning holds the GIL, which the rank's feeding thread needs: yield soon (2,000 spins:
+#                          streaming W2 trained 7% slower, benchmarks/RESULTS.md seventh measurement)
 YIELD_SECONDS = 0.005  # then sched_yield for this long, then sleep between checks
 SLEEP_SECONDS = 0.0002
 LIVENESS_EVERY = 0.5  # seconds between checks that waited-for peers are alive
