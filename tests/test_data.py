@@ -1,6 +1,5 @@
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from estimator.data import (ShardBatches, column_to_numpy, list_pieces, plan_steps, read_head, read_rows, reshape,

@@ -9,7 +9,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType
 from torch import nn
 
-from estimator import TorchEstimator, TorchModel
+from estimator import TorchEstimator
 from helpers import MLP, DigitsCNN, TwoInputs, TwoOutputs, seeded
 from spark_helpers import digits_frame, jobs_run_by, outputs_of
 

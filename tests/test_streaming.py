@@ -13,7 +13,6 @@ from estimator.data import (CachedShard, Decoders, EarlyRead, Feed, StreamingSha
 from estimator.data.arrays import column_to_numpy
 from estimator.data.streaming import shuffled
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec
-from store import Store
 
 
 def _write(store, name, ids, group_rows, width=3):

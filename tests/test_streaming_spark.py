@@ -78,5 +78,5 @@ def test_png_bytes_decoded_by_transformation_fn_in_worker_processes(spark, store
 def test_a_binary_column_without_transformation_fn_says_what_to_pass(spark, store, digits):
     df = _png_frame(spark, digits)
     with pytest.raises(ValueError, match=r"Column 'image' \(from feature_cols\) holds bytes .* set transformation_fn"):
-        jobs = jobs_run_by(spark, lambda: _est(store, feature_cols=["image"]).fit(df))
+        _est(store, feature_cols=["image"]).fit(df)
     assert jobs_run_by(spark, lambda: pytest.raises(ValueError, _est(store, feature_cols=["image"]).fit, df)) == []

@@ -5,7 +5,7 @@ of `bytes`, which only a `transformation_fn` can turn into numbers.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
