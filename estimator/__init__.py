@@ -5,7 +5,8 @@ The package imports its submodules lazily: Spark's Python workers import `estima
 """
 from typing import Any as _Any
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__version__ = "0.2.0"  # the one place the version is written (setup.cfg reads it)
+__all__ = ["TorchEstimator", "TorchModel", "__version__"]
 
 
 def __getattr__(name: str) -> _Any:

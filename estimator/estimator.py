@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -266,8 +267,14 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     @staticmethod
     def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
-        """One epoch's line, live on the driver."""
+        """One epoch's line, live on the driver; a warning for an epoch whose loss is not finite (reached only with
+        terminate_on_nan=False: otherwise the ranks stop at the first such step)."""
         TorchEstimator._say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}")
+        bad = [f"{k}={v}" for k, v in row.items() if k in ("loss", "val_loss") and not math.isfinite(v)]
+        if bad:
+            warnings.warn(f"Run {run_id} epoch {row['epoch']:.0f}: {', '.join(bad)}. terminate_on_nan=False keeps "
+                          "training, and a model with non-finite weights predicts NaN: lower lr, or set "
+                          "gradient_clip_val.", RuntimeWarning, stacklevel=2)
 
     @staticmethod
     def _say(p: Dict[str, Any], line: str) -> None:

@@ -133,12 +133,21 @@ def head_columns(head: Optional[str], output: np.ndarray) -> Dict[str, np.ndarra
         s = out[:, 0]
         p = 1.0 / (1.0 + np.exp(-s)) if head == "logit" else s
         raw = np.stack([-s, s], axis=1) if head == "logit" else np.stack([1 - p, p], axis=1)
-        return {PREDICTION_FIELD: (p >= 0.5).astype(np.float64), RAW_FIELD: raw,
-                PROBABILITY_FIELD: np.stack([1 - p, p], axis=1)}
+        return _unknown_where_not_finite({PREDICTION_FIELD: (p >= 0.5).astype(np.float64), RAW_FIELD: raw,
+                                          PROBABILITY_FIELD: np.stack([1 - p, p], axis=1)}, out[:, :1])
     columns = {PREDICTION_FIELD: out.argmax(axis=1).astype(np.float64), RAW_FIELD: out}
     if head == "softmax":
         shifted = np.exp(out - out.max(axis=1, keepdims=True))
         columns[PROBABILITY_FIELD] = shifted / shifted.sum(axis=1, keepdims=True)
+    return _unknown_where_not_finite(columns, out)
+
+
+def _unknown_where_not_finite(columns: Dict[str, np.ndarray], out: np.ndarray) -> Dict[str, np.ndarray]:
+    """A row whose scores are NaN or infinite has no class: its prediction is NaN (argmax would say 0, and an
+    evaluator would count it as a plausible answer)."""
+    bad = ~np.isfinite(out).all(axis=1)
+    if bad.any():
+        columns[PREDICTION_FIELD] = np.where(bad, np.nan, columns[PREDICTION_FIELD])
     return columns
 
 

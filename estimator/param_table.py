@@ -123,7 +123,9 @@ ESTIMATOR_PARAMS = [
     ParamSpec("shared_memory_allreduce", "on CPU, when all ranks run on one host, average gradients through a "
               "shared-memory file in /dev/shm instead of gloo over loopback (several times faster for small models); "
               "ranks on several hosts, or without /dev/shm, use gloo either way", True, is_bool, "True or False"),
-    ParamSpec("terminate_on_nan", "stop training with an error when a loss is NaN or infinite", False, is_bool,
+    ParamSpec("terminate_on_nan", "fail the fit with NonFiniteLoss (epoch, step, rank) when a training loss, an "
+              "epoch's loss or the weights are NaN or infinite, before such weights are checkpointed; False: train "
+              "on, with a warning for each such epoch (Horovod's default was False)", True, is_bool,
               "True or False"),
     ParamSpec("lr_scheduler_fn", "function(optimizer) -> a torch.optim.lr_scheduler scheduler, built on every rank "
               "and stepped once per epoch (ReduceLROnPlateau with val_loss, else loss); checkpointed and resumed",

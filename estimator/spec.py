@@ -84,7 +84,7 @@ class TrainSpec:
     backward_passes_per_step: int = 1
     compression: str = "none"
     shared_memory_allreduce: bool = True  # CPU ranks on one host average gradients in shared memory, not gloo
-    terminate_on_nan: bool = False
+    terminate_on_nan: bool = True
     rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (Spark's barrier, then rank 0's store)
     collective_timeout: float = 1800.0  # seconds a collective may wait for a peer (torch process group)
     launch_id: str = "launch"  # one per launch: names the rank arrival markers of this launch

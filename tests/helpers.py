@@ -105,3 +105,24 @@ class RecordingSGD(torch.optim.SGD):
         with open(self.path, "a") as record:
             record.write(f"{float(torch.cat(grads).norm())}\n")
         return super().step(closure)
+
+
+def source_copy(root, dest):
+    """The checkout's files as git sees them (tracked, and untracked but not ignored), copied to `dest`: a build
+    there sees no egg-info or build/ folder left by earlier builds. Without git, the tree less those folders."""
+    import os
+    import shutil
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True)
+    if listed.returncode != 0:
+        ignore = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".venv*", ".cache", ".git")
+        shutil.copytree(root, dest, ignore=ignore, dirs_exist_ok=True)
+        return str(dest)
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = os.path.join(root, name)
+        if os.path.isfile(source):
+            os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+            shutil.copy2(source, os.path.join(dest, name))
+    return str(dest)

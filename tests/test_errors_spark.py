@@ -1,4 +1,7 @@
 """Bad input fails with a message naming the column/param and the fix, before any Spark job."""
+import math
+import re
+
 import pytest
 import torch
 from pyspark.sql import functions as F
@@ -174,3 +177,34 @@ def test_unknown_store_scheme_is_named(spark, store, df):
 
     with pytest.raises(ValueError, match=r"Store cannot open 'nosuch://bucket/x'.*Use a local path or an fsspec URL"):
         _est(Store.create("nosuch://bucket/x")).fit(df)
+
+
+def test_a_loss_that_turns_nan_fails_the_fit_and_keeps_the_good_checkpoint(spark, store, df):
+    """By default (terminate_on_nan=True). A fit of lr=1e20 diverges (inf, then NaN) and fails with the typed
+    failure. Epoch 1 of run 'r' trains well; its refit's epoch 2 has a loss that is NaN: the fit fails, and the
+    run's checkpoint still holds epoch 1's finite weights."""
+    from estimator.checkpoint import load_checkpoint
+    from estimator.distributed import FailureKind, RankFailed
+
+    with pytest.raises(RankFailed) as info:
+        _est(store, epochs=2, lr=1e20).fit(df)
+    assert info.value.kind is FailureKind.NAN
+    assert re.match(r"NonFiniteLoss: The training loss is (nan|inf) at epoch 1, step \d+ on rank \d; stopping",
+                    info.value.summary), info.value.summary
+
+    def nan_loss(output, target):
+        return nn.functional.cross_entropy(output, target) * float("nan")
+
+    _est(store, run_id="r", epochs=1).fit(df)
+    with pytest.raises(RankFailed, match=r"NonFiniteLoss: The training loss is nan at epoch 2, step 1 on rank"):
+        _est(store, run_id="r", epochs=2, loss=nan_loss).fit(df)
+    state = load_checkpoint(store, store.run("r").checkpoint)
+    assert len(state["history"]) == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_terminate_on_nan_false_trains_on_and_warns_for_each_epoch(spark, store, df):
+    with pytest.warns(RuntimeWarning) as caught:
+        fitted = _est(store, epochs=2, lr=1e20, terminate_on_nan=False, verbose=0).fit(df)
+    said = [str(w.message) for w in caught if "terminate_on_nan=False keeps training" in str(w.message)]
+    assert [re.search(r"epoch (\d)", m).group(1) for m in said] == ["1", "2"], said
+    assert all(not math.isfinite(row["loss"]) for row in fitted.getHistory())

@@ -130,7 +130,8 @@ def test_terminate_on_nan_reaches_the_user(spark, store, df):
         return nn.functional.cross_entropy(output, target) * float("nan")
 
     # the driver's dry run does not check values; ranks stop at the first step
-    with pytest.raises(RankFailed, match=r"Loss is nan at epoch 1, step 1 on rank \d; stopping because "
+    with pytest.raises(RankFailed, match=r"The training loss is nan at epoch 1, step 1 on rank \d; stopping before "
+                                         r"this step's gradients are applied or checkpointed, since "
                                          r"terminate_on_nan=True"):
         _est(store, loss=nan_loss, terminate_on_nan=True).fit(df)
 

@@ -107,3 +107,17 @@ def test_prediction_columns_follow_what_the_loss_says_the_output_is():
     np.testing.assert_allclose(prob[PR], [[0.7, 0.3], [0.4, 0.6]])
     assert prob[P].tolist() == [0.0, 1.0]
     assert head_columns("value", np.array([[2.5], [-1.0]]))[P].tolist() == [2.5, -1.0]
+
+
+def test_rows_with_non_finite_scores_have_no_predicted_class():
+    """NaN scores would argmax to class 0, which an evaluator counts as an answer: the prediction is NaN."""
+    from estimator.inference import PREDICTION_FIELD as P
+    from estimator.inference import head_columns
+
+    scores = np.array([[1.0, 3.0, 0.0], [np.nan, np.nan, np.nan], [0.0, np.inf, 1.0]])
+    for head in ("softmax", "scores"):
+        predicted = head_columns(head, scores)[P]
+        assert predicted[0] == 1.0 and np.isnan(predicted[1:]).all()
+    for head in ("logit", "probability"):
+        predicted = head_columns(head, np.array([[0.9], [np.nan]]))[P]
+        assert predicted[0] == 1.0 and np.isnan(predicted[1])

@@ -252,3 +252,69 @@ def test_a_resumed_16_mixed_run_continues_the_grad_scalers_scale(store, digits, 
     LocalLauncher().run(dataclasses.replace(spec, epochs=2, resume_from=spec.run.checkpoint), 1)
     resumed = load_checkpoint(store, spec.run.checkpoint)["grad_scaler"]
     assert resumed["scale"] == 2048.0 and resumed["_growth_tracker"] == 4, resumed  # 5 steps, no overflow
+
+
+class LossTurnsNaN:
+    """A loss that is NaN from its `at`-th training batch on (1-based; validation batches do not count), the cross
+    entropy before."""
+
+    def __init__(self, at):
+        self.at, self.calls = at, 0
+
+    def __call__(self, output, target):
+        self.calls += torch.is_grad_enabled()
+        loss = nn.functional.cross_entropy(output, target)
+        return loss * float("nan") if self.calls >= self.at else loss
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["every-step", "deferred-as-on-gpus"])
+def test_a_nan_loss_fails_the_rank_before_its_weights_are_checkpointed(store, digits, monkeypatch, deferred):
+    """terminate_on_nan is on by default. Epoch 1 is good and checkpointed; epoch 2's loss turns NaN at its 3rd
+    step: the rank fails with NonFiniteLoss naming epoch 2, step 3 and the rank, and the checkpoint still holds
+    epoch 1's (finite) weights. Deferred (GPUs: no host wait per step) finds the same step at the epoch's end."""
+    from estimator import worker
+    from estimator.distributed import FailureKind
+
+    if deferred:
+        monkeypatch.setattr(worker, "DEFERRED_CHECK_DEVICES", ("cuda", "cpu"))
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=320, val_rows=64,
+                     epochs=2, batch=64, losses=[LossTurnsNaN(at=5 + 3)])  # 5 steps an epoch
+    with pytest.raises(RankFailed) as info:
+        LocalLauncher().run(spec, 1)
+    assert info.value.kind is FailureKind.NAN
+    assert info.value.summary.startswith("NonFiniteLoss: The training loss is nan at epoch 2, step 3 on rank 0")
+    assert "terminate_on_nan=True (the default)" in info.value.summary and "lower lr" in info.value.summary
+    state = _checkpoint(store)
+    assert state["epoch"] == 1 and len(state["history"]) == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+class OverflowingSGD(torch.optim.SGD):
+    """SGD whose 5th step leaves an infinite weight while every loss computed before it is finite."""
+
+    def step(self, closure=None):
+        result = super().step(closure)
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 5:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return result
+
+
+def test_weights_that_overflow_at_an_epochs_last_step_are_not_checkpointed(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, OverflowingSGD(model.parameters(), lr=0.1), train_rows=320, val_rows=0,
+                     epochs=1, batch=64)
+    with pytest.raises(RankFailed, match=r"NonFiniteLoss: The model's weights are not finite at epoch 1 on rank 0 "
+                                         r"\(parameters net.0.weight\)"):
+        LocalLauncher().run(spec, 1)
+    assert not store.exists(spec.run.checkpoint)
+
+
+def test_terminate_on_nan_false_trains_on(store, digits):
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=320, val_rows=64,
+                     epochs=2, batch=64, losses=[LossTurnsNaN(at=3)], terminate_on_nan=False)
+    (result,) = LocalLauncher().run(spec, 1)
+    assert [np.isnan(row["loss"]) for row in result.history] == [True, True]
