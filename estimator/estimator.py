@@ -164,7 +164,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                        reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
                                          p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
                                          p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
-                       monitor=run.monitor, tensorboard=tensorboard_on(),
+                       monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]),
                        compression=compression_name(p["gradient_compression"]),
                        rendezvous_timeout=float(p["rendezvous_timeout"]),
                        collective_timeout=float(p["collective_timeout"]))
@@ -285,8 +285,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if p["backend"] is not None and hasattr(p["backend"], "write"):
             p["backend"].write(line)
         else:
-            print(line, file=sys.stderr, flush=True)
-            log.debug(line)
+            say_to_user(line)
 
     def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
@@ -322,14 +321,22 @@ declare(TorchEstimator, ESTIMATOR_PARAMS)
 _TENSORBOARD_OFF_SAID = []
 
 
-def tensorboard_on() -> bool:
-    """TensorBoard event files when the tensorboard package is installed; said once per driver when it is not."""
+def say_to_user(line: str) -> None:
+    """Printed to stderr, where a notebook or a terminal shows it whatever logging is set up (and logged at
+    DEBUG). Callers say nothing at verbose=0."""
+    print(line, file=sys.stderr, flush=True)
+    log.debug(line)
+
+
+def tensorboard_on(verbose: int) -> bool:
+    """TensorBoard event files when the tensorboard package is installed; said once per driver process when it
+    is not, by the first fit with verbose > 0 (verbose=0 prints nothing)."""
     if tensorboard_available():
         return True
-    if not _TENSORBOARD_OFF_SAID:
+    if verbose and not _TENSORBOARD_OFF_SAID:
         _TENSORBOARD_OFF_SAID.append(True)
-        log.warning("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
-                    "or this project's [tensorboard] extra).")
+        say_to_user("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
+                    "or this project's [tensorboard] extra). Said once.")
     return False
 
 

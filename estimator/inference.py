@@ -137,8 +137,9 @@ def head_columns(head: Optional[str], output: np.ndarray) -> Dict[str, np.ndarra
                                           PROBABILITY_FIELD: np.stack([1 - p, p], axis=1)}, out[:, :1])
     columns = {PREDICTION_FIELD: out.argmax(axis=1).astype(np.float64), RAW_FIELD: out}
     if head == "softmax":
-        shifted = np.exp(out - out.max(axis=1, keepdims=True))
-        columns[PROBABILITY_FIELD] = shifted / shifted.sum(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite rows give NaN, and a NaN prediction
+            shifted = np.exp(out - out.max(axis=1, keepdims=True))
+            columns[PROBABILITY_FIELD] = shifted / shifted.sum(axis=1, keepdims=True)
     return _unknown_where_not_finite(columns, out)
 
 

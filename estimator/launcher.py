@@ -27,6 +27,7 @@ from torch.distributed import TCPStore
 
 from estimator.distributed import (FailureKind, RankContext, RankFailed, RendezvousFailed, as_rank_failure,
                                    assigned_gpu, check_in, choose_device, failure_kind, run_rank)
+from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.faults import Fault, from_env, inject
 from estimator.session import job_tag
 from estimator.spec import TrainSpec, WorkerResult
@@ -42,6 +43,7 @@ class Launcher(Protocol):
 
 # -- Spark --------------------------------------------------------------------------------------
 RESULT_SCHEMA = "rank long, result binary"
+FAILED_RANK_WAIT = 30.0  # seconds a failed rank waits for the driver's stop marker before raising to Spark
 
 
 class SparkBarrierLauncher:
@@ -57,11 +59,19 @@ class SparkBarrierLauncher:
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
         store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id),
                                  pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
-        task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt)
+        task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt,
+                                 FAILED_RANK_WAIT)
         ranks = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(task, RESULT_SCHEMA, barrier=True)
         try:
-            with job_tag(self.spark, self.description):
+            with job_tag(self.spark, f"{self.description} {spec.launch_id}") as cancel, \
+                    FailureWatch(store, spec.run, spec.launch_id, num_proc, cancel):
                 rows = ranks.collect()
+            failed = [row["rank"] for row in rows if not row["result"]]  # ranks that failed and were stopped
+            if failed:
+                raise launch_failure(store, spec.run, spec.launch_id, num_proc, "") or RankFailed(
+                    failed[0], "the rank failed and its failure record could not be read back from the store")
+        except RankFailed:
+            raise
         except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Spark's error
             failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc))
             if failure is None:
@@ -121,16 +131,17 @@ def rank_failure(text: str) -> Optional[RankFailed]:
     return kind(int(match.group(2)), formatted, match.group(3))
 
 
-def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...], attempt: int,
+def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...], attempt: int, wait: float,
                   batches: Iterator[Any]) -> Iterator[Any]:
     """One rank, as a barrier task of mapInArrow: its result as one row; on failure, a record in the store
-    (what failed, and its traceback) for the driver, then the error for Spark."""
-    import pyarrow as pa
+    (what failed, and its traceback) for the driver, which stops the job (estimator.failure_watch); the error
+    goes to Spark only when the record could not be written or the driver wrote no stop marker in `wait` s."""
     from pyspark import BarrierTaskContext
 
     for _ in batches:  # the task's one input row; its partition id is the rank
         pass
     rank = BarrierTaskContext.get().partitionId()
+    stopped = False
     try:
         result = _spark_rank(store.read_bytes(run.launch_spec(launch_id)), faults, attempt)
     except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it is
@@ -139,9 +150,20 @@ def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...
             store.write_bytes_atomic(run.failure(launch_id, rank), json.dumps(failure.record()).encode())
         except Exception:  # noqa: BLE001 - the driver falls back to Spark's text
             log.debug("could not write rank %d's failure record", rank, exc_info=True)
-        raise failure from None
-    yield pa.RecordBatch.from_pydict({"rank": [rank], "result": [pickle.dumps(result)]},
-                                     schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
+        else:
+            stopped = stopped_by_driver(store, run.stop(launch_id), wait)
+        if not stopped:
+            raise failure from None
+        yield _result_row(rank, b"")  # failed, and stopped: the driver raises the failure from the records
+        return
+    yield _result_row(rank, pickle.dumps(result))
+
+
+def _result_row(rank: int, result: bytes) -> Any:
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_pydict({"rank": [rank], "result": [result]},
+                                      schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
 
 
 def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> WorkerResult:

@@ -30,7 +30,8 @@ ESTIMATOR_PARAMS = [
               "a non-empty list of distinct column names"),
     ParamSpec("label_cols", "label columns, one per model output", None, is_str_list(),
               "a non-empty list of distinct column names"),
-    ParamSpec("input_shapes", "shape of each feature batch, e.g. [[-1, 1, 28, 28]] (-1: the batch)", None,
+    ParamSpec("input_shapes", "shape of each feature batch, e.g. [[-1, 1, 28, 28]] (-1: the batch; without -1, a shape "
+              "holding a row's values is per row, as in Horovod); default: as stored", None,
               optional(is_shape_list), "a list of shapes like [[-1, 1, 28, 28]] or None"),
     ParamSpec("label_shapes", "shape of each label batch (-1: the batch)", None, optional(is_shape_list),
               "a list of shapes like [[-1, 3]] or None"),
@@ -47,14 +48,16 @@ ESTIMATOR_PARAMS = [
     ParamSpec("validation_steps_per_epoch", "validation batches per epoch; default: all validation rows", None,
               optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("shuffle", "shuffle each rank's rows every epoch", True, is_bool, "True or False"),
-    ParamSpec("random_seed", "seed of the split, shuffling and dropout; default: drawn at fit time", None,
+    ParamSpec("random_seed", "seed of the split, shuffling and dropout; default: the shuffles are drawn at fit time and "
+              "the split is fixed (so refits reuse one materialized copy of the data)", None,
               optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("run_id", "name of the run folder in the store; default: a new unique id", None, is_run_id,
               "a name without '/', '\\\\' or '..', or None"),
     ParamSpec("use_gpu", "None: GPUs when every rank has one; True: require them; False: CPU", None,
               optional(is_bool), "True, False or None"),
-    ParamSpec("verbose", "0: quiet; 1: a line per epoch, printed on the driver's stderr while training runs; 2: also a "
-              "live bar of each epoch's steps (rows/s, running loss; needs tqdm)",
+    ParamSpec("verbose", "0: prints nothing; 1: a line per epoch on the driver's stderr while training runs (notebooks "
+              "show it, no logging setup needed); 2: also a live tqdm bar of each epoch's steps (rows/s, running loss), "
+              "fed by rank 0 through the store about once a second",
               1, is_int(0, 2), "0, 1 or 2"),
     ParamSpec("backend", "Horovod compatibility: an object with num_processes() (estimator.backend.SparkBackend); "
               "excludes num_proc", None, optional(lambda v: callable(getattr(v, "num_processes", None))),
@@ -121,8 +124,9 @@ ESTIMATOR_PARAMS = [
               lambda v: v is None or getattr(v, "name", v) in ("none", "fp16"),
               "Compression.none, Compression.fp16 or None", json=False),
     ParamSpec("shared_memory_allreduce", "on CPU, when all ranks run on one host, average gradients through a "
-              "shared-memory file in /dev/shm instead of gloo over loopback (several times faster for small models); "
-              "ranks on several hosts, or without /dev/shm, use gloo either way", True, is_bool, "True or False"),
+              "shared-memory file in /dev/shm instead of gloo over loopback (about 2x the rows/s for small models, "
+              "benchmarks/RESULTS.md); ranks on several hosts, without /dev/shm or on non-x86 CPUs use gloo either "
+              "way", True, is_bool, "True or False"),
     ParamSpec("terminate_on_nan", "fail the fit with NonFiniteLoss (epoch, step, rank) when a training loss, an "
               "epoch's loss or the weights are NaN or infinite, before such weights are checkpointed; False: train "
               "on, with a warning for each such epoch (Horovod's default was False)", True, is_bool,

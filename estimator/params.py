@@ -180,3 +180,16 @@ def param_error(owner: str, name: str, allowed: str, value: Any) -> str:
 
 def names(specs: Sequence[ParamSpec]) -> List[str]:
     return [s.name for s in specs]
+
+
+# -- documentation -------------------------------------------------------------------------------
+def markdown_table(specs: Sequence[ParamSpec]) -> str:
+    """The params as a Markdown table (README's param tables are this text: `python .ci/readme_params.py`
+    rewrites them, and tests/test_readme.py checks they are current)."""
+    rows = ["| param | default | allowed | meaning |", "|---|---|---|---|"]
+    for spec in specs:
+        required = spec.default is None and spec.check is not None and not spec.check(None)
+        default = "required" if required else f"`{spec.default!r}`"
+        cells = [f"`{spec.name}`", default, spec.allowed, spec.doc]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 log = logging.getLogger("estimator")
 _LOCAL = re.compile(r"local(?:\[\s*(\*|\d+)\s*(?:,\s*(\d+)\s*)?\])?")
@@ -91,18 +91,18 @@ def default_retries(spark: Any) -> int:
 
 
 @contextlib.contextmanager
-def job_tag(spark: Any, text: str) -> Iterator[None]:
-    """Tag the Spark jobs started inside (the Spark UI lists them by tag; `spark.interruptTag` stops them).
-    Sessions without tags (classic pyspark 3.5) run the jobs untagged."""
-    add, remove = getattr(spark, "addTag", None), getattr(spark, "removeTag", None)
+def job_tag(spark: Any, text: str) -> Iterator[Callable[[], None]]:
+    """Tag the Spark jobs this thread starts inside (the Spark UI lists them by tag); yields a function that
+    cancels them from any thread. Classic sessions tag through the SparkContext (the session's own addTag is
+    thread-local: another thread's interruptTag finds nothing), Connect sessions through the session."""
     tag = re.sub(r"[^A-Za-z0-9_.:-]+", "-", text).strip("-")
+    if is_connect(spark):
+        add, remove, cancel = spark.addTag, spark.removeTag, spark.interruptTag
+    else:
+        sc = spark.sparkContext
+        add, remove, cancel = sc.addJobTag, sc.removeJobTag, sc.cancelJobsWithTag
+    add(tag)
     try:
-        add(tag)
-    except Exception:  # noqa: BLE001 - a label only
-        log.debug("this session does not tag jobs", exc_info=True)
-        yield
-        return
-    try:
-        yield
+        yield lambda: cancel(tag)
     finally:
         remove(tag)

@@ -65,7 +65,7 @@ class RunLayout:
 
     def launch(self, launch_id: str) -> str:
         """Per-launch scratch, removed when the launch ends: what the ranks train (the spec), each rank's
-        arrival marker (read only when the rendezvous times out) and failure record."""
+        arrival marker (read only when the rendezvous times out), failure record, and the driver's stop marker."""
         return posixpath.join(self.root, f"launch-{launch_id}")
 
     def launch_spec(self, launch_id: str) -> str:
@@ -76,6 +76,10 @@ class RunLayout:
 
     def failure(self, launch_id: str, rank: int) -> str:
         return posixpath.join(self.launch(launch_id), f"failed-{rank}.json")
+
+    def stop(self, launch_id: str) -> str:
+        """Written by the driver when a rank failed: the failed ranks end their tasks (estimator.failure_watch)."""
+        return posixpath.join(self.launch(launch_id), "stop")
 
     @property
     def logs(self) -> str:

@@ -1,0 +1,52 @@
+"""What the user's console shows, counted: a fit whose rank fails, and fits with verbose=0. Local mode with
+Spark's default log settings, in a process of its own, as a user's script runs."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.spark
+
+
+def run_job(mode, tmp_path):
+    # (the store is not named "store": in the job's folder that name would shadow the editable install's package)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "console_job.py"), mode,
+                             str(tmp_path / "runs")], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def between(stderr, name):
+    """The stderr lines a fit printed (from its `begins` marker to its end marker), without Spark's console
+    progress bar (redrawn in place with carriage returns)."""
+    text = re.search(rf"=== {re.escape(name)} begins\n(.*?)=== {re.escape(name)} (raised|returned)", stderr, re.S)
+    assert text, stderr[-4000:]
+    lines = [re.sub(r"\[Stage [^\]]*\]", "", line.split("\r")[-1] if line.endswith("\r") else line)
+             for line in text.group(1).split("\n")]
+    lines = [re.sub(r"\r\s*", "", line) for line in lines]
+    return [line for line in lines if line.strip()], text.group(2)
+
+
+def test_a_failing_rank_is_told_once_in_a_few_lines(tmp_path):
+    """Without the driver-side stop, Spark printed 134 lines here (the traceback and Java frames, twice)."""
+    result = run_job("fail", tmp_path)
+    lines, end = between(result.stderr, "failing fit")
+    assert end == "raised"
+    assert len(lines) <= 60, "\n".join(lines)
+    assert not [line for line in lines if " ERROR " in line or "\tat " in line], "\n".join(lines)
+    assert result.stdout.strip().splitlines()[-1] == "RankFailed: rank 1: ArithmeticError: rank 1 exploded at step 3"
+
+
+def test_verbose_0_prints_nothing_of_its_own_and_notices_are_said_once(tmp_path):
+    result = run_job("quiet", tmp_path)
+    for i in (0, 1):
+        lines, end = between(result.stderr, f"fit {i} verbose=0")
+        assert end == "returned" and lines == [], "\n".join(lines)
+    first, _ = between(result.stderr, "fit 2 verbose=1")
+    second, _ = between(result.stderr, "fit 3 verbose=1")
+    notice = "TensorBoard logs are off: the tensorboard package is not installed"
+    assert sum(notice in line for line in first) == 1 and not any(notice in line for line in second)
+    assert sum(bool(re.match(r"run \S+ epoch [12]: loss=", line)) for line in first) == 2, "\n".join(first)

@@ -1,0 +1,55 @@
+"""The README starts where a user starts, and its param tables are the param table's own text."""
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme():
+    with open(os.path.join(ROOT, "README.md")) as handle:
+        return handle.read()
+
+
+def test_the_param_tables_are_generated_from_the_param_table():
+    sys.path.insert(0, os.path.join(ROOT, ".ci"))
+    try:
+        import readme_params
+    finally:
+        sys.path.pop(0)
+    text = readme()
+    assert readme_params.render(text) == text, "README's param tables are stale: run python .ci/readme_params.py"
+    from estimator.param_table import ESTIMATOR_PARAMS
+
+    for spec in ESTIMATOR_PARAMS:  # every param is in the table, with its doc
+        assert f"| `{spec.name}` |" in text and spec.doc.replace("|", "\\|") in text
+
+
+def test_the_first_screen_has_the_commands_alone_on_their_lines():
+    text = readme()
+    head = text[:text.index("\n## Use\n")]
+    blocks = re.findall(r"```bash\n(.*?)```", head, re.S)
+    assert blocks[:3] == ["bash .ci/setup && .venv/bin/python notebooks/digits_example.py\n",
+                          "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup && "
+                          ".venv/bin/python notebooks/digits_example.py\n",
+                          "bash .ci/test\n"]
+    assert len(head.splitlines()) < 60
+    with open(os.path.join(ROOT, ".ci", "run")) as handle:
+        assert handle.read().strip().splitlines()[-1] == "bash .ci/test"  # CI runs exactly the README's command
+
+
+def test_no_internal_issue_numbers():
+    assert not re.search(r"\bissues? #?\d+", readme(), re.I)
+
+
+def test_every_python_snippet_that_makes_a_session_stops_it():
+    """A Connect session not stopped hangs the interpreter at exit: every example and snippet stops its own."""
+    text = readme()
+    snippets = re.findall(r"```python\n(.*?)```", text, re.S)
+    for code in snippets:
+        if "getOrCreate()" in code and "SparkSession" in code:
+            assert "spark.stop()" in code, code
+    for name in os.listdir(os.path.join(ROOT, "notebooks")):
+        if name.endswith(".py"):
+            with open(os.path.join(ROOT, "notebooks", name)) as handle:
+                assert "spark.stop()" in handle.read(), name
