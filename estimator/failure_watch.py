@@ -29,7 +29,7 @@ class FailureWatch:
     marker when every rank has a record, or, after `grace` s more, the marker and `cancel` (the job's tag)."""
 
     def __init__(self, store: Any, run: Any, launch_id: str, num_proc: int, cancel: Callable[[], None],
-                 interval: float = 0.2, grace: float = 3.0):
+                 interval: float = 0.5, grace: float = 3.0):
         self.store, self.run, self.launch_id, self.num_proc, self.cancel = store, run, launch_id, num_proc, cancel
         self.interval, self.grace = interval, grace
         self.cancelled = False

@@ -194,3 +194,19 @@ def test_an_interrupted_materialization_is_never_reused(spark, store, df, tmp_pa
     assert len(markers) == 1
     marker = json.loads(store.read_bytes(markers[0]))
     assert marker["train_rows"] + marker["val_rows"] == df.count() and len(fitted.getHistory()) == 1
+
+
+def test_a_rank_that_does_not_fail_with_its_peer_is_stopped_by_cancelling_the_job(spark, store, df, monkeypatch):
+    """Rank 1 raises at step 3 while rank 0 sleeps there (in no collective, so it never learns of the failure):
+    the driver waits its grace, then cancels the job by its tag. The fit fails with rank 1's error in seconds,
+    not after rank 0's 120 s, and the session still trains afterwards."""
+    import time
+
+    _faults(monkeypatch, {"point": "step", "rank": 1, "action": "raise", "step": 3},
+            {"point": "step", "rank": 0, "action": "sleep", "seconds": 120, "step": 3})
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match=r"^rank 1: InjectedFault: injected fault at step on rank 1"):
+        _est(store, run_id="stuck", epochs=1, max_retries=0).fit(df)
+    assert time.monotonic() - started < 60
+    monkeypatch.delenv(ENV)
+    assert len(_est(store, run_id="after-stuck", epochs=1).fit(df).getHistory()) == 1
