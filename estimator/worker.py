@@ -24,6 +24,7 @@ from estimator.checkpoint import Position, load_checkpoint, position_of, save_ch
 from estimator.data import Decoders, EarlyRead, Feed, Shard, Tensors, epoch_seed, feed_workers, open_shards, tensors_to
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
+from estimator.finite import FiniteCheck
 from estimator.host_allreduce import HostAllreduce
 from estimator.losses import Objective
 from estimator.pickling import rebuild_optimizer
@@ -32,9 +33,6 @@ from estimator.tracking import TensorBoardLog
 
 log = logging.getLogger("estimator")
 SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
-# Where the NaN check looks at the loss every LOOK_EVERY steps instead of every step: reading a value back from a
-# GPU makes the host wait for it, and the next batch's work could not be queued meanwhile (tests add "cpu").
-DEFERRED_CHECK_DEVICES = ("cuda",)
 
 
 def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = (), attempt: int = 0,
@@ -307,83 +305,6 @@ class TrainLoop:
         GPU (from pinned memory, non_blocking) overlaps the current batch's computation."""
         return (tensors_to(batch, self.device) for batch in batches)
 
-
-
-class NonFiniteLoss(FloatingPointError):
-    """A NaN or infinite loss (or weights) with terminate_on_nan=True. Another launch would meet it again."""
-
-    failure_kind = "nan"  # estimator.distributed.FailureKind
-
-
-NAN_ADVICE = ("Try a lower lr, gradient_clip_val, normalized features, or a loss that takes logits (e.g. "
-              "BCEWithLogitsLoss rather than BCELoss); terminate_on_nan=False trains on regardless.")
-
-
-class FiniteCheck:
-    """terminate_on_nan: a non-finite training loss stops the rank before its gradients are stepped (CPU) or
-    within LOOK_EVERY steps (GPUs, where each look makes the host wait), and always before a checkpoint: the
-    weights it would save are checked too. Every rank sees the same reduced epoch row and the same averaged
-    weights, so all ranks stop alike at an epoch's end."""
-
-    LOOK_EVERY = 50
-
-    def __init__(self, enabled: bool, rank: int, device: torch.device):
-        self.enabled, self.rank = enabled, rank
-        self.deferred = device.type in DEFERRED_CHECK_DEVICES
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # deferred: first bad step, or -1
-        self.losses = torch.zeros((), dtype=torch.float32, device=device)  # deferred: that step's loss
-        self.since = 0
-
-    def loss(self, loss: torch.Tensor, epoch: int, step: int) -> None:
-        if not self.enabled:
-            return
-        value = loss.detach().float()
-        bad = ~torch.isfinite(value).all()
-        if not self.deferred:
-            if bad:
-                self._fail(float(value), epoch, step)
-            return
-        new = bad & (self.first_bad < 0)
-        self.first_bad = torch.where(new, torch.full_like(self.first_bad, step), self.first_bad)
-        self.losses = torch.where(new, value.reshape(()), self.losses)
-        self.since += 1
-        if self.since >= self.LOOK_EVERY:
-            self.flush(epoch)
-
-    def flush(self, epoch: int) -> None:
-        """Deferred devices: look at what the steps since the last look left (one wait for the device)."""
-        if self.enabled and self.deferred:
-            self.since = 0
-            first = int(self.first_bad)
-            if first >= 0:
-                self._fail(float(self.losses), epoch, first)
-
-    def check_epoch(self, model: nn.Module, row: Dict[str, float], epoch: int) -> None:
-        if not self.enabled:
-            return
-        self.check_weights(model, epoch, None)  # the more precise cause first
-        bad = {k: v for k, v in row.items() if k in ("loss", "val_loss") and not np.isfinite(v)}
-        if bad:
-            raise NonFiniteLoss(f"The {' and '.join(bad)} of epoch {epoch + 1} is not finite "
-                                f"({', '.join(f'{k}={v}' for k, v in bad.items())}), over all ranks; stopping "
-                                f"before these weights are checkpointed, since terminate_on_nan=True. {NAN_ADVICE}")
-
-    def check_weights(self, model: nn.Module, epoch: int, step: Optional[int]) -> None:
-        if not self.enabled:
-            return
-        self.flush(epoch)
-        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-        if bad:
-            where = f"epoch {epoch + 1}" + (f", step {step}" if step is not None else "")
-            raise NonFiniteLoss(f"The model's weights are not finite at {where} on rank {self.rank} (parameters "
-                                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}): an optimizer step "
-                                f"overflowed; stopping before they are checkpointed, since terminate_on_nan=True. "
-                                f"{NAN_ADVICE}")
-
-    def _fail(self, value: float, epoch: int, step: int) -> None:
-        raise NonFiniteLoss(f"The training loss is {value} at epoch {epoch + 1}, step {step + 1} on rank {self.rank}; "
-                            f"stopping before this step's gradients are applied or checkpointed, since "
-                            f"terminate_on_nan=True (the default). {NAN_ADVICE}")
 
 
 class StepReport:

@@ -157,7 +157,7 @@ def test_failure_kinds_come_from_the_exception_types_not_their_text():
     from estimator.data import ReadFailed
     from estimator.distributed import FailureKind, RankFailed, RendezvousFailed, failure_kind
     from estimator.host_allreduce import PeerFailed
-    from estimator.worker import NonFiniteLoss
+    from estimator.finite import NonFiniteLoss
 
     assert failure_kind(NonFiniteLoss("Loss is nan")) is FailureKind.NAN
     assert not FailureKind.NAN.retryable

@@ -272,11 +272,11 @@ def test_a_nan_loss_fails_the_rank_before_its_weights_are_checkpointed(store, di
     """terminate_on_nan is on by default. Epoch 1 is good and checkpointed; epoch 2's loss turns NaN at its 3rd
     step: the rank fails with NonFiniteLoss naming epoch 2, step 3 and the rank, and the checkpoint still holds
     epoch 1's (finite) weights. Deferred (GPUs: no host wait per step) finds the same step at the epoch's end."""
-    from estimator import worker
+    from estimator import finite
     from estimator.distributed import FailureKind
 
     if deferred:
-        monkeypatch.setattr(worker, "DEFERRED_CHECK_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(finite, "DEFERRED_CHECK_DEVICES", ("cuda", "cpu"))
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=320, val_rows=64,
                      epochs=2, batch=64, losses=[LossTurnsNaN(at=5 + 3)])  # 5 steps an epoch
