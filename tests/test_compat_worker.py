@@ -52,8 +52,8 @@ def test_terminate_on_nan_stops_with_epoch_and_step(store, digits):
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
                      losses=[explodes], terminate_on_nan=True)
-    with pytest.raises(RankFailed, match=r"Loss is nan at epoch 1, step 3 on rank 0; stopping because "
-                                         r"terminate_on_nan=True"):
+    with pytest.raises(RankFailed, match=r"The training loss is nan at epoch 1, step 3 on rank 0; stopping before "
+                                         r"this step's gradients are applied"):
         LocalLauncher().run(spec, 1)
     calls["n"] = 0
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
