@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -28,6 +27,7 @@ from estimator.checkpoint import Position, describe, load_checkpoint, position_o
 from estimator.data import list_pieces, parquet_columns
 from estimator.distributed import RankFailed
 from estimator.dry_run import dry_run
+from estimator.finite import non_finite_losses
 from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
 from estimator.materialize import materialize
@@ -270,7 +270,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """One epoch's line, live on the driver; a warning for an epoch whose loss is not finite (reached only with
         terminate_on_nan=False: otherwise the ranks stop at the first such step)."""
         TorchEstimator._say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}")
-        bad = [f"{k}={v}" for k, v in row.items() if k in ("loss", "val_loss") and not math.isfinite(v)]
+        bad = [f"{k}={v}" for k, v in non_finite_losses(row).items()]
         if bad:
             warnings.warn(f"Run {run_id} epoch {row['epoch']:.0f}: {', '.join(bad)}. terminate_on_nan=False keeps "
                           "training, and a model with non-finite weights predicts NaN: lower lr, or set "

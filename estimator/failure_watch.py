@@ -20,7 +20,6 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 log = logging.getLogger("estimator")
-FAILED_PREFIX = "failed-"  # store.layout.RunLayout.failure(launch_id, rank)
 
 
 class FailureWatch:
@@ -32,7 +31,7 @@ class FailureWatch:
                  interval: float = 0.5, grace: float = 3.0):
         self.store, self.run, self.launch_id, self.num_proc, self.cancel = store, run, launch_id, num_proc, cancel
         self.interval, self.grace = interval, grace
-        self.cancelled = False
+        self.names = {posixpath.basename(run.failure(launch_id, rank)) for rank in range(num_proc)}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rank-failure-watch", daemon=True)
 
@@ -73,8 +72,7 @@ class FailureWatch:
         if not self.store.exists(folder):
             return {}
         return {posixpath.basename(path): json.loads(self.store.read_bytes(path)).get("kind", "user")
-                for path in self.store.ls(folder)
-                if posixpath.basename(path).startswith(FAILED_PREFIX) and path.endswith(".json")}
+                for path in self.store.ls(folder) if posixpath.basename(path) in self.names}
 
     def _stop(self, cancel: bool) -> None:
         log.debug("launch %s failed: ending its tasks%s", self.launch_id, " and cancelling its job" if cancel else "")
@@ -83,7 +81,6 @@ class FailureWatch:
         except Exception:  # noqa: BLE001 - the ranks raise by themselves after their wait
             log.debug("could not write the stop marker", exc_info=True)
         if cancel:
-            self.cancelled = True
             try:
                 self.cancel()
             except Exception:  # noqa: BLE001 - as above

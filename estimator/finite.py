@@ -23,6 +23,11 @@ NAN_ADVICE = ("Try a lower lr, gradient_clip_val, normalized features, or a loss
               "BCEWithLogitsLoss rather than BCELoss); terminate_on_nan=False trains on regardless.")
 
 
+def non_finite_losses(row: Dict[str, float]) -> Dict[str, float]:
+    """The epoch row's loss and val_loss values that are NaN or infinite."""
+    return {k: v for k, v in row.items() if k in ("loss", "val_loss") and not np.isfinite(v)}
+
+
 class FiniteCheck:
     """terminate_on_nan: a non-finite training loss stops the rank before its gradients are stepped (CPU) or
     within LOOK_EVERY steps (GPUs, where each look makes the host wait), and always before a checkpoint: the
@@ -66,7 +71,7 @@ class FiniteCheck:
         if not self.enabled:
             return
         self.check_weights(model, epoch, None)  # the more precise cause first
-        bad = {k: v for k, v in row.items() if k in ("loss", "val_loss") and not np.isfinite(v)}
+        bad = non_finite_losses(row)
         if bad:
             raise NonFiniteLoss(f"The {' and '.join(bad)} of epoch {epoch + 1} is not finite "
                                 f"({', '.join(f'{k}={v}' for k, v in bad.items())}), over all ranks; stopping "
