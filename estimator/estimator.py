@@ -30,7 +30,7 @@ from estimator.dry_run import dry_run
 from estimator.finite import non_finite_losses
 from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
-from estimator.materialize import materialize
+from estimator.materialize import finish, materialize
 from estimator.model import TorchModel
 from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.params import DeclaredParams, declare
@@ -81,7 +81,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
                         p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                         materialize_seconds=time.perf_counter() - materialize_started)
-        return self._train(p, run, data, df.sparkSession)
+        try:
+            return self._train(p, run, data, df.sparkSession)
+        finally:
+            finish(run.store, m)
 
     def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
         """Train on Parquet already in the store: folders (paths inside the store, or full URLs of it)

@@ -1,22 +1,26 @@
-"""DataFrame -> Parquet in the store, once per (data, columns, split).
+"""DataFrame -> Parquet in the store, once per (rows, columns, split).
 
-One Spark job selects the columns (vectors become arrays), tags each row train or val with a
-seeded split, and writes both splits at once (`partitionBy` on the tag), so the split is
-consistent even when upstream row order is not. The write goes to a fresh attempt folder; a
-commit marker naming the attempt is written last, and only committed attempts are ever read.
+One Spark job selects the columns (vectors become arrays), tags each row train or val by a seeded hash of its
+values, and writes both splits at once (`partitionBy` on the tag). The same job measures the rows (nulls, array
+lengths) and their content fingerprint (estimator.fingerprint). The write goes to a fresh attempt folder; a
+commit marker named by the fingerprint is written last, and only committed attempts are ever read.
+
+Reuse: the same DataFrame again (same plan, deterministic) is known in this process without a job; other
+DataFrames whose shape matches data already in the store get one pass that computes their fingerprint, and reuse
+the copy with the same rows. A DataFrame that gives other rows each time it is computed is found out by that
+pass; its copy is used by its fit only and removed when the fit ends.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
-
-import pyarrow as pa
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
@@ -25,23 +29,31 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
 from estimator.data import list_pieces, pieces_of_files
+from estimator.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, content_aggregates, fingerprint, plan_key,
+                                   reusable_plan, shape_key, split_tag)
+from estimator.parquet_writer import write_with_executors
 from estimator.session import job_tag
 from estimator.spec import Piece, total_rows
 from store import Store
+from store.budget import enforce, release, remove, take_lease
+from store.layout import COMMITTED, DataLayout
 
 log = logging.getLogger("estimator")
-_VAL = "__is_val"
-FORMAT_VERSION = 1
 SPARK_WRITES = ("file", "local", "hdfs", "viewfs")  # URLs Spark's own Parquet writer handles everywhere
+_KNOWN_PLANS: "OrderedDict[Tuple[str, str], str]" = OrderedDict()  # (store, plan key) -> fingerprint, this process
+_KNOWN_PLANS_LOCK = threading.Lock()
+_KNOWN_PLANS_MAX = 256
 
 
 @dataclass(frozen=True)
 class Materialized:
-    key: str
+    key: str  # <shape>/<fingerprint>
     train: Tuple[Piece, ...]
     val: Tuple[Piece, ...]
     reused: bool
     seconds: float
+    lease: str = ""  # held while the fit runs: `finish` releases it
+    one_off: bool = False  # a DataFrame that computes other rows each time: its copy goes when the fit ends
 
     @property
     def train_rows(self) -> int:
@@ -55,26 +67,38 @@ class Materialized:
 def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation: Union[None, float, str],
                 seed: int, num_proc: int, partitions_per_process: Optional[int] = None,
                 drop_nulls: bool = False) -> Materialized:
-    """Parquet for (df, columns, split) in the store, written now or reused. Files: exactly
-    num_proc * partitions_per_process when that is set, else the DataFrame's partitions, at least num_proc."""
+    """Parquet for (df, columns, split) in the store, written now or reused; the caller ends with `finish`.
+    Files: exactly num_proc * partitions_per_process when that is set, else the DataFrame's partitions, at
+    least num_proc."""
     started = time.perf_counter()
     files = num_proc * partitions_per_process if partitions_per_process else -num_proc  # < 0: "at least"
-    key = data_key(df, columns, validation, seed, files) + ("-dropnulls" if drop_nulls else "")
-    layout = store.data(key)
-    if store.exists(layout.commit_marker):
-        marker = json.loads(store.read_bytes(layout.commit_marker))
-        log.info("Reusing materialized data %s", key)
-        return _committed(store, key, marker["attempt"], marker.get("files"), True, started)
+    plain = _selected(df, columns, validation, seed)
+    shape = shape_key(plain.schema, validation, seed, files, drop_nulls)
+    layout = store.data(f"{shape}-{abs(files)}")
+    plan = (store.url(store.root), plan_key(df, shape)) if reusable_plan(df) else None
+    with _KNOWN_PLANS_LOCK:
+        known = _KNOWN_PLANS.get(plan) if plan else None
+    if known and store.exists(layout.commit_marker(known)):
+        return _reused(store, layout, known, started, "the same DataFrame")
+    expected = None
+    if _committed_fingerprints(store, layout):  # data of this shape is there: are these its rows?
+        with job_tag(df.sparkSession, f"TorchEstimator.fit fingerprint {shape}"):
+            expected = fingerprint(plain.agg(*content_aggregates(plain.columns)).collect()[0].asDict())
+        if store.exists(layout.commit_marker(expected)):
+            _remember(plan, expected)
+            return _reused(store, layout, expected, started, "the same rows")
     attempt = uuid.uuid4().hex[:12]
     observation = Observation(f"checks-{attempt}")
-    written = _write(df, store, key, attempt, columns, validation, seed, files if files > 0 else None, observation,
-                     drop_nulls)
+    written = _write(plain, store, layout.attempt(attempt), columns, files if files > 0 else None, observation,
+                     drop_nulls, layout.root)
+    observed = observation.get
     try:
-        check_observed(observation.get, columns, drop_nulls)
+        check_observed(observed, columns, drop_nulls)
     except ValueError:
         store.rm(layout.attempt(attempt))  # never committed, never reused; nothing of the user's is touched
         raise
-    result = _committed(store, key, attempt, written, False, started)
+    found = fingerprint(observed)
+    result = _committed(store, layout, found, attempt, written, False, started)
     if files < 0 and len(result.train) < num_proc <= result.train_rows:
         # Fewer row groups than ranks (a DataFrame of few partitions): written once more over num_proc files,
         # so that every rank has its own row group (petastorm needs it; the arrow reader reads less).
@@ -82,50 +106,94 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
                  len(result.train), num_proc, num_proc)
         store.rm(layout.attempt(attempt))
         attempt = uuid.uuid4().hex[:12]
-        written = _write(df, store, key, attempt, columns, validation, seed, num_proc,
-                         Observation(f"checks-{attempt}"), drop_nulls)
-        result = _committed(store, key, attempt, written, False, started)
+        observation = Observation(f"checks-{attempt}")
+        written = _write(plain, store, layout.attempt(attempt), columns, num_proc, observation, drop_nulls,
+                         layout.root)
+        found = fingerprint(observation.get)
+        result = _committed(store, layout, found, attempt, written, False, started)
+    one_off = expected is not None and expected != found
+    if one_off:
+        log.warning("The DataFrame gave other rows when computed again (a nondeterministic plan: unseeded rand, "
+                    "a random UDF, an unordered limit): its copy serves this fit only and is removed when the fit "
+                    "ends. Write it to Parquet, or cache or checkpoint it, to reuse one set of rows.")
+    elif store.exists(layout.commit_marker(found)):  # a concurrent fit committed the same rows first: use theirs
+        store.rm(layout.attempt(attempt))
+        return _reused(store, layout, found, started, "the same rows, written meanwhile")
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
-              "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written}
-    store.write_bytes_atomic(layout.commit_marker, json.dumps(marker).encode())
-    log.info("Materialized %d train / %d val rows in %.1fs", result.train_rows, result.val_rows, result.seconds)
-    return result
+              "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written,
+              "bytes": _size(store, layout.attempt(attempt)), "one_off": one_off}
+    store.write_bytes_atomic(layout.commit_marker(found), json.dumps(marker).encode())
+    if not one_off:
+        _remember(plan, found)
+    lease = take_lease(store, layout, found)
+    enforce(store)
+    log.info("Materialized %d train / %d val rows in %.1fs", result.train_rows, result.val_rows,
+             time.perf_counter() - started)
+    return Materialized(result.key, result.train, result.val, False, time.perf_counter() - started, lease, one_off)
 
 
-def data_key(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
-             files: int) -> str:
-    """What produced the data, from what classic and Connect sessions both answer: the plan's semantic hash
-    (expression ids left out; it covers inline data), the schema, the input files, the columns and the split.
-    Not Python object identity."""
-    parts = [str(df.semanticHash()), df.schema.json(), json.dumps(sorted(df.inputFiles())),
-             json.dumps(list(columns)), repr(validation), str(seed if isinstance(validation, float) else None),
-             str(FORMAT_VERSION)]
-    digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
-    return f"{digest}-{abs(files)}"
+def finish(store: Store, m: Materialized) -> None:
+    """The fit is over: release its lease on the data; a one-off copy is removed."""
+    if m.lease:
+        release(store, m.lease)
+    if m.one_off:
+        folder, fp = m.key.split("/")
+        remove(store, store.data(folder), fp)
 
 
-def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequence[str],
-           validation: Union[None, float, str], seed: int, partitions: Optional[int], observation: Observation,
-           drop_nulls: bool) -> Optional[Dict[str, List[str]]]:
+def _reused(store: Store, layout: DataLayout, fp: str, started: float, why: str) -> Materialized:
+    marker = json.loads(store.read_bytes(layout.commit_marker(fp)))
+    log.info("Reusing materialized data %s/%s (%s)", layout.root.rsplit("/", 1)[-1], fp, why)
+    lease = take_lease(store, layout, fp)
+    result = _committed(store, layout, fp, marker["attempt"], marker.get("files"), True, started)
+    enforce(store)
+    return Materialized(result.key, result.train, result.val, True, result.seconds, lease)
+
+
+def _remember(plan: Optional[Tuple[str, str]], fp: str) -> None:
+    if plan is None:
+        return
+    with _KNOWN_PLANS_LOCK:
+        _KNOWN_PLANS[plan] = fp
+        _KNOWN_PLANS.move_to_end(plan)
+        while len(_KNOWN_PLANS) > _KNOWN_PLANS_MAX:
+            _KNOWN_PLANS.popitem(last=False)
+
+
+def _committed_fingerprints(store: Store, layout: DataLayout) -> List[str]:
+    if not store.exists(layout.root):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.ls(layout.root)]
+    return [n[:-len(COMMITTED)] for n in names if n.endswith(COMMITTED)]
+
+
+def _size(store: Store, path: str) -> int:
+    try:
+        return int(store.fs.du(path, total=True))
+    except (OSError, NotImplementedError):
+        return 0
+
+
+def _selected(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int) -> DataFrame:
+    """The columns as written (vectors as float arrays) and the split tag (hashing the written values)."""
+    if isinstance(validation, str):
+        return df.select(*[_as_array(df, c) for c in columns], split_tag(columns, validation, seed).alias(_VAL))
+    plain = df.select(*[_as_array(df, c) for c in columns])
+    return plain.select(*columns, split_tag(columns, validation, seed).alias(_VAL))
+
+
+def _write(plain: DataFrame, store: Store, root: str, columns: Sequence[str], partitions: Optional[int],
+           observation: Observation, drop_nulls: bool, name: str) -> Optional[Dict[str, List[str]]]:
     """Write both splits (in `partitions` partitions when given, else the DataFrame's own); returns the files
     written when executors wrote them (None: Spark's writer). The same job counts rows with nulls and array
-    lengths per column (`observation`): no extra pass."""
-    layout = store.data(key)
-    selected = [_as_array(df, c) for c in columns]
-    if isinstance(validation, str):
-        tag = F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
-    elif validation:
-        tag = F.rand(seed) < F.lit(float(validation))
-    else:
-        tag = F.lit(False)
-    plain = df.select(*selected, tag.alias(_VAL))
+    lengths per column and computes the content fingerprint (`observation`): no extra pass."""
     arrays = [c for c in columns if isinstance(plain.schema[c].dataType, ArrayType)]
     bad = {c: _has_null(F.col(c), c in arrays) for c in columns}
     checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
     for c in arrays:
         size = F.when(~bad[c], F.size(F.col(c)))
         checks += [F.min(size).alias(f"min:{c}"), F.max(size).alias(f"max:{c}")]
-    out = plain.observe(observation, *checks)
+    out = plain.observe(observation, *checks, *content_aggregates(plain.columns))
     if drop_nulls:
         out = out.filter(~functools.reduce(lambda a, b: a | b, bad.values()))
     # Rows with null elements never reach training (dropped above, or the whole write is discarded by
@@ -134,66 +202,22 @@ def _write(df: DataFrame, store: Store, key: str, attempt: str, columns: Sequenc
     out = out.select(*[F.array_compact(c).alias(c) if c in arrays else c for c in columns], _VAL)
     if partitions:
         out = out.repartition(partitions)
-    with job_tag(df.sparkSession, f"TorchEstimator.fit materialize {key}"):
+    with job_tag(plain.sparkSession, f"TorchEstimator.fit materialize {name}"):
         if store.protocol in SPARK_WRITES:
-            out.write.mode("overwrite").partitionBy(_VAL).parquet(store.url(layout.attempt(attempt)))
+            out.write.mode("overwrite").partitionBy(_VAL).parquet(store.url(root))
             return None
-        return _write_with_executors(out, store, layout.attempt(attempt))
+        return write_with_executors(out, store, root)
 
 
-def _write_with_executors(out: DataFrame, store: Store, root: str) -> Dict[str, List[str]]:
-    """Executors write their partitions to the store through fsspec (for URLs the cluster's Hadoop
-    cannot write, such as s3:// or abfs:// without the connectors). Only the files of successful task
-    attempts come back here and go into the commit marker, so a retried task never duplicates rows."""
-    rows = out.mapInArrow(_partition_writer(store, root), "split string, path string").collect()
-    files: Dict[str, List[str]] = {"false": [], "true": []}
-    for row in rows:
-        files[row.split].append(row.path)
-    return {split: sorted(paths) for split, paths in files.items()}
-
-
-def _partition_writer(store: Store, root: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-        from pyspark import TaskContext
-
-        task = TaskContext.get()
-        name = f"part-{task.partitionId():05d}-{task.attemptNumber()}-{uuid.uuid4().hex[:8]}.parquet"
-        open_files: Dict[str, Tuple[Any, Any]] = {}
-        try:
-            for batch in batches:
-                table = pa.Table.from_batches([batch])
-                for split in ("false", "true"):
-                    part = table.filter(pc.equal(table.column(_VAL), split == "true"))
-                    part = part.select([c for c in part.column_names if c != _VAL])
-                    if part.num_rows == 0:
-                        continue
-                    if split not in open_files:
-                        path = f"{root}/{_VAL}={split}/{name}"
-                        store.makedirs(f"{root}/{_VAL}={split}")
-                        handle = store.fs.open(path, "wb")
-                        open_files[split] = (handle, pq.ParquetWriter(handle, part.schema), path)
-                    open_files[split][1].write_table(part)
-        finally:
-            for handle, writer, _ in open_files.values():
-                writer.close()
-                handle.close()
-        splits = list(open_files)
-        yield pa.RecordBatch.from_pydict({"split": splits, "path": [open_files[s][2] for s in splits]})
-
-    return write
-
-
-def _committed(store: Store, key: str, attempt: str, written: Optional[Dict[str, List[str]]], reused: bool,
+def _committed(store: Store, layout: DataLayout, fp: str, attempt: str, written: Optional[Dict[str, List[str]]], reused: bool,
                started: float) -> Materialized:
-    layout = store.data(key)
     root = layout.attempt(attempt)
     train_dir, val_dir = f"{root}/{_VAL}=false", f"{root}/{_VAL}=true"
     if written is not None:
         train, val = pieces_of_files(store, written["false"]), pieces_of_files(store, written["true"])
     else:
         train, val = _pieces(store, train_dir), _pieces(store, val_dir)
+    key = f"{layout.root.rstrip('/').rsplit('/', 1)[-1]}/{fp}"
     return Materialized(key, train, val, reused, time.perf_counter() - started)
 
 

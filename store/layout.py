@@ -5,13 +5,17 @@ import posixpath
 from dataclasses import dataclass
 
 
+COMMITTED, USED, LEASE = "_COMMITTED.json", "_USED.json", ".lease-"  # file names beside the data
+
+
 @dataclass(frozen=True)
 class DataLayout:
-    """Materialized training data, keyed by what produced it.
+    """Materialized training data of one shape (columns, their types, split, file count), keyed by content.
 
-    Each attempt writes under its own `attempt-<id>/` folder; the commit marker, written last,
-    names the attempt that completed. Readers use only what a marker names, so an interrupted
-    write is never read.
+    Each write goes to its own `attempt-<id>/` folder; a commit marker named by the content's fingerprint,
+    written last, names the attempt that holds those rows. Readers use only what a marker names, so an
+    interrupted write is never read, and the same rows are found again by their fingerprint. A fit that
+    uses a copy holds a lease on it (a file per fit) so that the store's budget never removes it meanwhile.
     """
 
     root: str
@@ -25,9 +29,16 @@ class DataLayout:
     def val(self, attempt_id: str) -> str:
         return posixpath.join(self.attempt(attempt_id), "val")
 
-    @property
-    def commit_marker(self) -> str:
-        return posixpath.join(self.root, "_COMMITTED.json")
+    def commit_marker(self, fingerprint: str) -> str:
+        return posixpath.join(self.root, f"{fingerprint}{COMMITTED}")
+
+    def used(self, fingerprint: str) -> str:
+        """When a fit last used the copy (JSON), for the store's age and size budget."""
+        return posixpath.join(self.root, f"{fingerprint}{USED}")
+
+    def lease(self, fingerprint: str, lease_id: str) -> str:
+        """Held while a fit uses the copy; removed when it ends (a lease older than a day is stale)."""
+        return posixpath.join(self.root, f"{fingerprint}{LEASE}{lease_id}")
 
 
 @dataclass(frozen=True)

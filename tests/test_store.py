@@ -31,7 +31,7 @@ def test_memory_store_and_layout():
     assert store.url(run.checkpoint) == "memory:///bucket/prefix/runs/r1/checkpoint.pt"
     data = store.data("key")
     assert data.train("a1") == "/bucket/prefix/data/key/attempt-a1/train"
-    assert data.commit_marker == "/bucket/prefix/data/key/_COMMITTED.json"
+    assert data.commit_marker("fp") == "/bucket/prefix/data/key/fp_COMMITTED.json"
     store.write_bytes_atomic(run.checkpoint, b"x")
     assert store.exists(run.checkpoint)
     store.rm(store.path("runs"))
