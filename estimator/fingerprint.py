@@ -17,31 +17,39 @@ from pyspark.sql.types import StructType
 
 FORMAT_VERSION = 2  # 2: the split by row hash, content fingerprints
 SPLIT_COLUMN = "__is_val"  # the written tag, a partition folder of each copy: __is_val=true / false
+ROW_HASH = "__row_hash"  # computed while writing, never written
 _SPLIT_BUCKETS = 1 << 30
-_ROW_HASH_SALT = "estimator-fingerprint"
 
 
-def split_tag(columns: Sequence[str], validation: Union[None, float, str], seed: int) -> Column:
-    """True for the validation rows: a column of the data, or a seeded hash of the row's values."""
+def tagged(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int) -> DataFrame:
+    """`columns` (as `df` has them), the split tag (SPLIT_COLUMN: true for validation rows) and a 64-bit hash of
+    each row's values (ROW_HASH, never written), computed once per row: a seeded fraction's tag is a function
+    of it, and the fingerprint aggregates it. A validation column's values are hashed too."""
+    hashed = list(columns) + ([validation] if isinstance(validation, str) and validation not in columns else [])
+    salt = int(seed) if isinstance(validation, float) else 0  # the seed matters only to a fraction's split
+    hashed_df = df.select(*hashed, F.xxhash64(F.lit(salt), *[F.col(c) for c in hashed]).alias(ROW_HASH))
     if isinstance(validation, str):
-        return F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
-    if validation:
-        bucket = F.pmod(F.xxhash64(F.lit(int(seed)), *[F.col(c) for c in columns]), F.lit(_SPLIT_BUCKETS))
-        return bucket < F.lit(int(round(float(validation) * _SPLIT_BUCKETS)))
-    return F.lit(False)
+        tag = F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
+    elif validation:
+        bucket = F.pmod(F.col(ROW_HASH), F.lit(_SPLIT_BUCKETS))
+        tag = bucket < F.lit(int(round(float(validation) * _SPLIT_BUCKETS)))
+    else:
+        tag = F.lit(False)
+    return hashed_df.select(*columns, tag.alias(SPLIT_COLUMN), ROW_HASH)
 
 
-def content_aggregates(columns: Sequence[str]) -> List[Column]:
-    """Order-free aggregates of a 64-bit hash of each row (every column, the split tag included): the row count,
-    the exact sum of the hashes and their xor. Equal for the same rows however they are partitioned."""
-    row_hash = F.xxhash64(F.lit(_ROW_HASH_SALT), *[F.col(c) for c in columns])
-    return [F.count(F.lit(1)).alias("fp:rows"), F.sum(row_hash.cast("decimal(20,0)")).alias("fp:sum"),
-            F.bit_xor(row_hash).alias("fp:xor")]
+def content_aggregates() -> List[Column]:
+    """Order-free aggregates of ROW_HASH: the row count, the exact sums of the hash's high and low 32 bits
+    (longs that cannot overflow below 2^31 rows; a decimal sum costs twice as much) and the xor of the hashes.
+    Equal for the same rows however they are partitioned."""
+    row_hash = F.col(ROW_HASH)
+    return [F.count(F.lit(1)).alias("fp:rows"), F.sum(F.shiftrightunsigned(row_hash, 32)).alias("fp:high"),
+            F.sum(row_hash.bitwiseAND(F.lit(0xFFFFFFFF))).alias("fp:low"), F.bit_xor(row_hash).alias("fp:xor")]
 
 
 def fingerprint(metrics: Dict[str, Any]) -> str:
     """The content fingerprint from the aggregates (as `Observation.get` or a collected row gives them)."""
-    parts = [str(int(metrics.get("fp:rows") or 0)), str(metrics.get("fp:sum") or 0), str(metrics.get("fp:xor") or 0)]
+    parts = [str(int(metrics.get(name) or 0)) for name in ("fp:rows", "fp:high", "fp:low", "fp:xor")]
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:24]
 
 
