@@ -195,6 +195,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                       "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                                for r in results),
                       "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
+            stages["materialize_share"] = data.materialize_seconds / (data.materialize_seconds + time.perf_counter()
+                                                                      - started)
             log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
         model = self._model(p, run, output_shapes)
         json_params = {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}
