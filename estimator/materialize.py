@@ -111,14 +111,14 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
                          layout.root)
         found = fingerprint(observation.get)
         result = _committed(store, layout, found, attempt, written, False, started)
+    if store.exists(layout.commit_marker(found)):  # the same rows were committed meanwhile (a concurrent fit)
+        store.rm(layout.attempt(attempt))
+        return _reused(store, layout, found, started, "the same rows, written meanwhile")
     one_off = expected is not None and expected != found
     if one_off:
         log.warning("The DataFrame gave other rows when computed again (a nondeterministic plan: unseeded rand, "
                     "a random UDF, an unordered limit): its copy serves this fit only and is removed when the fit "
                     "ends. Write it to Parquet, or cache or checkpoint it, to reuse one set of rows.")
-    elif store.exists(layout.commit_marker(found)):  # a concurrent fit committed the same rows first: use theirs
-        store.rm(layout.attempt(attempt))
-        return _reused(store, layout, found, started, "the same rows, written meanwhile")
     marker = {"attempt": attempt, "columns": list(columns), "train_rows": result.train_rows,
               "val_rows": result.val_rows, "format": FORMAT_VERSION, "created": time.time(), "files": written,
               "bytes": _size(store, layout.attempt(attempt)), "one_off": one_off}
