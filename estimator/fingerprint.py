@@ -49,24 +49,21 @@ def content_aggregates() -> List[Column]:
 
 def fingerprint(metrics: Dict[str, Any]) -> str:
     """The content fingerprint from the aggregates (as `Observation.get` or a collected row gives them)."""
-    parts = [str(int(metrics.get(name) or 0)) for name in ("fp:rows", "fp:high", "fp:low", "fp:xor")]
-    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:24]
+    return _digest([str(int(metrics.get(name) or 0)) for name in ("fp:rows", "fp:high", "fp:low", "fp:xor")], 24)
 
 
 def shape_key(schema: StructType, validation: Union[None, float, str], seed: int, files: int,
               drop_nulls: bool) -> str:
     """Everything but the rows: the written columns and types, the split, the file count, null handling."""
-    parts = [schema.json(), repr(validation), str(seed if isinstance(validation, float) else None), str(files),
-             str(drop_nulls), str(FORMAT_VERSION)]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+    return _digest([schema.json(), repr(validation), str(seed if isinstance(validation, float) else None),
+                    str(files), str(drop_nulls), str(FORMAT_VERSION)], 16)
 
 
 def plan_key(df: DataFrame, shape: str) -> str:
     """What produced the data, from what classic and Connect sessions both answer: the plan's semantic hash
     (expression ids left out; it covers inline data) and the input files. The same DataFrame gives the same
     key; an equal one built again from Spark ML transformers does not (its UDFs are new objects)."""
-    parts = [str(df.semanticHash()), json.dumps(sorted(df.inputFiles())), shape]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
+    return _digest([str(df.semanticHash()), json.dumps(sorted(df.inputFiles())), shape], 24)
 
 
 def reusable_plan(df: DataFrame) -> bool:
@@ -78,3 +75,7 @@ def reusable_plan(df: DataFrame) -> bool:
     if jdf is None:
         return True
     return bool(jdf.queryExecution().analyzed().deterministic())
+
+
+def _digest(parts: Sequence[str], length: int) -> str:
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:length]

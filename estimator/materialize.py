@@ -35,8 +35,8 @@ from estimator.parquet_writer import write_with_executors
 from estimator.session import job_tag
 from estimator.spec import Piece, total_rows
 from store import Store
-from store.budget import enforce, release, remove, take_lease
-from store.layout import COMMITTED, DataLayout
+from store.budget import enforce, fingerprints, release, remove, take_lease
+from store.layout import DataLayout
 
 log = logging.getLogger("estimator")
 SPARK_WRITES = ("file", "local", "hdfs", "viewfs")  # URLs Spark's own Parquet writer handles everywhere
@@ -81,17 +81,13 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
     if known and store.exists(layout.commit_marker(known)):
         return _reused(store, layout, known, started, "the same DataFrame")
     expected = None
-    if _committed_fingerprints(store, layout):  # data of this shape is there: are these its rows?
+    if fingerprints(store, layout):  # data of this shape is there: are these its rows?
         with job_tag(df.sparkSession, f"TorchEstimator.fit fingerprint {shape}"):
             expected = fingerprint(plain.agg(*content_aggregates()).collect()[0].asDict())
         if store.exists(layout.commit_marker(expected)):
             _remember(plan, expected)
             return _reused(store, layout, expected, started, "the same rows")
-    attempt = uuid.uuid4().hex[:12]
-    observation = Observation(f"checks-{attempt}")
-    written = _write(plain, store, layout.attempt(attempt), columns, files if files > 0 else None, observation,
-                     drop_nulls, layout.root)
-    observed = observation.get
+    attempt, written, observed = _attempt(plain, store, layout, columns, files if files > 0 else None, drop_nulls)
     try:
         check_observed(observed, columns, drop_nulls)
     except ValueError:
@@ -105,11 +101,8 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
         log.info("The DataFrame wrote %d training row groups for %d ranks: writing it again in %d partitions",
                  len(result.train), num_proc, num_proc)
         store.rm(layout.attempt(attempt))
-        attempt = uuid.uuid4().hex[:12]
-        observation = Observation(f"checks-{attempt}")
-        written = _write(plain, store, layout.attempt(attempt), columns, num_proc, observation, drop_nulls,
-                         layout.root)
-        found = fingerprint(observation.get)
+        attempt, written, observed = _attempt(plain, store, layout, columns, num_proc, drop_nulls)
+        found = fingerprint(observed)
         result = _committed(store, layout, found, attempt, written, False, started)
     if store.exists(layout.commit_marker(found)):  # the same rows were committed meanwhile (a concurrent fit)
         store.rm(layout.attempt(attempt))
@@ -160,13 +153,6 @@ def _remember(plan: Optional[Tuple[str, str]], fp: str) -> None:
             _KNOWN_PLANS.popitem(last=False)
 
 
-def _committed_fingerprints(store: Store, layout: DataLayout) -> List[str]:
-    if not store.exists(layout.root):
-        return []
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.ls(layout.root)]
-    return [n[:-len(COMMITTED)] for n in names if n.endswith(COMMITTED)]
-
-
 def _size(store: Store, path: str) -> int:
     try:
         return int(store.fs.du(path, total=True))
@@ -178,6 +164,16 @@ def _selected(df: DataFrame, columns: Sequence[str], validation: Union[None, flo
     """The columns as written (vectors as float arrays), the split tag and the row hash (estimator.fingerprint)."""
     extra = [validation] if isinstance(validation, str) and validation not in columns else []
     return tagged(df.select(*[_as_array(df, c) for c in columns], *extra), columns, validation, seed)
+
+
+def _attempt(plain: DataFrame, store: Store, layout: DataLayout, columns: Sequence[str], partitions: Optional[int],
+             drop_nulls: bool) -> Tuple[str, Optional[Dict[str, List[str]]], Dict[str, Any]]:
+    """One write into a fresh attempt folder: its id, the files written (None: Spark's writer) and what the
+    write job observed (checks and fingerprint)."""
+    attempt = uuid.uuid4().hex[:12]
+    observation = Observation(f"checks-{attempt}")
+    written = _write(plain, store, layout.attempt(attempt), columns, partitions, observation, drop_nulls, layout.root)
+    return attempt, written, observation.get
 
 
 def _write(plain: DataFrame, store: Store, root: str, columns: Sequence[str], partitions: Optional[int],

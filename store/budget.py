@@ -40,12 +40,17 @@ def copies(store: Any) -> List[Copy]:
     found = []
     for root in folders(store, store.path("data")):
         layout = DataLayout(root)
-        for name in _names(store, root):
-            if name.endswith(COMMITTED):
-                fingerprint = name[:-len(COMMITTED)]
-                marker = json.loads(store.read_bytes(layout.commit_marker(fingerprint)))
-                found.append(Copy(layout, fingerprint, marker, last_used(store, layout, fingerprint, marker)))
+        for fingerprint in fingerprints(store, layout):
+            marker = json.loads(store.read_bytes(layout.commit_marker(fingerprint)))
+            found.append(Copy(layout, fingerprint, marker, last_used(store, layout, fingerprint, marker)))
     return found
+
+
+def fingerprints(store: Any, layout: DataLayout) -> List[str]:
+    """The fingerprints of the copies committed in one shape folder (one listing)."""
+    if not store.exists(layout.root):
+        return []
+    return [name[:-len(COMMITTED)] for name in _names(store, layout.root) if name.endswith(COMMITTED)]
 
 
 def last_used(store: Any, layout: DataLayout, fingerprint: str, marker: Dict[str, Any]) -> float:
