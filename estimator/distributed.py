@@ -48,10 +48,11 @@ class FailureKind(str, enum.Enum):
     NAN = "nan"  # a non-finite loss with terminate_on_nan: it would recur
     READ = "read"  # reading the training data from the store
     WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
+    DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
 
     @property
     def retryable(self) -> bool:
-        return self is not FailureKind.NAN
+        return self not in (FailureKind.NAN, FailureKind.DATA)
 
 
 class RankFailed(RuntimeError):

@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from estimator.data import column_max, prepare_arrays, read_head, to_tensors, transform_batch
+from estimator.data import Arrays, column_max, prepare_arrays, read_head, to_tensors, transform_batch
 from estimator.losses import Objective, loss_kind, loss_name
 from estimator.spec import DataSpec, UserObjects
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
 
 
-def dry_run(objs: UserObjects, data: DataSpec) -> List[tuple]:
-    head = read_head(data.store, data.train, HEAD_ROWS, data.columns)
+def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> List[tuple]:
+    """`head`: the first rows when the data is not in the store (the direct mode); else read from it."""
+    head = read_head(data.source, data.train, HEAD_ROWS, data.columns) if head is None else head
     arrays = prepare_arrays(data, head)
     rows = len(head[data.columns[0]])
     if objs.transformation_fn is not None:
@@ -113,7 +114,7 @@ def check_classes(losses: Sequence[Any], outputs: Sequence[torch.Tensor], data: 
                              f"{label!r} has {classes} unit (shape {tuple(out.shape)}); plain PyTorch would refuse "
                              "it too. Return (batch, classes) scores, or use BCEWithLogitsLoss with one output for "
                              "two classes.")
-        largest = [column_max(data.store, pieces, label) for pieces in (data.train, data.val) if pieces]
+        largest = [column_max(data.source, pieces, label) for pieces in (data.train, data.val) if pieces]
         largest = [v for v in largest if v is not None]
         if largest and max(largest) >= classes:
             raise ValueError(f"Label column {label!r} holds class {max(largest):g}, but the model's output has "

@@ -25,8 +25,10 @@ from estimator import checks
 from estimator.compression import compression_name
 from estimator.checkpoint import Position, describe, load_checkpoint, position_of
 from estimator.data import list_pieces, parquet_columns
-from estimator.distributed import RankFailed
-from estimator.dry_run import dry_run
+from estimator.data.row_checks import BadRows
+from estimator.direct import direct_source, head
+from estimator.distributed import FailureKind, RankFailed
+from estimator.dry_run import HEAD_ROWS, dry_run
 from estimator.finite import non_finite_losses
 from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
@@ -75,6 +77,11 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
+        if p["data_mode"] == "direct":
+            plain, source = direct_source(df, columns, p["validation"], run.split_seed, run.num_proc, p["drop_nulls"])
+            data = DataSpec(run.store, (), (), tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
+                            checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]))
+            return self._train(p, run, data, df.sparkSession, source, head(plain, columns, HEAD_ROWS))
         materialize_started = time.perf_counter()
         m = materialize(df, run.store, columns, p["validation"], run.split_seed, run.num_proc,
                         p["partitions_per_process"], p["drop_nulls"])
@@ -117,6 +124,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             from estimator.data.petastorm import check_petastorm
 
             check_petastorm()
+            if p["data_mode"] == "direct":
+                raise ValueError("reader='petastorm' reads Parquet files from the store, and data_mode='direct' "
+                                 "writes none. Set reader='arrow' or data_mode='materialize'.")
             if p["checkpoint_steps"] is not None:
                 raise ValueError("checkpoint_steps needs the default reader='arrow': petastorm's training stream runs "
                                  "across epochs, so a position inside an epoch cannot be resumed. Set "
@@ -154,12 +164,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id,
                        monitor)
 
-    def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession) -> TorchModel:
+    def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
+               first_rows: Optional[Dict[str, Any]] = None) -> TorchModel:
+        """`source` and `first_rows`: the direct mode's input DataFrame (estimator.direct) and its first rows."""
         started = time.perf_counter()
         num_proc, store, run_id = run.num_proc, run.store, run.run_id
-        check_rows(data, num_proc, p["reader"])
+        if source is None:
+            check_rows(data, num_proc, p["reader"])
         checked = time.perf_counter()
-        output_shapes = dry_run(run.objs, data)
+        output_shapes = dry_run(run.objs, data, first_rows)
         dry_run_seconds = time.perf_counter() - checked
         # The fields named as params take the param's value; the rest are derived here, once.
         derived = dict(data=data, payload=run.payload, run=store.run(run_id), seed=run.seed,
@@ -176,7 +189,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
                                                                     "run_id": run_id}).encode())
         launched = time.perf_counter()
-        results = self._launch_with_retries(p, run, spec, spark)
+        results = self._launch_with_retries(p, run, spec, spark, source)
         launch_seconds = time.perf_counter() - launched
         if results:
             log.info("Trained run %s on %d ranks (%s, gradients averaged by %s) in %.1fs", run_id, len(results),
@@ -194,7 +207,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                       "teardown_s": max(r.teardown_seconds for r in results),
                       "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                                for r in results),
-                      "train_rows": data.train_rows, "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
+                      "train_rows": sum(r.train_rows for r in results) if source is not None else data.train_rows,
+                      "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
+            if source is not None:  # the DataFrame computed into the ranks, and their local copies (in launch_s)
+                stages["direct_spill_s"] = max(r.spill_seconds for r in results)
             stages["materialize_share"] = data.materialize_seconds / (data.materialize_seconds + time.perf_counter()
                                                                       - started)
             log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
@@ -207,11 +223,11 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             store.rm(store.run(run_id).root)
         return model
 
-    def _launch_with_retries(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec, spark: SparkSession
-                             ) -> List[WorkerResult]:
+    def _launch_with_retries(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec, spark: SparkSession,
+                             source: Any = None) -> List[WorkerResult]:
         """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
         times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
-        checkpoint already has every requested epoch."""
+        checkpoint already has every requested epoch. In the direct mode every launch computes `source`."""
         retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
         launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
         for attempt in range(retries + 1):
@@ -231,8 +247,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                              resume_from=spec.run.checkpoint if done.epochs or done.step else None)
             try:
                 with self._watching(p, run, spec):
-                    return launcher.run(launch, run.num_proc)
+                    return launcher.run(launch, run.num_proc, source)
             except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
+                if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
+                    raise BadRows(exc.summary.split(": ", 1)[-1]) from None  # as a materialized fit raises it
                 if attempt >= retries or not retryable(exc):
                     if attempt:
                         log.error("Run %s failed on attempt %d of %d; giving up", run.run_id, attempt + 1,
@@ -355,6 +373,9 @@ def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
     if arrow and processes and p["transformation_fn"] is None:
         ignored.append(("reader_pool_type", "the arrow reader's processes run transformation_fn, and there is none: "
                                             "batches are converted on threads."))
+    if p["data_mode"] == "direct" and p["partitions_per_process"] is not None:
+        ignored.append(("partitions_per_process", "it sets the Parquet files written when materializing, and "
+                                                  "data_mode='direct' writes none: each rank takes one partition."))
     if not arrow and p["shuffle_buffer_size"] is not None:
         ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
                                                "groups and rows its own way."))

@@ -15,8 +15,9 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from estimator.data.spill import SPLIT_COLUMN  # the written tag, a partition folder of each copy: __is_val=true/false
+
 FORMAT_VERSION = 2  # 2: the split by row hash, content fingerprints
-SPLIT_COLUMN = "__is_val"  # the written tag, a partition folder of each copy: __is_val=true / false
 ROW_HASH = "__row_hash"  # computed while writing, never written
 _SPLIT_BUCKETS = 1 << 30
 

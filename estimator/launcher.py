@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -32,6 +33,7 @@ from estimator.faults import Fault, from_env, inject
 from estimator.session import job_tag
 from estimator.spec import TrainSpec, WorkerResult
 from estimator.data import EarlyRead
+from estimator.data.spill import Spilled, rank_data, spill, spill_root
 from estimator.worker import train_worker
 
 log = logging.getLogger("estimator")
@@ -55,13 +57,16 @@ class SparkBarrierLauncher:
         self.spark = spark
         self.description = description
 
-    def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
+    def run(self, spec: TrainSpec, num_proc: int, source: Any = None) -> List[WorkerResult]:
+        """`source`: the direct mode's DataFrame in num_proc partitions (estimator.direct); the ranks are the
+        barrier tasks of its last stage and train on their partitions' rows."""
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
         store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id),
                                  pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt,
-                                 FAILED_RANK_WAIT)
-        ranks = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(task, RESULT_SCHEMA, barrier=True)
+                                 FAILED_RANK_WAIT, spec.data.columns if source is not None else None)
+        ranks = (source if source is not None else self.spark.range(0, num_proc, 1, num_proc)).mapInArrow(
+            task, RESULT_SCHEMA, barrier=True)
         try:
             with job_tag(self.spark, f"{self.description} {spec.launch_id}") as cancel, \
                     FailureWatch(store, spec.run, spec.launch_id, num_proc, cancel):
@@ -132,18 +137,23 @@ def rank_failure(text: str) -> Optional[RankFailed]:
 
 
 def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...], attempt: int, wait: float,
-                  batches: Iterator[Any]) -> Iterator[Any]:
+                  direct: Optional[Tuple[str, ...]], batches: Iterator[Any]) -> Iterator[Any]:
     """One rank, as a barrier task of mapInArrow: its result as one row; on failure, a record in the store
     (what failed, and its traceback) for the driver, which stops the job (estimator.failure_watch); the error
-    goes to Spark only when the record could not be written or the driver wrote no stop marker in `wait` s."""
+    goes to Spark only when the record could not be written or the driver wrote no stop marker in `wait` s.
+    The input is one row (its partition id is the rank), or in the direct mode the rank's rows: `direct` names
+    the columns spilled to local disk before the rendezvous."""
     from pyspark import BarrierTaskContext
 
-    for _ in batches:  # the task's one input row; its partition id is the rank
-        pass
     rank = BarrierTaskContext.get().partitionId()
+    root = spill_root(f"{launch_id}-rank{rank}")
     stopped = False
     try:
-        result = _spark_rank(store.read_bytes(run.launch_spec(launch_id)), faults, attempt)
+        spilled = spill(batches, root, direct) if direct is not None else None
+        if spilled is None:
+            for _ in batches:
+                pass
+        result = _spark_rank(store.read_bytes(run.launch_spec(launch_id)), faults, attempt, spilled)
     except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it is
         failure = as_rank_failure(rank, exc)
         try:
@@ -156,6 +166,9 @@ def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...
             raise failure from None
         yield _result_row(rank, b"")  # failed, and stopped: the driver raises the failure from the records
         return
+    finally:
+        if direct is not None:
+            shutil.rmtree(root, ignore_errors=True)
     yield _result_row(rank, pickle.dumps(result))
 
 
@@ -166,9 +179,11 @@ def _result_row(rank: int, result: bytes) -> Any:
                                       schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
 
 
-def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> WorkerResult:
+def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, spilled: Optional[Spilled] = None
+                ) -> WorkerResult:
     """The body of one barrier task: meet through Spark once (rank 0's store port), check in at that
-    store (naming late ranks), then train. Each step has the rendezvous timeout."""
+    store (naming late ranks), then train. Each step has the rendezvous timeout (in the direct mode, Spark's
+    barrier waits that long plus the time this rank took to receive its rows: the peers receive theirs too)."""
     from pyspark import BarrierTaskContext
 
     started = time.perf_counter()
@@ -179,7 +194,8 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> W
     hosts = [info.address.rsplit(":", 1)[0] for info in task.getTaskInfos()]
     world, timeout = len(hosts), spec.rendezvous_timeout
     arrived = _announce(spec, rank, hosts[rank])
-    early = EarlyRead.for_spec(spec, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
+    early = (EarlyRead.for_spec(spec, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
+             if spilled is None else None)
     server: Optional[TCPStore] = None
     assigned = assigned_gpu(task)
     message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}
@@ -187,12 +203,17 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> W
         server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
                           wait_for_workers=False)
         message["port"] = server.port
-    replies = _all_gather(task, json.dumps(message), timeout, while_waiting=lambda: _warm_up(early))
+    if spilled is not None:
+        message["rows"] = spilled.counts
+    replies = _all_gather(task, json.dumps(message), timeout + (spilled.seconds if spilled else 0.0),
+                          while_waiting=lambda: _warm_up(early))
     if replies is None:
         arrived.join(5)
         raise RendezvousFailed(rank, _late_at_barrier(spec, rank, hosts, timeout))
     gathered = [json.loads(m) for m in replies]
     port = gathered[0]["port"]
+    if spilled is not None:  # every rank the same checks over all ranks' rows, and the same plan
+        spec = replace(spec, data=rank_data(spec.data, spilled, [m["rows"] for m in gathered]))
     local_rank = hosts[:rank].count(hosts[rank])
     torch.set_num_threads(max(1, int(task.cpus())))  # the cores Spark gave this task, not every core of the host
     try:  # the same decision on every rank, from gathered facts: all ranks fail alike or none does
@@ -213,7 +234,8 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int) -> W
     early = None  # noqa: F841 - the shard it read goes with it
     total = time.perf_counter() - started
     return replace(result, setup_seconds=total - result.seconds - result.teardown_seconds,
-                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   spill_seconds=spilled.seconds if spilled is not None else 0.0)
 
 
 def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:

@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
 from estimator.data import list_pieces, pieces_of_files
+from estimator.data.row_checks import check_observed
 from estimator.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, content_aggregates, fingerprint, plan_key,
                                    reusable_plan, shape_key, tagged)
 from estimator.parquet_writer import write_with_executors
@@ -72,7 +73,7 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
     least num_proc."""
     started = time.perf_counter()
     files = num_proc * partitions_per_process if partitions_per_process else -num_proc  # < 0: "at least"
-    plain = _selected(df, columns, validation, seed)
+    plain = selected(df, columns, validation, seed)
     shape = shape_key(plain.schema, validation, seed, files, drop_nulls)
     layout = store.data(f"{shape}-{abs(files)}")
     plan = (store.url(store.root), plan_key(df, shape)) if reusable_plan(df) else None
@@ -160,7 +161,7 @@ def _size(store: Store, path: str) -> int:
         return 0
 
 
-def _selected(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int) -> DataFrame:
+def selected(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int) -> DataFrame:
     """The columns as written (vectors as float arrays), the split tag and the row hash (estimator.fingerprint)."""
     extra = [validation] if isinstance(validation, str) and validation not in columns else []
     return tagged(df.select(*[_as_array(df, c) for c in columns], *extra), columns, validation, seed)
@@ -185,7 +186,7 @@ def _write(plain: DataFrame, store: Store, root: str, columns: Sequence[str], pa
     # Elements are looked at only where the type allows null elements (not vector_to_array's or F.array's of
     # non-null values): a lambda over every element costs 15% of the write (1M rows x 32 floats).
     nullable = [c for c in arrays if plain.schema[c].dataType.containsNull]
-    bad = {c: _has_null(F.col(c), c in nullable) for c in columns}
+    bad = {c: has_null(F.col(c), c in nullable) for c in columns}
     checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
     for c in arrays:
         size = F.when(~bad[c], F.size(F.col(c)))
@@ -222,32 +223,9 @@ def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:
     return list_pieces(store, directory) if store.exists(directory) else ()
 
 
-def _has_null(column: Column, is_array: bool) -> Column:
+def has_null(column: Column, is_array: bool) -> Column:
     """The value is null, or (for arrays) holds a null element."""
     return column.isNull() | F.exists(column, lambda x: x.isNull()) if is_array else column.isNull()
-
-
-def check_observed(metrics: Dict[str, Any], columns: Sequence[str], drop_nulls: bool) -> None:
-    """Nulls and ragged arrays, measured while writing: an error naming the column, the count and the fix."""
-    rows = int(metrics.get("rows") or 0)
-    nulls = {c: int(metrics.get(f"nulls:{c}") or 0) for c in columns}
-    if drop_nulls:
-        dropped = {c: n for c, n in nulls.items() if n}
-        if dropped:
-            log.warning("drop_nulls=True: skipped the rows with nulls (%s) of %d rows", ", ".join(
-                f"{c}: {n}" for c, n in dropped.items()), rows)
-    else:
-        for column, count in nulls.items():
-            if count:
-                raise ValueError(f"Column {column!r} has {count} rows with null values (of {rows} rows). Fill or drop "
-                                 "them first (df.fillna / df.dropna), or set drop_nulls=True to skip those rows.")
-    for column in columns:
-        low, high = metrics.get(f"min:{column}"), metrics.get(f"max:{column}")
-        if low is not None and low != high:
-            raise ValueError(f"Column {column!r} holds arrays of different lengths ({low} to {high} values per row); "
-                             "every row must have the same number of values. Pad or filter them first.")
-        if low == 0:
-            raise ValueError(f"Column {column!r} holds empty arrays; every row needs at least one value.")
 
 
 def _as_array(df: DataFrame, name: str):

@@ -117,6 +117,10 @@ ESTIMATOR_PARAMS = [
     ParamSpec("mlflow", "log params, every epoch's metrics, the best epoch and the trained model to MLflow: None when "
               "mlflow is installed and a run is active at fit; True always (a run is started when none is); False "
               "never", None, optional(is_bool), "True, False or None"),
+    ParamSpec("data_mode", "'materialize': the rows are written to the store as Parquet once and reused by later fits "
+              "on the same rows; 'direct': no copy, the ranks take their rows from the DataFrame's own Spark stage "
+              "and keep them on local disk for the fit (README 'Materialized or direct')", "materialize",
+              lambda v: v in ("materialize", "direct"), "'materialize' or 'direct'"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("backward_passes_per_step", "batches whose gradients are accumulated before each optimizer step", 1,

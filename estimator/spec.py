@@ -35,6 +35,13 @@ class DataSpec:
     input_shapes: Optional[Tuple[Shape, ...]] = None
     label_shapes: Optional[Tuple[Shape, ...]] = None
     materialize_seconds: float = 0.0  # driver-side, for the fit's stage report
+    local: Optional[Store] = None  # direct mode: train and val are this rank's own rows, spilled to this store
+    largest_shard: int = 0  # direct mode: the most training rows a rank holds (each rank draws that many)
+
+    @property
+    def source(self) -> Store:
+        """Where the train and val pieces lie: the store, or this rank's local spill."""
+        return self.local if self.local is not None else self.store
 
     @property
     def train_rows(self) -> int:
@@ -138,3 +145,4 @@ class WorkerResult:
     read_wait_seconds: float = 0.0  # of `seconds`, the time training waited for those shards
     data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
     train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)
+    spill_seconds: float = 0.0  # direct mode: receiving this rank's rows from Spark and writing them to local disk

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -44,12 +44,13 @@ class CachedShard:
     """A rank's rows [start, stop), read once with pyarrow.dataset and kept in memory."""
 
     def __init__(self, spec, pieces, start: int, stop: int, rank: int, world_size: int, training: bool,
-                 reason: str = ""):
+                 reason: str = "", total: Optional[int] = None):
         data = spec.data
-        self.shard = ShardBatches(prepare_arrays(data, read_rows(data.store, pieces, start, stop, data.columns)),
+        self.shard = ShardBatches(prepare_arrays(data, read_rows(data.source, pieces, start, stop, data.columns)),
                                   stop - start)
         self.spec, self.rank, self.world_size, self.training = spec, rank, world_size, training
-        self.rows, self.total, self.reason = stop - start, total_rows(pieces), reason
+        self.rows, self.reason = stop - start, reason
+        self.total = total_rows(pieces) if total is None else total  # the rows the plan spreads over the ranks
 
     def plan(self) -> EpochPlan:
         return plan_epoch(self.spec, self.total, self.rows, self.world_size, self.training)

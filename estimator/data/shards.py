@@ -19,7 +19,7 @@ from estimator.data.parquet import estimated_bytes, shard_range, spans
 from estimator.data.plan import EpochPlan
 from estimator.data.streaming import StreamingShard
 from estimator.faults import Fault, inject
-from estimator.spec import TrainSpec, total_rows
+from estimator.spec import TrainSpec
 
 HOST_MEMORY_SHARE = 0.25  # of the host's memory, shared by the ranks on it, without spark.executor.pyspark.memory
 CACHE_OVERHEAD = 2  # reading into memory holds Arrow's table and the numpy arrays at once
@@ -65,8 +65,13 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
 
         train = PetastormShard(spec, data.train, rank, world_size, training=True)
         return train, PetastormShard(spec, data.val, rank, world_size, training=False) if data.val else None
-    ranges = {"train": shard_range(data.train_rows, rank, world_size),
-              "val": shard_range(data.val_rows, rank, world_size)}
+    if data.local is not None:  # the direct mode: the rank's own rows, the plan over the largest shard
+        ranges = {"train": (0, data.train_rows), "val": (0, data.val_rows)}
+        totals = {"train": data.largest_shard * world_size, "val": data.val_rows}
+    else:
+        ranges = {"train": shard_range(data.train_rows, rank, world_size),
+                  "val": shard_range(data.val_rows, rank, world_size)}
+        totals = {"train": data.train_rows, "val": data.val_rows}
     parts = {"train": spans(data.train, *ranges["train"]), "val": spans(data.val, *ranges["val"])}
     needed = CACHE_OVERHEAD * (estimated_bytes(parts["train"]) + estimated_bytes(parts["val"]))
     cached, why = cache_decision(spec.reader.inmemory_cache_all, needed,
@@ -77,8 +82,8 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
     def open_one(split: str, training: bool) -> Shard:
         pieces = data.train if training else data.val
         if cached:
-            return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why)
-        return StreamingShard(spec, parts[split], total_rows(pieces), rank, world_size, training, buffer_rows, why)
+            return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why, totals[split])
+        return StreamingShard(spec, parts[split], totals[split], rank, world_size, training, buffer_rows, why)
 
     return open_one("train", True), open_one("val", False) if data.val else None
 

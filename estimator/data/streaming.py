@@ -68,7 +68,7 @@ class StreamingShard:
                     return
 
     def _span(self, span: Span, shuffle: bool) -> Iterator[Arrays]:
-        chunks = read_span(self.spec.data.store, span, self.spec.data.columns, chunk_rows(span))
+        chunks = read_span(self.spec.data.source, span, self.spec.data.columns, chunk_rows(span))
         return pieces(chunks, PIECE_ROWS) if shuffle else chunks
 
     def describe(self) -> str:

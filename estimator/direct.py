@@ -1,0 +1,43 @@
+"""The direct mode (data_mode='direct'): no copy of the data in the store. The ranks are the barrier tasks of
+the DataFrame's own last stage: the columns and split tag as materialize selects them (estimator.materialize),
+spread over num_proc partitions round robin (even shards; Spark sorts each input partition first, so the same
+rows go to the same rank every time), each partition sorted by its rows' hash so that a retry receives its rows
+in the same order and a resume inside an epoch continues exactly. Each rank spills what it receives to local
+disk (estimator.data.spill) and trains on it. A retry computes the DataFrame again."""
+from __future__ import annotations
+
+import functools
+from typing import Sequence, Tuple, Union
+
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType
+
+from estimator.data import Arrays
+from estimator.data.arrays import table_to_arrays
+from estimator.fingerprint import ROW_HASH, SPLIT_COLUMN
+from estimator.materialize import has_null, selected
+
+
+def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
+                  num_proc: int, drop_nulls: bool) -> Tuple[DataFrame, DataFrame]:
+    """(the selected rows, the same rows as the ranks' input: num_proc partitions, each in row-hash order)."""
+    plain = selected(df, columns, validation, seed)
+    if drop_nulls:
+        types = {c: plain.schema[c].dataType for c in columns}
+        bad = [has_null(F.col(c), isinstance(t, ArrayType) and t.containsNull) for c, t in types.items()]
+        plain = plain.filter(~functools.reduce(lambda a, b: a | b, bad))
+    source = plain.repartition(num_proc).sortWithinPartitions(ROW_HASH).select(*columns, SPLIT_COLUMN)
+    return plain, source
+
+
+def head(plain: DataFrame, columns: Sequence[str], rows: int) -> Arrays:
+    """The first `rows` rows, for the driver's dry run (a small job: Spark computes only what the limit needs)."""
+    first = plain.select(*columns).limit(rows)
+    if hasattr(first, "toArrow"):  # Spark 4, classic and Connect
+        table = first.toArrow()
+    else:  # Spark 3.5, classic
+        batches = first._collect_as_arrow()
+        table = pa.Table.from_batches(batches) if batches else None
+    return table_to_arrays(table, columns)
