@@ -22,14 +22,15 @@ from estimator.materialize import has_null, selected
 
 def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
                   num_proc: int, drop_nulls: bool) -> Tuple[DataFrame, DataFrame]:
-    """(the selected rows, the same rows as the ranks' input: num_proc partitions, each in row-hash order)."""
+    """(the selected rows without nulls, for the dry run's head; the ranks' input: num_proc partitions, each in
+    row-hash order). Rows with nulls reach the ranks unless drop_nulls: the ranks count them, exactly."""
     plain = selected(df, columns, validation, seed)
-    if drop_nulls:
-        types = {c: plain.schema[c].dataType for c in columns}
-        bad = [has_null(F.col(c), isinstance(t, ArrayType) and t.containsNull) for c, t in types.items()]
-        plain = plain.filter(~functools.reduce(lambda a, b: a | b, bad))
-    source = plain.repartition(num_proc).sortWithinPartitions(ROW_HASH).select(*columns, SPLIT_COLUMN)
-    return plain, source
+    types = {c: plain.schema[c].dataType for c in columns}
+    bad = functools.reduce(lambda a, b: a | b, [has_null(F.col(c), isinstance(t, ArrayType) and t.containsNull)
+                                                for c, t in types.items()])
+    clean = plain.filter(~bad)
+    source = (clean if drop_nulls else plain).repartition(num_proc).sortWithinPartitions(ROW_HASH)
+    return clean, source.select(*columns, SPLIT_COLUMN)
 
 
 def head(plain: DataFrame, columns: Sequence[str], rows: int) -> Arrays:

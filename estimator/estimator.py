@@ -123,10 +123,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if p["reader"] == "petastorm":
             from estimator.data.petastorm import check_petastorm
 
-            check_petastorm()
             if p["data_mode"] == "direct":
                 raise ValueError("reader='petastorm' reads Parquet files from the store, and data_mode='direct' "
                                  "writes none. Set reader='arrow' or data_mode='materialize'.")
+            check_petastorm()
             if p["checkpoint_steps"] is not None:
                 raise ValueError("checkpoint_steps needs the default reader='arrow': petastorm's training stream runs "
                                  "across epochs, so a position inside an epoch cannot be resumed. Set "
