@@ -33,7 +33,7 @@ from estimator.faults import Fault, from_env, inject
 from estimator.session import job_tag
 from estimator.spec import TrainSpec, WorkerResult
 from estimator.data import EarlyRead
-from estimator.data.spill import Spilled, rank_data, spill, spill_root
+from estimator.data.spill import Spilled, local_data, rank_data, spill, spill_root
 from estimator.worker import train_worker
 
 log = logging.getLogger("estimator")
@@ -194,8 +194,8 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, spil
     hosts = [info.address.rsplit(":", 1)[0] for info in task.getTaskInfos()]
     world, timeout = len(hosts), spec.rendezvous_timeout
     arrived = _announce(spec, rank, hosts[rank])
-    early = (EarlyRead.for_spec(spec, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
-             if spilled is None else None)
+    own = replace(spec, data=local_data(spec.data, spilled)) if spilled is not None else spec
+    early = EarlyRead.for_spec(own, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
     server: Optional[TCPStore] = None
     assigned = assigned_gpu(task)
     message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}
@@ -213,7 +213,9 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, spil
     gathered = [json.loads(m) for m in replies]
     port = gathered[0]["port"]
     if spilled is not None:  # every rank the same checks over all ranks' rows, and the same plan
-        spec = replace(spec, data=rank_data(spec.data, spilled, [m["rows"] for m in gathered]))
+        spec = replace(own, data=rank_data(own.data, [m["rows"] for m in gathered]))
+        if early is not None:
+            early.plan_over(spec.data.largest_shard * world)
     local_rank = hosts[:rank].count(hosts[rank])
     torch.set_num_threads(max(1, int(task.cpus())))  # the cores Spark gave this task, not every core of the host
     try:  # the same decision on every rank, from gathered facts: all ranks fail alike or none does

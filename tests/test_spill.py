@@ -12,7 +12,7 @@ from torch import nn
 from estimator.data import open_shards
 from estimator.data.cached import CachedShard
 from estimator.data.row_checks import BadRows, batch_counts, merged
-from estimator.data.spill import ROW_GROUP_BYTES, SPLIT_COLUMN, rank_data, spill
+from estimator.data.spill import ROW_GROUP_BYTES, SPLIT_COLUMN, local_data, rank_data, spill
 from estimator.data.streaming import StreamingShard
 from helpers import MLP, make_spec
 
@@ -56,7 +56,7 @@ def _rank_spec(store, digits, tmp_path, rank, counts_of_ranks, spilled, **reader
     model = MLP()
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=100, val_rows=20)
     spec = dataclasses.replace(spec, batch_size=100, reader=dataclasses.replace(spec.reader, **reader))
-    return dataclasses.replace(spec, data=rank_data(spec.data, spilled, counts_of_ranks))
+    return dataclasses.replace(spec, data=rank_data(local_data(spec.data, spilled), counts_of_ranks))
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -88,3 +88,21 @@ def test_the_checks_run_over_every_ranks_rows(store, digits, tmp_path):
         _rank_spec(store, digits, tmp_path, 0, [ok.counts, dict(ok.counts, **{"nulls:features": 3})], ok)
     with pytest.raises(BadRows, match=r"Column 'features' holds arrays of different lengths \(2 to 64"):
         _rank_spec(store, digits, tmp_path, 0, [ok.counts, dict(ok.counts, **{"min:features": 2})], ok)
+
+
+def test_a_shard_read_during_the_rendezvous_is_planned_over_every_ranks_rows(store, digits, tmp_path):
+    """The direct mode reads its spilled shard while Spark's barrier polls, before it knows the peers' counts;
+    the plan then spreads the largest shard's rows, as if the counts had been known from the start."""
+    from estimator.data import EarlyRead
+
+    small = spill(_batches(3, 1000), str(tmp_path / "r0"), ["features", "label"])
+    large = spill(_batches(4, 1000, start=10**6), str(tmp_path / "r1"), ["features", "label"])
+    model = MLP()
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=100, val_rows=20)
+    own = dataclasses.replace(spec, batch_size=100, data=local_data(spec.data, small))
+    early = EarlyRead.for_spec(own, 0, 2)
+    early.begin()
+    early.plan_over(rank_data(own.data, [small.counts, large.counts]).largest_shard * 2)
+    train, _ = early.result(0, 2)
+    assert (train.plan().items, train.plan().steps) == (3200, 32)
+    assert len(np.concatenate([b["label"] for b in train.epoch(0)])) == 3200

@@ -28,7 +28,8 @@ SHUFFLE_BUFFER_ROWS = (1_000, 100_000)
 
 
 class Shard(Protocol):
-    rows: int
+    rows: int  # this rank's rows
+    total: int  # the rows the plan spreads over the ranks (every rank draws total / world_size a training epoch)
 
     def plan(self) -> EpochPlan: ...
 
@@ -115,6 +116,7 @@ class EarlyRead:
         self.rank, self.world_size = rank, world_size
         self.seconds = 0.0  # the read itself
         self._box: Dict[str, Any] = {}
+        self._train_total: Optional[int] = None
         self._thread = threading.Thread(target=self._read, args=(spec, faults, attempt, ranks_on_host), daemon=True,
                                         name=f"shard-read-rank-{rank}")
 
@@ -131,6 +133,11 @@ class EarlyRead:
             self._box["error"] = exc
         self.seconds = time.perf_counter() - started
 
+    def plan_over(self, total_train: int) -> None:
+        """The direct mode: the training rows the plan spreads over the ranks, known only after the rendezvous
+        that this read overlaps (every rank draws as many as the largest shard holds)."""
+        self._train_total = total_train
+
     def result(self, rank: int, world_size: int) -> Tuple[Shard, Optional[Shard]]:
         if (rank, world_size) != (self.rank, self.world_size):
             raise RuntimeError(f"shards read early for rank {self.rank} of {self.world_size}, "
@@ -140,7 +147,10 @@ class EarlyRead:
         box, self._box = self._box, {}  # the arrays belong to the shards from here on
         if "error" in box:
             raise box["error"]
-        return box["shards"]
+        train, val = box["shards"]
+        if self._train_total is not None:
+            train.total = self._train_total
+        return train, val
 
     @classmethod
     def for_spec(cls, spec: TrainSpec, rank: int, world_size: int, faults: Tuple[Fault, ...] = (),

@@ -73,21 +73,27 @@ def spill(batches: Iterable[pa.RecordBatch], root: str, columns: Sequence[str]) 
     return Spilled(root, total, time.perf_counter() - started)
 
 
-def rank_data(data: DataSpec, spilled: Spilled, ranks: Sequence[Dict[str, Any]]) -> DataSpec:
-    """This rank's DataSpec over its spilled rows, from every rank's counts (`ranks`, in rank order): the same
-    checks, with the same outcome, on every rank; every rank plans as many draws as the largest shard has."""
-    check_observed(merged(ranks), data.columns, drop_nulls=False)
+def local_data(data: DataSpec, spilled: Spilled) -> DataSpec:
+    """This rank's DataSpec over its spilled rows, before it knows the other ranks' counts (`rank_data`): its
+    shards can be read while Spark's barrier polls."""
+    local = LocalStore(spilled.root)
+    pieces = {val: pieces_of_files(local, [os.path.join(spilled.root, name)])
+              if os.path.exists(os.path.join(spilled.root, name)) else () for val, name in SPLITS.items()}
+    return replace(data, train=pieces[False], val=pieces[True], local=local,
+                   largest_shard=spilled.counts["train_rows"])
+
+
+def rank_data(local: DataSpec, ranks: Sequence[Dict[str, Any]]) -> DataSpec:
+    """`local_data`'s DataSpec, given every rank's counts (`ranks`, in rank order): the same checks, with the
+    same outcome, on every rank; every rank plans as many draws as the largest shard has."""
+    check_observed(merged(ranks), local.columns, drop_nulls=False)
     empty = [rank for rank, c in enumerate(ranks) if not c.get("train_rows")]
     if empty:
         total = sum(c.get("train_rows", 0) for c in ranks)
         raise BadRows(f"data_mode='direct': rank(s) {empty} received no training rows of the DataFrame ({total} "
                       f"training rows over {len(ranks)} ranks): every rank needs at least one. Use more rows, a "
                       "smaller validation, fewer processes, or data_mode='materialize'.")
-    local = LocalStore(spilled.root)
-    pieces = {val: pieces_of_files(local, [os.path.join(spilled.root, name)])
-              if os.path.exists(os.path.join(spilled.root, name)) else () for val, name in SPLITS.items()}
-    return replace(data, train=pieces[False], val=pieces[True], local=local,
-                   largest_shard=max(c["train_rows"] for c in ranks))
+    return replace(local, largest_shard=max(c["train_rows"] for c in ranks))
 
 
 class _SplitWriter:
