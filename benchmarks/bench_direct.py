@@ -20,7 +20,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_materialize import WIDTH, arrays_frame, timed  # noqa: E402 - sets the Spark environment first

@@ -7,7 +7,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from torch import nn
 
 from estimator.data import open_shards
 from estimator.data.cached import CachedShard
