@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
+import torch
 from torch import nn
 
 from estimator.losses import Objective, check_metrics
@@ -48,6 +49,7 @@ def check_params(p: Dict[str, Any]) -> None:
     if p["precision"] == "16-mixed" and p["use_gpu"] is False:
         raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
                          "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")
+    check_compile(p["compile"], p["model"])
     used = list(p["feature_cols"]) + list(p["label_cols"])
     overlap = sorted({c for c in used if used.count(c) > 1})
     if overlap:
@@ -132,3 +134,15 @@ def monitor_for(p: Dict[str, Any], losses: Sequence[Any], has_validation: bool) 
         raise ValueError(f"{OWNER} keeps no best checkpoint with save_top_k=0, so restore_best=True has nothing to "
                          "restore. Set save_top_k >= 1 or restore_best=False.")
     return Monitor(key, p["monitor_mode"] or default_mode(key), float(p["min_delta"]), p["early_stopping_patience"])
+
+
+def check_compile(setting: Any, model: nn.Module) -> None:
+    """torch.compile checks its mode, backend and keyword names when it wraps a module (lazily: nothing is
+    compiled here), so a typo fails on the driver, not on every rank."""
+    if setting is False:
+        return
+    try:
+        torch.compile(model, **(setting if isinstance(setting, dict) else {}))
+    except Exception as exc:  # noqa: BLE001 - torch's own message says what it accepts
+        raise ValueError(f"The 'compile' parameter of {OWNER} was refused by torch.compile: {type(exc).__name__}: "
+                         f"{exc}") from None

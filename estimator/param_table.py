@@ -110,6 +110,11 @@ ESTIMATOR_PARAMS = [
     ParamSpec("precision", "'32'; 'bf16-mixed': forward and loss under torch.autocast in bfloat16 (CPU or GPU); "
               "'16-mixed': float16 autocast with a GradScaler (CUDA only)", "32",
               lambda v: v in ("32", "bf16-mixed", "16-mixed"), "'32', 'bf16-mixed' or '16-mixed'"),
+    ParamSpec("compile", "torch.compile the model on every rank before DistributedDataParallel wraps it: False, True, "
+              "or a dict of torch.compile keyword arguments (e.g. {'mode': 'max-autotune'}); checkpoints and the "
+              "TorchModel hold the plain module's weights", False,
+              lambda v: isinstance(v, bool) or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+              "True, False or a dict of torch.compile keyword arguments"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "

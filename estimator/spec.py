@@ -104,6 +104,7 @@ class TrainSpec:
     log_every_n_steps: int = 50  # the training loss goes to TensorBoard every N optimizer steps
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
+    compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
 
 
 @dataclass

@@ -51,7 +51,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         if scheduler is not None and state.get("lr_scheduler") is not None:
             scheduler.load_state_dict(state["lr_scheduler"])
     history = [dict(row) for row in state["history"]] if state is not None else []
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(compiled(model, spec.compile), device_ids=[device.index] if device.type == "cuda"
+                                  else None)
     comm = None
     if spec.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -73,6 +74,16 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     finally:
         if comm is not None:
             comm.close()
+
+
+def compiled(model: nn.Module, setting: Any) -> nn.Module:
+    """The module DDP wraps: `model` itself, or with compile=True/kwargs `torch.compile(model)`, which shares
+    its parameters (the checkpoints save `model`, so they hold the plain module's keys). Compiling the inner
+    module, not the DDP wrapper, keeps DDP's gradient hooks (and the shared-memory averaging) outside the
+    compiled graph."""
+    if setting is False or setting is None:
+        return model
+    return torch.compile(model, **(setting if isinstance(setting, dict) else {}))
 
 
 def gradient_bytes(model: nn.Module) -> int:
