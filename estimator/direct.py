@@ -9,18 +9,15 @@ Round robin (`repartition(n)`) would give shards equal to a row, but Spark sorts
 rows to make it deterministic: 7.5 s instead of 4.9 s to hand 4M rows x 32 floats to 2 ranks (RESULTS.md)."""
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Tuple, Union
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType
 
 from estimator.data import Arrays
 from estimator.data.arrays import table_to_arrays
 from estimator.fingerprint import ROW_HASH, SPLIT_COLUMN
-from estimator.materialize import has_null, selected
+from estimator.materialize import any_null, null_checks, selected
 
 
 def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,
@@ -28,10 +25,7 @@ def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None,
     """(the selected rows without nulls, for the dry run's head; the ranks' input: num_proc partitions, each in
     row-hash order). Rows with nulls reach the ranks unless drop_nulls: the ranks count them, exactly."""
     plain = selected(df, columns, validation, seed)
-    types = {c: plain.schema[c].dataType for c in columns}
-    bad = functools.reduce(lambda a, b: a | b, [has_null(F.col(c), isinstance(t, ArrayType) and t.containsNull)
-                                                for c, t in types.items()])
-    clean = plain.filter(~bad)
+    clean = plain.filter(~any_null(null_checks(plain, columns)))
     source = (clean if drop_nulls else plain).repartition(num_proc, ROW_HASH).sortWithinPartitions(ROW_HASH)
     return clean, source.select(*columns, SPLIT_COLUMN)
 

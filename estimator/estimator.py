@@ -79,15 +79,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                                                       else [])
         if p["data_mode"] == "direct":
             plain, source = direct_source(df, columns, p["validation"], run.split_seed, run.num_proc, p["drop_nulls"])
-            data = DataSpec(run.store, (), (), tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
-                            checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]))
-            return self._train(p, run, data, df.sparkSession, source, head(plain, columns, HEAD_ROWS))
+            return self._train(p, run, data_spec(p, run.store), df.sparkSession, source,
+                               head(plain, columns, HEAD_ROWS))
         materialize_started = time.perf_counter()
         m = materialize(df, run.store, columns, p["validation"], run.split_seed, run.num_proc,
                         p["partitions_per_process"], p["drop_nulls"])
-        data = DataSpec(run.store, m.train, m.val, tuple(p["feature_cols"]), tuple(p["label_cols"]),
-                        p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
-                        materialize_seconds=time.perf_counter() - materialize_started)
+        data = data_spec(p, run.store, m.train, m.val, materialize_seconds=time.perf_counter() - materialize_started)
         try:
             return self._train(p, run, data, df.sparkSession)
         finally:
@@ -101,9 +98,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run = self._prepare(p, spark, has_validation=val_path is not None)
         store = run.store
         train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
-        data = DataSpec(store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else (),
-                        tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
-                        checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]))
+        data = data_spec(p, store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else ())
         if not data.train:
             raise ValueError(f"fit_on_parquet found no Parquet rows under {train_path!r} in {store!r}.")
         available = parquet_columns(store, data.train[0])
@@ -380,6 +375,14 @@ def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
         ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
                                                "groups and rows its own way."))
     return ignored
+
+
+def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val: Tuple[Any, ...] = (),
+              materialize_seconds: float = 0.0) -> DataSpec:
+    """The columns and shapes from the params; the pieces (none in the direct mode: the ranks have them)."""
+    return DataSpec(store, train, val, tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
+                    checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
+                    materialize_seconds=materialize_seconds)
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

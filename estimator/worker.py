@@ -81,7 +81,7 @@ def compiled(model: nn.Module, setting: Any) -> nn.Module:
     its parameters (the checkpoints save `model`, so they hold the plain module's keys). Compiling the inner
     module, not the DDP wrapper, keeps DDP's gradient hooks (and the shared-memory averaging) outside the
     compiled graph."""
-    if setting is False or setting is None:
+    if setting is False:
         return model
     return torch.compile(model, **(setting if isinstance(setting, dict) else {}))
 
