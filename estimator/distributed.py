@@ -15,7 +15,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,13 @@ class RankContext:
     device: str  # "cpu" or "cuda:N"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    assigned_gpu: Optional[str] = None  # the GPU address Spark gave this task (resources()['gpu'])
+    assigned_gpu: Optional[str] = None  # the GPU address Spark gave this rank (one of its task's resources()['gpu'])
+    shared_gpus: bool = False  # some ranks of the group share a GPU (spark.task.resource.gpu.amount < 1)
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device.startswith("cuda") else "gloo"
+        """nccl between GPUs, except where ranks share one (nccl refuses two ranks on one device); else gloo."""
+        return "nccl" if self.device.startswith("cuda") and not self.shared_gpus else "gloo"
 
 
 class FailureKind(str, enum.Enum):
@@ -167,16 +169,23 @@ def check_in(store: dist.Store, rank: int, hosts: Sequence[str], timeout: float,
         raise RendezvousFailed(rank, verdict)
 
 
-def assigned_gpu(task: Any) -> Optional[str]:
-    """The first GPU address Spark assigned to a task (spark.task.resource.gpu.amount), from its
-    TaskContext; None without a task or without GPUs."""
+def task_gpus(task: Any) -> List[str]:
+    """The GPU addresses Spark assigned to a task (spark.task.resource.gpu.amount), from its TaskContext;
+    empty without a task or without GPUs."""
     gpu = task.resources().get("gpu") if task is not None else None
-    return gpu.addresses[0] if gpu is not None and gpu.addresses else None
+    return list(gpu.addresses) if gpu is not None and gpu.addresses else []
+
+
+def assigned_gpu(task: Any) -> Optional[str]:
+    """The first GPU address Spark assigned to a task; None without a task or without GPUs."""
+    addresses = task_gpus(task)
+    return addresses[0] if addresses else None
 
 
 def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank: int,
-                  assigned_gpu: Optional[str]) -> str:
-    """The same decision on every rank, from every rank's GPU count (gathered at rendezvous)."""
+                  assigned_gpu: Optional[str], gpus_here: Optional[int] = None) -> str:
+    """The same decision on every rank, from every rank's GPU count (gathered at rendezvous). `gpus_here`: the
+    CUDA devices of the rank's host (default: this process's), used only when Spark assigned no GPU."""
     everyone_has_gpu = len(gpu_counts) > 0 and all(n > 0 for n in gpu_counts)
     if use_gpu and not everyone_has_gpu:
         missing = [rank for rank, n in enumerate(gpu_counts) if n == 0]
@@ -184,8 +193,27 @@ def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank
                            "(or leave it None to use GPUs only when every rank has one).")
     if not everyone_has_gpu or use_gpu is False:
         return "cpu"
-    index = int(assigned_gpu) if assigned_gpu is not None else local_rank % max(1, torch.cuda.device_count())
+    here = torch.cuda.device_count() if gpus_here is None else gpus_here
+    index = int(assigned_gpu) if assigned_gpu is not None else local_rank % max(1, here)
     return f"cuda:{index}"
+
+
+def plan_devices(use_gpu: Optional[bool], hosts: Sequence[str], gpu_counts: Sequence[int],
+                 addresses: Sequence[Optional[str]]) -> List[str]:
+    """Every rank's device, computed alike on every rank from the gathered facts (per rank: its host, its
+    host's CUDA device count, the GPU address Spark gave it)."""
+    return [choose_device(use_gpu, gpu_counts, list(hosts[:r]).count(hosts[r]), addresses[r], gpu_counts[r])
+            for r in range(len(hosts))]
+
+
+def shared_gpus(hosts: Sequence[str], devices: Sequence[str]) -> Dict[Tuple[str, str], List[int]]:
+    """The GPUs that more than one rank uses, (host, device) -> ranks: what spark.task.resource.gpu.amount < 1
+    does (several tasks on one GPU). nccl refuses such a group; the launcher uses gloo for it."""
+    users: Dict[Tuple[str, str], List[int]] = {}
+    for rank, (host, device) in enumerate(zip(hosts, devices)):
+        if device.startswith("cuda"):
+            users.setdefault((host, device), []).append(rank)
+    return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
 
 
 def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], T],

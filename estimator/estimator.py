@@ -39,7 +39,7 @@ from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
 from estimator.progress import ProgressWatcher, StepBar
-from estimator.session import check_slots, default_num_proc, default_retries
+from estimator.session import check_slots, default_num_proc, default_retries, ranks_per_task
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
 from estimator.stopping import Monitor
@@ -63,6 +63,7 @@ class RunPlan:
     store: Store
     run_id: str
     monitor: Monitor
+    per_task: int = 1  # ranks per Spark task: one per GPU the task is given
 
 
 class TorchEstimator(DeclaredParams, Estimator, Persistable):
@@ -143,7 +144,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                *p["callbacks"], p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
-        check_slots(spark, num_proc)
+        per_task = ranks_per_task(spark, num_proc)
+        check_slots(spark, num_proc, per_task)
+        if per_task > 1 and p["data_mode"] == "direct":
+            raise ValueError(f"data_mode='direct' runs one training process per Spark task; with "
+                             f"spark.task.resource.gpu.amount={per_task} each task runs {per_task}. Use "
+                             "data_mode='materialize' (the default) on tasks with several GPUs.")
+        if per_task > 1:
+            log.info("num_proc=%d: %d Spark tasks of %d ranks each, a rank per GPU (spark.task.resource.gpu.amount=%d)",
+                     num_proc, num_proc // per_task, per_task, per_task)
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
         ship_package(spark)
@@ -157,7 +166,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         # Without random_seed the split does not follow the drawn training seed: refits of the same data with a
         # validation fraction reuse one materialized copy instead of writing a new one each time.
         return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id,
-                       monitor)
+                       monitor, per_task)
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
                first_rows: Optional[Dict[str, Any]] = None) -> TorchModel:
@@ -242,7 +251,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                              resume_from=spec.run.checkpoint if done.epochs or done.step else None)
             try:
                 with self._watching(p, run, spec):
-                    return launcher.run(launch, run.num_proc, source)
+                    return launcher.run(launch, run.num_proc, source, run.per_task)
             except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
                 if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
                     raise BadRows(exc.summary.split(": ", 1)[-1]) from None  # as a materialized fit raises it

@@ -19,7 +19,7 @@ import resource
 import shutil
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
@@ -27,7 +27,8 @@ import torch
 from torch.distributed import TCPStore
 
 from estimator.distributed import (FailureKind, RankContext, RankFailed, RendezvousFailed, as_rank_failure,
-                                   assigned_gpu, check_in, choose_device, failure_kind, run_rank)
+                                   check_in, choose_device, failure_kind, plan_devices, run_rank, shared_gpus,
+                                   task_gpus)
 from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.faults import Fault, from_env, inject
 from estimator.session import job_tag
@@ -57,15 +58,17 @@ class SparkBarrierLauncher:
         self.spark = spark
         self.description = description
 
-    def run(self, spec: TrainSpec, num_proc: int, source: Any = None) -> List[WorkerResult]:
+    def run(self, spec: TrainSpec, num_proc: int, source: Any = None, per_task: int = 1) -> List[WorkerResult]:
         """`source`: the direct mode's DataFrame in num_proc partitions (estimator.direct); the ranks are the
-        barrier tasks of its last stage and train on their partitions' rows."""
+        barrier tasks of its last stage and train on their partitions' rows. `per_task`: ranks per task (one
+        per GPU a task is given): num_proc / per_task tasks."""
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
         store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id),
                                  pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt,
-                                 FAILED_RANK_WAIT, spec.data.columns if source is not None else None)
-        ranks = (source if source is not None else self.spark.range(0, num_proc, 1, num_proc)).mapInArrow(
+                                 FAILED_RANK_WAIT, spec.data.columns if source is not None else None, per_task)
+        tasks = num_proc // per_task
+        ranks = (source if source is not None else self.spark.range(0, tasks, 1, tasks)).mapInArrow(
             task, RESULT_SCHEMA, barrier=True)
         try:
             with job_tag(self.spark, f"{self.description} {spec.launch_id}") as cancel, \
@@ -88,7 +91,7 @@ class SparkBarrierLauncher:
         results = sorted((pickle.loads(row["result"]) for row in rows), key=lambda r: r.rank)
         for r in results:
             if r.assigned_gpu is not None:
-                log.info("rank %d ran on %s (Spark assigned GPU %s to its task)", r.rank, r.device, r.assigned_gpu)
+                log.info("rank %d ran on %s (Spark assigned GPU %s to it)", r.rank, r.device, r.assigned_gpu)
         return results
 
 
@@ -137,69 +140,96 @@ def rank_failure(text: str) -> Optional[RankFailed]:
 
 
 def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...], attempt: int, wait: float,
-                  direct: Optional[Tuple[str, ...]], batches: Iterator[Any]) -> Iterator[Any]:
-    """One rank, as a barrier task of mapInArrow: its result as one row; on failure, a record in the store
-    (what failed, and its traceback) for the driver, which stops the job (estimator.failure_watch); the error
-    goes to Spark only when the record could not be written or the driver wrote no stop marker in `wait` s.
-    The input is one row (its partition id is the rank), or in the direct mode the rank's rows: `direct` names
-    the columns spilled to local disk before the rendezvous."""
+                  direct: Optional[Tuple[str, ...]], per_task: int, batches: Iterator[Any]) -> Iterator[Any]:
+    """One barrier task of mapInArrow: `per_task` ranks (one per GPU it holds; usually one), their results as
+    rows; on failure, a record in the store (what failed, on which rank, and its traceback) for the driver,
+    which stops the job (estimator.failure_watch); the error goes to Spark only when the record could not be
+    written or the driver wrote no stop marker in `wait` s. The input is one row (its partition id numbers the
+    task), or in the direct mode the rank's rows: `direct` names the columns spilled to local disk before the
+    rendezvous."""
     from pyspark import BarrierTaskContext
 
-    rank = BarrierTaskContext.get().partitionId()
-    root = spill_root(f"{launch_id}-rank{rank}")
+    first = BarrierTaskContext.get().partitionId() * per_task  # the task's first rank
+    root = spill_root(f"{launch_id}-rank{first}")
     stopped = False
     try:
         spilled = spill(batches, root, direct) if direct is not None else None
         if spilled is None:
             for _ in batches:
                 pass
-        result = _spark_rank(store.read_bytes(run.launch_spec(launch_id)), faults, attempt, spilled)
+        results = _spark_task(store.read_bytes(run.launch_spec(launch_id)), faults, attempt, per_task, spilled)
     except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it is
-        failure = as_rank_failure(rank, exc)
-        try:
-            store.write_bytes_atomic(run.failure(launch_id, rank), json.dumps(failure.record()).encode())
-        except Exception:  # noqa: BLE001 - the driver falls back to Spark's text
-            log.debug("could not write rank %d's failure record", rank, exc_info=True)
-        else:
+        failure = as_rank_failure(first, exc)
+        if _record_failure(store, run, launch_id, failure):
             stopped = stopped_by_driver(store, run.stop(launch_id), wait)
         if not stopped:
             raise failure from None
-        yield _result_row(rank, b"")  # failed, and stopped: the driver raises the failure from the records
+        yield _result_rows([(first + i, b"") for i in range(per_task)])  # stopped: the driver raises the failure
         return
     finally:
         if direct is not None:
             shutil.rmtree(root, ignore_errors=True)
-    yield _result_row(rank, pickle.dumps(result))
+    yield _result_rows([(r.rank, pickle.dumps(r)) for r in results])
 
 
-def _result_row(rank: int, result: bytes) -> Any:
+def _record_failure(store: Any, run: Any, launch_id: str, failure: RankFailed) -> bool:
+    """The failed rank's record for the driver; False when it could not be written."""
+    try:
+        store.write_bytes_atomic(run.failure(launch_id, failure.rank), json.dumps(failure.record()).encode())
+        return True
+    except Exception:  # noqa: BLE001 - the driver falls back to Spark's text
+        log.debug("could not write rank %d's failure record", failure.rank, exc_info=True)
+        return False
+
+
+def _result_rows(rows: List[Tuple[int, bytes]]) -> Any:
     import pyarrow as pa
 
-    return pa.RecordBatch.from_pydict({"rank": [rank], "result": [result]},
+    return pa.RecordBatch.from_pydict({"rank": [r for r, _ in rows], "result": [b for _, b in rows]},
                                       schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
 
 
-def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, spilled: Optional[Spilled] = None
-                ) -> WorkerResult:
-    """The body of one barrier task: meet through Spark once (rank 0's store port), check in at that
-    store (naming late ranks), then train. Each step has the rendezvous timeout (in the direct mode, Spark's
-    barrier waits that long plus the time this rank took to receive its rows: the peers receive theirs too)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where every rank runs, as gathered at Spark's barrier (the same on every rank)."""
+
+    hosts: Tuple[str, ...]  # per rank
+    gpu_counts: Tuple[int, ...]  # per rank: CUDA devices its process sees (0 with use_gpu=False)
+    addresses: Tuple[Optional[str], ...]  # per rank: the GPU address Spark gave it
+    port: int  # rank 0's store, on hosts[0]
+    threads: int  # torch threads per rank: the task's cores over its ranks
+
+    @property
+    def world(self) -> int:
+        return len(self.hosts)
+
+
+def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_task: int,
+                spilled: Optional[Spilled] = None) -> List[WorkerResult]:
+    """The body of one barrier task: meet through Spark once (rank 0's store port, every task's GPUs), then
+    train its ranks: in this process for one rank, in a spawned process per GPU for several
+    (estimator.task_ranks). Each step has the rendezvous timeout (in the direct mode, Spark's barrier waits
+    that long plus the time this rank took to receive its rows: the peers receive theirs too)."""
     from pyspark import BarrierTaskContext
 
     started = time.perf_counter()
     task = BarrierTaskContext.get()
-    rank = task.partitionId()
-    inject(faults, "before_barrier", rank, attempt)
+    first = task.partitionId() * per_task
+    ranks = range(first, first + per_task)
+    for rank in ranks:
+        inject(faults, "before_barrier", rank, attempt)
     spec: TrainSpec = pickle.loads(spec_bytes)
-    hosts = [info.address.rsplit(":", 1)[0] for info in task.getTaskInfos()]
+    hosts = tuple(info.address.rsplit(":", 1)[0] for info in task.getTaskInfos() for _ in range(per_task))
     world, timeout = len(hosts), spec.rendezvous_timeout
-    arrived = _announce(spec, rank, hosts[rank])
+    arrived = _announce(spec, ranks, hosts[first])
     own = replace(spec, data=local_data(spec.data, spilled)) if spilled is not None else spec
-    early = EarlyRead.for_spec(own, rank, world, faults, attempt, ranks_on_host=hosts.count(hosts[rank]))
+    early = EarlyRead.for_spec(own, first, world, faults, attempt, ranks_on_host=hosts.count(hosts[first])) \
+        if per_task == 1 else None
     server: Optional[TCPStore] = None
-    assigned = assigned_gpu(task)
-    message = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0, "gpu": assigned}
-    if rank == 0:  # rank 0 owns the store; its OS-chosen port travels in the one allGather
+    addresses = task_gpus(task)
+    message: Dict[str, Any] = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0,
+                               "gpu": addresses}
+    if first == 0:  # rank 0's task owns the store; its OS-chosen port travels in the one allGather
         server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
                           wait_for_workers=False)
         message["port"] = server.port
@@ -209,47 +239,81 @@ def _spark_rank(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, spil
                           while_waiting=lambda: _warm_up(early))
     if replies is None:
         arrived.join(5)
-        raise RendezvousFailed(rank, _late_at_barrier(spec, rank, hosts, timeout))
+        raise RendezvousFailed(first, _late_at_barrier(spec, first, hosts, timeout))
     gathered = [json.loads(m) for m in replies]
-    port = gathered[0]["port"]
+    if per_task > 1 and any(len(m["gpu"]) < per_task for m in gathered):
+        raise RankFailed(first, f"spark.task.resource.gpu.amount={per_task} but Spark gave the tasks GPU addresses "
+                                f"{[m['gpu'] for m in gathered]}: a rank per GPU needs {per_task} per task.")
+    place = Placement(hosts, tuple(m["gpus"] for m in gathered for _ in range(per_task)),
+                      tuple((m["gpu"][i] if i < len(m["gpu"]) else None) for m in gathered for i in range(per_task)),
+                      gathered[0]["port"], max(1, int(task.cpus()) // per_task))
     if spilled is not None:  # every rank the same checks over all ranks' rows, and the same plan
         spec = replace(own, data=rank_data(own.data, [m["rows"] for m in gathered]))
         if early is not None:
             early.plan_over(spec.data.largest_shard * world)
-    local_rank = hosts[:rank].count(hosts[rank])
-    torch.set_num_threads(max(1, int(task.cpus())))  # the cores Spark gave this task, not every core of the host
-    try:  # the same decision on every rank, from gathered facts: all ranks fail alike or none does
-        device = choose_device(spec.use_gpu, [m["gpus"] for m in gathered], local_rank, assigned)
+    if per_task == 1:
+        results = [train_rank(spec, faults, attempt, first, place, early, server)]
+    else:
+        from estimator.task_ranks import run_ranks
+
+        results = run_ranks(train_rank, [(spec, faults, attempt, rank, place) for rank in ranks], list(ranks),
+                            lambda failure: _record_failure(spec.data.store, spec.run, spec.launch_id, failure))
+    del server
+    early = None  # noqa: F841 - the shard it read goes with it
+    total = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return [replace(r, setup_seconds=total - r.seconds - r.teardown_seconds, peak_rss_mb=max(peak, r.peak_rss_mb),
+                    spill_seconds=spilled.seconds if spilled is not None else 0.0) for r in results]
+
+
+def train_rank(spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, rank: int, place: Placement,
+               early: Optional[EarlyRead] = None, server: Optional[TCPStore] = None) -> WorkerResult:
+    """One rank after the rendezvous, in its task's process or a process of its own: its device (the same
+    decision on every rank, from gathered facts: all ranks fail alike or none does), the torch rendezvous,
+    training. `early`: its shards, opened already; `server`: rank 0's store, when this process holds it."""
+    started = time.perf_counter()
+    if early is None:
+        early = EarlyRead.for_spec(spec, rank, place.world, faults, attempt,
+                                   ranks_on_host=place.hosts.count(place.hosts[rank]))
+        if early is not None:
+            early.begin()
+    torch.set_num_threads(place.threads)  # the cores Spark gave this task, not every core of the host
+    try:
+        devices = plan_devices(spec.use_gpu, place.hosts, place.gpu_counts, place.addresses)
     except RuntimeError as exc:
-        spark_gpus = [m["gpu"] for m in gathered]
-        raise RankFailed(rank, f"{exc} Spark assigned GPU addresses {spark_gpus} to ranks 0-{world - 1}"
+        spark_gpus = list(place.addresses)
+        raise RankFailed(rank, f"{exc} Spark assigned GPU addresses {spark_gpus} to ranks 0-{place.world - 1}"
                                + (" (none: set spark.task.resource.gpu.amount)" if not any(spark_gpus) else
                                   " but torch.cuda sees none: check the executors' CUDA drivers and CUDA_VISIBLE_DEVICES")
                                + ".") from None
+    shared = shared_gpus(place.hosts, devices)
+    if shared and rank == 0:
+        log.warning("Ranks share GPUs (%s; spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one "
+                    "device, so gradients are averaged with gloo (through host memory, slower). Give each task a "
+                    "whole GPU for nccl.", "; ".join(f"{h} {d}: ranks {r}" for (h, d), r in shared.items()))
     inject(faults, "before_checkin", rank, attempt)
-    store = server or _connect(rank, hosts[0], port, world, timeout)
-    check_in(store, rank, hosts, timeout)
-    ctx = RankContext(rank, world, local_rank, device, hosts[0], port, assigned)
+    store = server or _connect(rank, place.hosts[0], place.port, place.world, spec.rendezvous_timeout)
+    check_in(store, rank, place.hosts, spec.rendezvous_timeout)
+    ctx = RankContext(rank, place.world, place.hosts[:rank].count(place.hosts[rank]), devices[rank], place.hosts[0],
+                      place.port, place.addresses[rank], bool(shared))
     result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt, early),
                       timeout=timedelta(seconds=spec.collective_timeout))
-    del store, server
-    early = None  # noqa: F841 - the shard it read goes with it
-    total = time.perf_counter() - started
-    return replace(result, setup_seconds=total - result.seconds - result.teardown_seconds,
-                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                   spill_seconds=spilled.seconds if spilled is not None else 0.0)
+    del store
+    return replace(result, setup_seconds=time.perf_counter() - started - result.seconds - result.teardown_seconds,
+                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def _announce(spec: TrainSpec, rank: int, host: str) -> threading.Thread:
-    """Leave this rank's arrival marker in the store, off the critical path (read only on a timeout)."""
+def _announce(spec: TrainSpec, ranks: range, host: str) -> threading.Thread:
+    """Leave the task's ranks' arrival markers in the store, off the critical path (read only on a timeout)."""
     def write() -> None:
-        try:
-            spec.data.store.write_bytes_atomic(spec.run.arrival(spec.launch_id, rank),
-                                               json.dumps({"rank": rank, "host": host, "pid": os.getpid()}).encode())
-        except Exception:  # noqa: BLE001 - only diagnostics; the rendezvous does not depend on it
-            log.debug("could not write the arrival marker of rank %d", rank, exc_info=True)
+        for rank in ranks:
+            try:
+                spec.data.store.write_bytes_atomic(spec.run.arrival(spec.launch_id, rank), json.dumps(
+                    {"rank": rank, "host": host, "pid": os.getpid()}).encode())
+            except Exception:  # noqa: BLE001 - only diagnostics; the rendezvous does not depend on it
+                log.debug("could not write the arrival marker of rank %d", rank, exc_info=True)
 
-    thread = threading.Thread(target=write, name=f"arrival-rank-{rank}", daemon=True)
+    thread = threading.Thread(target=write, name=f"arrival-rank-{ranks[0]}", daemon=True)
     thread.start()
     return thread
 

@@ -65,21 +65,51 @@ def _classic_slots(spark: Any) -> Optional[int]:
 
 
 def default_num_proc(spark: Any) -> int:
-    """num_proc when the user gave none: every task slot."""
+    """num_proc when the user gave none: every task slot (times the GPUs per task: a rank per GPU)."""
     slots = task_slots(spark)
     if not slots:
         raise ValueError("The 'num_proc' parameter of TorchEstimator is needed on this session: its task slots "
                          "cannot be read (a Spark Connect session with dynamic allocation, or no executor yet). "
                          "Set num_proc to the number of training processes, at most the cluster's task slots.")
-    return slots
+    gpus = task_gpus(spark)
+    return slots * int(gpus) if gpus >= 1 else slots
 
 
-def check_slots(spark: Any, num_proc: int) -> None:
+def check_slots(spark: Any, num_proc: int, per_task: int = 1) -> None:
     """A barrier stage needs all its tasks at once; Spark would otherwise retry for minutes."""
     slots = task_slots(spark)
-    if slots and slots < num_proc:
+    if slots and slots < num_proc // per_task:
+        if per_task > 1:
+            raise ValueError(f"num_proc={num_proc} with {per_task} GPUs per task (spark.task.resource.gpu.amount) "
+                             f"needs {num_proc // per_task} Spark tasks at once; this application runs at most "
+                             f"{slots}. Lower num_proc or add executors/GPUs.")
         raise ValueError(f"The 'num_proc' parameter of TorchEstimator must be at most the {slots} task slots this "
                          f"Spark application has. Got {num_proc} instead. Lower num_proc or add executors/cores.")
+
+
+def task_gpus(spark: Any) -> float:
+    """spark.task.resource.gpu.amount: the GPUs Spark gives each task (0 when unset)."""
+    value = conf(spark, "spark.task.resource.gpu.amount")
+    return float(value) if value else 0.0
+
+
+def ranks_per_task(spark: Any, num_proc: int) -> int:
+    """How many ranks each barrier task runs: one per GPU Spark gives a task (spark.task.resource.gpu.amount
+    >= 1), else one. num_proc counts ranks (as Horovod and TorchDistributor count processes), so it must be a
+    multiple of the GPUs per task."""
+    gpus = task_gpus(spark)
+    if gpus < 1:
+        return 1
+    if gpus != int(gpus):
+        raise ValueError(f"spark.task.resource.gpu.amount={gpus:g}: Spark gives a task a whole number of GPUs, or a "
+                         "fraction below 1 (GPUs shared by tasks); this value is neither.")
+    per_task = int(gpus)
+    if num_proc % per_task:
+        raise ValueError(f"The 'num_proc' parameter of TorchEstimator counts training processes, one per GPU: with "
+                         f"spark.task.resource.gpu.amount={per_task} each Spark task runs {per_task} of them, so "
+                         f"num_proc must be a multiple of {per_task}. Got {num_proc}; use "
+                         f"{max(per_task, num_proc - num_proc % per_task)} or {num_proc + per_task - num_proc % per_task}.")
+    return per_task
 
 
 def default_retries(spark: Any) -> int:

@@ -137,7 +137,7 @@ class WorkerResult:
     seconds: float
     reader: str = "arrow"
     optimizer_steps: int = 0
-    assigned_gpu: Optional[str] = None  # the GPU address Spark assigned to this rank's task, if any
+    assigned_gpu: Optional[str] = None  # the GPU address Spark assigned to this rank (one of its task's), if any
     setup_seconds: float = 0.0  # task start to training start: spec, rendezvous, process group, model, data
     teardown_seconds: float = 0.0  # final barrier and process-group teardown
     allreduce: str = "gloo"  # how gradients were averaged: "shared memory", "gloo", "nccl", "gloo fp16", ...

@@ -23,7 +23,7 @@ def test_each_rank_gets_the_gpu_spark_assigned_to_its_task(tmp_path):
                                                         PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assigned = dict(re.fullmatch(r"rank (\d) ran on cpu \(Spark assigned GPU (\d) to its task\)", line).groups()
+    assigned = dict(re.fullmatch(r"rank (\d) ran on cpu \(Spark assigned GPU (\d) to it\)", line).groups()
                     for line in lines[0]["assigned"])
     assert sorted(assigned) == ["0", "1"] and sorted(assigned.values()) == ["3", "5"]  # which rank gets which: Spark's
     # use_gpu=True on a machine without CUDA: one clear error naming what Spark assigned and what is missing

@@ -1,0 +1,55 @@
+"""Several GPUs per Spark task, without a GPU (as pyspark's own TorchDistributor tests do):
+`python gpus_per_task_job.py DISCOVERY_SCRIPT STORE CASE`. A local-cluster executor with 2 cores and the GPU
+addresses the discovery script reports. CASE "per_task": 2 GPUs per task, num_proc=4: 2 tasks of 2 ranks each;
+"shared": half a GPU per task (two ranks on one address); "failure": as "per_task", with no retry (the test
+injects a fault); "retry": as "per_task", with one retry.
+Prints one JSON line."""
+import json
+import logging
+import os
+import sys
+
+import torch
+from pyspark.sql import SparkSession
+from sklearn.datasets import load_digits
+from torch import nn
+
+from estimator import TorchEstimator
+from estimator.distributed import RankFailed
+from store import Store
+
+script, store_path, case = sys.argv[1:4]
+amount = "0.5" if case == "shared" else "2"
+executor_gpus = "1" if case == "shared" else "4"
+spark = (SparkSession.builder.master("local-cluster[1,2,2048]").appName(f"gpus-per-task-{case}")
+         .config("spark.worker.resource.gpu.amount", executor_gpus)
+         .config("spark.worker.resource.gpu.discoveryScript", script)
+         .config("spark.executor.resource.gpu.amount", executor_gpus).config("spark.task.resource.gpu.amount", amount)
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+records = []
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("estimator").addHandler(type("Keep", (logging.Handler,), {
+    "emit": lambda self, r: records.append(r.getMessage())})())
+
+digits = load_digits()
+rows = [((x / 16.0).astype("float32").tolist(), int(y)) for x, y in zip(digits.data, digits.target)]
+df = spark.createDataFrame(rows, "features array<float>, label long").repartition(4)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+estimator = TorchEstimator(num_proc=4 if amount == "2" else 2, store=Store.create(store_path), model=model,
+                           optimizer=torch.optim.Adam(model.parameters(), lr=0.01), loss=nn.CrossEntropyLoss(),
+                           feature_cols=["features"], label_cols=["label"], epochs=8, batch_size=32,
+                           validation=0.2, metrics=["accuracy"], random_seed=1,
+                           max_retries=1 if case == "retry" else 0)
+out = {"case": case, "pid": os.getpid()}
+try:
+    fitted = estimator.fit(df)
+    out["val_accuracy"] = fitted.getHistory()[-1]["val_accuracy"]
+except RankFailed as exc:
+    out["error"] = str(exc).splitlines()[0]
+    out["kind"] = exc.kind.value
+out["assigned"] = sorted(r for r in records if "Spark assigned GPU" in r)
+out["tasks"] = [r for r in records if "Spark tasks of" in r]
+out["retried"] = [r.splitlines()[0] for r in records if "retrying from its last checkpoint" in r]
+print(json.dumps(out))
+spark.stop()

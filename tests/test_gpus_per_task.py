@@ -1,0 +1,75 @@
+"""Several GPUs per Spark task, tested without a GPU the way pyspark's TorchDistributor tests do: a
+local-cluster executor whose discovery script reports 4 fake GPU addresses (3, 5, 6, 7). With
+spark.task.resource.gpu.amount=2, num_proc=4 runs 2 barrier tasks of 2 ranks each (a spawned process per
+GPU); each rank is given its own address. With 0.5, two ranks share one address. Training runs on the CPU."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.spark
+
+
+def run_job(tmp_path, addresses, case, faults=None):
+    script = tmp_path / "gpus.sh"
+    script.write_text("#!/bin/bash\necho '" + json.dumps({"name": "gpu", "addresses": addresses}) + "'\n")
+    script.chmod(0o755)
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT)
+    env.pop("SPARK_TORCH_ESTIMATOR_FAULTS", None)
+    if faults:
+        env["SPARK_TORCH_ESTIMATOR_FAULTS"] = json.dumps(faults)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "gpus_per_task_job.py"),
+                             str(script), str(tmp_path / "store"), case], capture_output=True, text=True,
+                            timeout=600, cwd=str(tmp_path), env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert not _rank_processes(), "rank processes outlived the fit"
+    return out
+
+
+def _rank_processes():
+    """Spawned rank processes still alive (their command line names multiprocessing's spawn)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "multiprocessing.spawn" in line and "spawn_main" in line]
+
+
+def assigned(out):
+    return dict(re.fullmatch(r"rank (\d) ran on cpu \(Spark assigned GPU (\d) to it\)", line).groups()
+                for line in out["assigned"])
+
+
+def test_two_gpus_per_task_run_two_ranks_each_on_their_own_address(tmp_path):
+    out = run_job(tmp_path, ["3", "5", "6", "7"], "per_task")
+    assert out["tasks"] == ["num_proc=4: 2 Spark tasks of 2 ranks each, a rank per GPU "
+                            "(spark.task.resource.gpu.amount=2)"]
+    ranks = assigned(out)
+    assert sorted(ranks) == ["0", "1", "2", "3"] and sorted(ranks.values()) == ["3", "5", "6", "7"]  # all four used
+    # the two ranks of one task hold its two addresses (which task holds which pair is Spark's)
+    assert {frozenset((ranks["0"], ranks["1"])), frozenset((ranks["2"], ranks["3"]))} in (
+        {frozenset(("3", "5")), frozenset(("6", "7"))}, {frozenset(("3", "6")), frozenset(("5", "7"))},
+        {frozenset(("3", "7")), frozenset(("5", "6"))})
+    assert out["val_accuracy"] >= 0.85
+
+
+def test_half_a_gpu_per_task_two_ranks_share_one_address(tmp_path):
+    out = run_job(tmp_path, ["3"], "shared")
+    assert assigned(out) == {"0": "3", "1": "3"} and out["tasks"] == []  # a rank per task, both on GPU 3
+    assert out["val_accuracy"] >= 0.85
+
+
+def test_a_failing_rank_of_a_task_fails_the_fit_with_its_own_rank_number(tmp_path):
+    out = run_job(tmp_path, ["3", "5", "6", "7"], "failure",
+                  [{"point": "step", "rank": 3, "action": "raise", "step": 5}])
+    assert out["error"] == "rank 3: InjectedFault: injected fault at step on rank 3 (attempt 0, epoch 1, step 5)"
+
+
+def test_a_killed_rank_of_a_task_is_retried_from_the_checkpoint(tmp_path):
+    out = run_job(tmp_path, ["3", "5", "6", "7"], "retry",
+                  [{"point": "step", "rank": 2, "action": "exit", "step": 5, "attempt": 0}])
+    assert "error" not in out, out
+    assert len(out["retried"]) == 1 and "rank 2: its process exited (code 17) without a result" in out["retried"][0]
+    assert out["val_accuracy"] >= 0.85
