@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -26,7 +27,10 @@ from estimator.params import DeclaredParams, declare
 from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
 from estimator.pickling import dumps
+from estimator.session import task_gpus
 from estimator.shipping import ship_package
+
+log = logging.getLogger("estimator")
 
 
 # Horovod's TorchModel constructor names, and the arguments it takes that inference does not use
@@ -108,6 +112,12 @@ class TorchModel(DeclaredParams, Model, Persistable):
         if clash:
             raise ValueError(f"Output columns {clash} already exist in the DataFrame; choose other names with "
                              "setOutputCols(...) / setPredictionCol(...), or drop them first.")
+        gpus = task_gpus(df.sparkSession)
+        if gpus > 1 and p["use_gpu"] is not False:
+            log.warning("transform runs one copy of the model per Spark task, on the first of the %d GPUs each task "
+                        "is given (spark.task.resource.gpu.amount=%g): the other %d stay idle. For inference, give "
+                        "tasks one GPU each (spark.task.resource.gpu.amount=1, or a stage-level ResourceProfile) "
+                        "and more tasks run at once.", int(gpus), gpus, int(gpus) - 1)
         blob = self._model_blob()
         key = hashlib.sha256(blob).hexdigest()
         internal = spark_type(arrow_type(layout))  # the UDF's struct, as inference builds it

@@ -53,6 +53,15 @@ def test_two_gpus_per_task_run_two_ranks_each_on_their_own_address(tmp_path):
         {frozenset(("3", "5")), frozenset(("6", "7"))}, {frozenset(("3", "6")), frozenset(("5", "7"))},
         {frozenset(("3", "7")), frozenset(("5", "6"))})
     assert out["val_accuracy"] >= 0.85
+    assert out["refused"] == [
+        "The 'num_proc' parameter of TorchEstimator counts training processes, one per GPU: with "
+        "spark.task.resource.gpu.amount=2 each Spark task runs 2 of them, so num_proc must be a multiple of 2. "
+        "Got 3; use 2 or 4.",
+        "data_mode='direct' runs one training process per Spark task; with spark.task.resource.gpu.amount=2 each "
+        "task runs 2. Use data_mode='materialize' (the default) on tasks with several GPUs."]
+    assert out["transformed"] == 1797 and len(out["transform_said"]) == 1
+    assert out["transform_said"][0].startswith("transform runs one copy of the model per Spark task, on the first "
+                                               "of the 2 GPUs each task is given")
 
 
 def test_half_a_gpu_per_task_two_ranks_share_one_address(tmp_path):

@@ -45,6 +45,14 @@ out = {"case": case, "pid": os.getpid()}
 try:
     fitted = estimator.fit(df)
     out["val_accuracy"] = fitted.getHistory()[-1]["val_accuracy"]
+    if case == "per_task":  # what is refused before any job, and what transform says of its GPUs
+        for wrong in (dict(num_proc=3), dict(data_mode="direct")):
+            try:
+                estimator.copy(estimator.extractParamMap()).setParams(**wrong).fit(df)
+            except ValueError as exc:
+                out.setdefault("refused", []).append(str(exc))
+        out["transformed"] = fitted.transform(df).count()
+        out["transform_said"] = [r for r in records if r.startswith("transform runs")]
 except RankFailed as exc:
     out["error"] = str(exc).splitlines()[0]
     out["kind"] = exc.kind.value
