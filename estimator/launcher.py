@@ -27,7 +27,7 @@ import torch
 from torch.distributed import TCPStore
 
 from estimator.distributed import (FailureKind, RankContext, RankFailed, RendezvousFailed, as_rank_failure,
-                                   check_in, choose_device, failure_kind, plan_devices, run_rank, shared_gpus,
+                                   check_in, failure_kind, plan_devices, run_rank, shared_gpus,
                                    task_gpus)
 from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.faults import Fault, from_env, inject
@@ -425,11 +425,12 @@ class LocalLauncher:
 
 def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
     store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=spec.rendezvous_timeout))
-    check_in(store, rank, ["127.0.0.1"] * world, spec.rendezvous_timeout)
-    device = choose_device(spec.use_gpu, [torch.cuda.device_count()] * world, rank, None)
-    ctx = RankContext(rank, world, rank, device, "127.0.0.1", port)
+    hosts = ["127.0.0.1"] * world
+    check_in(store, rank, hosts, spec.rendezvous_timeout)
+    devices = plan_devices(spec.use_gpu, hosts, [torch.cuda.device_count()] * world, [None] * world)
+    ctx = RankContext(rank, world, rank, devices[rank], "127.0.0.1", port,
+                      shared_gpus=bool(shared_gpus(hosts, devices)))
     return run_rank(ctx, store, lambda c: train_worker(spec, c), timeout=timedelta(seconds=spec.collective_timeout))
-
 
 
 __all__ = ["Launcher", "SparkBarrierLauncher", "LocalLauncher", "RankFailed", "RendezvousFailed"]
