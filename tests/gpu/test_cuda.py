@@ -6,7 +6,6 @@ reader, feed, loop, checkpoint) that Spark's barrier tasks run; transform's forw
 estimator.inference as a Spark task runs them. Where pyspark and Java are there too, the last test fits and
 transforms through Spark with use_gpu=True (a local-cluster executor given GPU 0 by a discovery script)."""
 import dataclasses
-import io
 import json
 import os
 import shutil
@@ -16,7 +15,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from estimator.checkpoint import load_checkpoint
 from estimator.data.arrays import tensors_to, to_tensors
@@ -104,7 +102,7 @@ def test_a_spark_fit_and_transform_with_use_gpu_true(tmp_path):
     script = tmp_path / "gpus.sh"
     script.write_text("#!/bin/bash\necho '{\"name\": \"gpu\", \"addresses\": [\"0\"]}'\n")
     script.chmod(0o755)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "spark_gpu_job.py"), str(script),
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "spark_gpu_job.py"), str(script),
                              str(tmp_path / "store")], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                             env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                                      PYTHONPATH=ROOT))

@@ -3,12 +3,10 @@ tests do): `python gpu_assignment_job.py DISCOVERY_SCRIPT STORE`. A local-cluste
 gets the GPU addresses the discovery script reports; each barrier task is given one. Prints one JSON line
 per check."""
 import json
-import logging
 import sys
 
 import pandas as pd
 import torch
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from sklearn.datasets import load_digits
 from torch import nn
@@ -17,15 +15,11 @@ from estimator import TorchEstimator
 from estimator.distributed import RankFailed
 from store import Store
 
+from gpu_jobs import gpu_session, kept_log_lines  # noqa: E402 - beside this script
+
 script, store_path = sys.argv[1], sys.argv[2]
-spark = (SparkSession.builder.master("local-cluster[1,2,1024]").appName("gpu-assignment")
-         .config("spark.worker.resource.gpu.amount", "2").config("spark.worker.resource.gpu.discoveryScript", script)
-         .config("spark.executor.resource.gpu.amount", "2").config("spark.task.resource.gpu.amount", "1")
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-records = []
-logging.basicConfig(level=logging.INFO)
-logging.getLogger("estimator").addHandler(type("Keep", (logging.Handler,), {
-    "emit": lambda self, r: records.append(r.getMessage())})())
+spark = gpu_session("gpu-assignment", script, executor_gpus=2, task_gpus=1)
+records = kept_log_lines()
 
 digits = load_digits()
 rows = [((x / 16.0).astype("float32").tolist(), int(y)) for x, y in zip(digits.data[:400], digits.target[:400])]

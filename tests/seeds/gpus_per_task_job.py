@@ -5,12 +5,10 @@ addresses the discovery script reports. CASE "per_task": 2 GPUs per task, num_pr
 injects a fault); "retry": as "per_task", with one retry.
 Prints one JSON line."""
 import json
-import logging
 import os
 import sys
 
 import torch
-from pyspark.sql import SparkSession
 from sklearn.datasets import load_digits
 from torch import nn
 
@@ -18,18 +16,13 @@ from estimator import TorchEstimator
 from estimator.distributed import RankFailed
 from store import Store
 
+from gpu_jobs import gpu_session, kept_log_lines  # noqa: E402 - beside this script
+
 script, store_path, case = sys.argv[1:4]
 amount = "0.5" if case == "shared" else "2"
 executor_gpus = "1" if case == "shared" else "4"
-spark = (SparkSession.builder.master("local-cluster[1,2,2048]").appName(f"gpus-per-task-{case}")
-         .config("spark.worker.resource.gpu.amount", executor_gpus)
-         .config("spark.worker.resource.gpu.discoveryScript", script)
-         .config("spark.executor.resource.gpu.amount", executor_gpus).config("spark.task.resource.gpu.amount", amount)
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-records = []
-logging.basicConfig(level=logging.INFO)
-logging.getLogger("estimator").addHandler(type("Keep", (logging.Handler,), {
-    "emit": lambda self, r: records.append(r.getMessage())})())
+spark = gpu_session(f"gpus-per-task-{case}", script, executor_gpus, amount, memory_mb=2048)
+records = kept_log_lines()
 
 digits = load_digits()
 rows = [((x / 16.0).astype("float32").tolist(), int(y)) for x, y in zip(digits.data, digits.target)]

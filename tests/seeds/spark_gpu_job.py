@@ -1,27 +1,21 @@
 """A Spark fit and transform with use_gpu=True on a host with a CUDA GPU: `python spark_gpu_job.py
 DISCOVERY_SCRIPT STORE` (tests/gpu/test_cuda.py). Prints one JSON line."""
 import json
-import logging
 import sys
 
 import torch
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-from pyspark.sql import SparkSession
 from sklearn.datasets import load_digits
 from torch import nn
 
 from estimator import TorchEstimator
 from store import Store
 
+from gpu_jobs import gpu_session, kept_log_lines  # noqa: E402 - beside this script
+
 script, store_path = sys.argv[1], sys.argv[2]
-spark = (SparkSession.builder.master("local-cluster[1,1,2048]").appName("gpu-fit")
-         .config("spark.worker.resource.gpu.amount", "1").config("spark.worker.resource.gpu.discoveryScript", script)
-         .config("spark.executor.resource.gpu.amount", "1").config("spark.task.resource.gpu.amount", "1")
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-records = []
-logging.basicConfig(level=logging.INFO)
-logging.getLogger("estimator").addHandler(type("Keep", (logging.Handler,), {
-    "emit": lambda self, r: records.append(r.getMessage())})())
+spark = gpu_session("gpu-fit", script, executor_gpus=1, task_gpus=1, cores=1, memory_mb=2048)
+records = kept_log_lines()
 digits = load_digits()
 rows = [((x / 16.0).astype("float32").tolist(), int(y)) for x, y in zip(digits.data, digits.target)]
 df = spark.createDataFrame(rows, "features array<float>, label long")
