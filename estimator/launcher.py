@@ -76,12 +76,12 @@ class SparkBarrierLauncher:
                 rows = ranks.collect()
             failed = [row["rank"] for row in rows if not row["result"]]  # ranks that failed and were stopped
             if failed:
-                raise launch_failure(store, spec.run, spec.launch_id, num_proc, "") or RankFailed(
+                raise launch_failure(store, spec.run, spec.launch_id, num_proc, "", per_task) or RankFailed(
                     failed[0], "the rank failed and its failure record could not be read back from the store")
         except RankFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Spark's error
-            failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc))
+            failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc), per_task)
             if failure is None:
                 raise
             log.debug("Spark's report of the failed training job: %s", exc)  # the Java frames, for DEBUG only
@@ -95,7 +95,8 @@ class SparkBarrierLauncher:
         return results
 
 
-def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str) -> Optional[RankFailed]:
+def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str, per_task: int = 1
+                   ) -> Optional[RankFailed]:
     """The cause of a failed launch: the failure records the ranks left in the store (the first that is not
     a peer's echo of another rank's failure), else what Spark's error text tells (a rank's worker died, or
     a record could not be written); None when the failure is not a rank's (e.g. Spark refused the job)."""
@@ -110,7 +111,7 @@ def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: st
     if records:
         records.sort(key=lambda r: (r["kind"] == FailureKind.PEER.value, r["time"]))
         return RankFailed.from_record(records[0])
-    return rank_failure(text)
+    return rank_failure(text, per_task)
 
 
 _RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
@@ -121,9 +122,10 @@ _BARRIER_TASK_FAILED = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finish
                                   r"([^\n]*)")
 
 
-def rank_failure(text: str) -> Optional[RankFailed]:
+def rank_failure(text: str, per_task: int = 1) -> Optional[RankFailed]:
     """From Spark's job-failure text alone: the first rank's own error and Python traceback; or, when a
-    rank's process died without one (killed, out of memory, a crash in native code), which rank it was."""
+    task's process died without one (killed, out of memory, a crash in native code), which rank it was (with
+    several ranks per task: the task's first rank, and the message names them all)."""
     match = _RANK_FAILED.search(text)
     if not match:
         died = _BARRIER_TASK_FAILED.search(text)
@@ -133,7 +135,10 @@ def rank_failure(text: str) -> Optional[RankFailed]:
         if "Python worker exited unexpectedly" in reason:
             reason = ("its Python worker exited unexpectedly (crashed): killed, out of memory, os._exit or a crash in "
                       "native code. The executor's stderr holds whatever it printed.")
-        return RankFailed(int(died.group(1)), reason, kind=FailureKind.WORKER_DEATH)
+        first = int(died.group(1)) * per_task
+        if per_task > 1:
+            reason = f"the Spark task of ranks {first}-{first + per_task - 1}: {reason}"
+        return RankFailed(first, reason, kind=FailureKind.WORKER_DEATH)
     kind = RendezvousFailed if match.group(1) == "RendezvousFailed" else RankFailed
     formatted = match.group(4).strip("\n").rstrip() or match.group(3)
     return kind(int(match.group(2)), formatted, match.group(3))

@@ -142,6 +142,9 @@ def test_a_rank_whose_worker_died_is_named_from_sparks_text():
     assert failure.rank == 0 and str(failure).startswith("rank 0: its Python worker exited unexpectedly (crashed)")
     assert rank_failure("some other Spark error") is None
     assert failure.kind.value == "worker_death" and failure.kind.retryable
+    of_a_task = rank_failure(text.replace("ResultTask(5, 0)", "ResultTask(5, 1)"), per_task=2)  # 2 GPUs per task
+    assert of_a_task.rank == 2 and str(of_a_task).startswith(
+        "rank 2: the Spark task of ranks 2-3: its Python worker exited unexpectedly (crashed)")
 
 
 def _raise(exc):
