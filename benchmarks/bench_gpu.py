@@ -82,7 +82,7 @@ def write(store, folder, columns, files):
 
 
 def fit(store, pieces, model, batch, epochs, device, run, transformation_fn=None, **reader):
-    from estimator.launcher import LocalLauncher
+    from estimator.local_launcher import LocalLauncher
     from estimator.pickling import dumps, user_objects
     from estimator.spec import DataSpec, ReaderSpec, TrainSpec
 

@@ -27,7 +27,7 @@ from estimator.checkpoint import Position, describe, load_checkpoint, position_o
 from estimator.data import list_pieces, parquet_columns
 from estimator.data.row_checks import BadRows
 from estimator.direct import direct_source, head
-from estimator.distributed import FailureKind, RankFailed
+from estimator.failures import FailureKind, RankFailed
 from estimator.dry_run import HEAD_ROWS, dry_run
 from estimator.finite import non_finite_losses
 from estimator.launcher import SparkBarrierLauncher

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from estimator.failures import FailureKind
+
 # Where the loss is looked at every FiniteCheck.LOOK_EVERY steps instead of every step: reading a value back from a
 # GPU makes the host wait for it, and the next batch's work could not be queued meanwhile (tests add "cpu").
 DEFERRED_CHECK_DEVICES = ("cuda",)
@@ -16,7 +18,7 @@ DEFERRED_CHECK_DEVICES = ("cuda",)
 class NonFiniteLoss(FloatingPointError):
     """A NaN or infinite loss (or weights) with terminate_on_nan=True. Another launch would meet it again."""
 
-    failure_kind = "nan"  # estimator.distributed.FailureKind
+    failure_kind = FailureKind.NAN
 
 
 NAN_ADVICE = ("Try a lower lr, gradient_clip_val, normalized features, or a loss that takes logits (e.g. "

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from estimator.failures import FailureKind
+
 log = logging.getLogger("estimator")
 
 SHM_DIR = "/dev/shm"
@@ -48,7 +50,7 @@ ECHO_DELAY = 2.0  # seconds a rank waits before reporting a peer's failure (as t
 class PeerFailed(RuntimeError):
     """A peer raised, died or timed out during the shared-memory gradient allreduce."""
 
-    failure_kind = "peer"  # estimator.distributed.FailureKind: never the cause, the driver looks for another
+    failure_kind = FailureKind.PEER  # never the cause: the driver looks for another
 
 
 class HostAllreduce:

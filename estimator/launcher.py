@@ -1,41 +1,40 @@
 """Launchers start `num_proc` ranks and return each rank's WorkerResult.
 
-- SparkBarrierLauncher: one Spark barrier task per rank (barrier mapInArrow: classic and Spark Connect
-  sessions alike); one `allGather` to rendezvous (each call costs about a second, since Spark polls),
-  then everything goes through torch.distributed. A failing rank leaves a typed record in the store.
-- LocalLauncher: ranks as local processes (or in-process for one rank); same per-rank code.
-pyspark is imported only inside the Spark launcher.
+- SparkBarrierLauncher (here): barrier tasks of `mapInArrow` (classic and Spark Connect sessions alike), one per
+  rank, or one per N ranks when Spark gives each task N GPUs (estimator.task_ranks); they meet through one
+  `allGather` (estimator.rendezvous), then everything goes through torch.distributed
+  (estimator.rank_setup). A failing rank leaves a typed record in the store.
+- LocalLauncher (estimator.local_launcher): ranks as local processes (or in-process for one rank), the same
+  per-rank code.
+pyspark is imported only inside the barrier task and the launcher's methods.
 """
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import multiprocessing
-import os
 import pickle
 import re
 import resource
 import shutil
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed import TCPStore
 
-from estimator.distributed import (FailureKind, RankContext, RankFailed, RendezvousFailed, as_rank_failure,
-                                   check_in, failure_kind, plan_devices, run_rank, shared_gpus,
-                                   task_gpus)
-from estimator.failure_watch import FailureWatch, stopped_by_driver
-from estimator.faults import Fault, from_env, inject
-from estimator.session import job_tag
-from estimator.spec import TrainSpec, WorkerResult
 from estimator.data import EarlyRead
 from estimator.data.spill import Spilled, local_data, rank_data, spill, spill_root
-from estimator.worker import train_worker
+from estimator.distributed import task_gpus
+from estimator.failure_watch import FailureWatch, stopped_by_driver
+from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
+from estimator.faults import Fault, from_env, inject
+from estimator.rank_setup import Placement, train_rank
+from estimator.rendezvous import all_gather, announce, late_at_barrier
+from estimator.session import job_tag
+from estimator.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger("estimator")
 
@@ -92,6 +91,10 @@ class SparkBarrierLauncher:
         for r in results:
             if r.assigned_gpu is not None:
                 log.info("rank %d ran on %s (Spark assigned GPU %s to it)", r.rank, r.device, r.assigned_gpu)
+        if any(r.device.startswith("cuda") and r.allreduce.startswith("gloo") for r in results):
+            log.warning("Ranks shared GPUs (spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one "
+                        "device, so gradients were averaged with gloo, through host memory (slower). Give each "
+                        "rank a whole GPU for nccl.")
         return results
 
 
@@ -194,21 +197,6 @@ def _result_rows(rows: List[Tuple[int, bytes]]) -> Any:
                                       schema=pa.schema([("rank", pa.int64()), ("result", pa.binary())]))
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where every rank runs, as gathered at Spark's barrier (the same on every rank)."""
-
-    hosts: Tuple[str, ...]  # per rank
-    gpu_counts: Tuple[int, ...]  # per rank: CUDA devices its process sees (0 with use_gpu=False)
-    addresses: Tuple[Optional[str], ...]  # per rank: the GPU address Spark gave it
-    port: int  # rank 0's store, on hosts[0]
-    threads: int  # torch threads per rank: the task's cores over its ranks
-
-    @property
-    def world(self) -> int:
-        return len(self.hosts)
-
-
 def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_task: int,
                 spilled: Optional[Spilled] = None) -> List[WorkerResult]:
     """The body of one barrier task: meet through Spark once (rank 0's store port, every task's GPUs), then
@@ -226,7 +214,7 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
     spec: TrainSpec = pickle.loads(spec_bytes)
     hosts = tuple(info.address.rsplit(":", 1)[0] for info in task.getTaskInfos() for _ in range(per_task))
     world, timeout = len(hosts), spec.rendezvous_timeout
-    arrived = _announce(spec, ranks, hosts[first])
+    arrived = announce(spec, ranks, hosts[first])
     own = replace(spec, data=local_data(spec.data, spilled)) if spilled is not None else spec
     early = EarlyRead.for_spec(own, first, world, faults, attempt, ranks_on_host=hosts.count(hosts[first])) \
         if per_task == 1 else None
@@ -240,11 +228,11 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
         message["port"] = server.port
     if spilled is not None:
         message["rows"] = spilled.counts
-    replies = _all_gather(task, json.dumps(message), timeout + (spilled.seconds if spilled else 0.0),
+    replies = all_gather(task, json.dumps(message), timeout + (spilled.seconds if spilled else 0.0),
                           while_waiting=lambda: _warm_up(early))
     if replies is None:
         arrived.join(5)
-        raise RendezvousFailed(first, _late_at_barrier(spec, first, hosts, timeout))
+        raise RendezvousFailed(first, late_at_barrier(spec, first, hosts, timeout))
     gathered = [json.loads(m) for m in replies]
     if per_task > 1 and any(len(m["gpu"]) < per_task for m in gathered):
         raise RankFailed(first, f"spark.task.resource.gpu.amount={per_task} but Spark gave the tasks GPU addresses "
@@ -271,58 +259,6 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
                     spill_seconds=spilled.seconds if spilled is not None else 0.0) for r in results]
 
 
-def train_rank(spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, rank: int, place: Placement,
-               early: Optional[EarlyRead] = None, server: Optional[TCPStore] = None) -> WorkerResult:
-    """One rank after the rendezvous, in its task's process or a process of its own: its device (the same
-    decision on every rank, from gathered facts: all ranks fail alike or none does), the torch rendezvous,
-    training. `early`: its shards, opened already; `server`: rank 0's store, when this process holds it."""
-    started = time.perf_counter()
-    if early is None:
-        early = EarlyRead.for_spec(spec, rank, place.world, faults, attempt,
-                                   ranks_on_host=place.hosts.count(place.hosts[rank]))
-        if early is not None:
-            early.begin()
-    torch.set_num_threads(place.threads)  # the cores Spark gave this task, not every core of the host
-    try:
-        devices = plan_devices(spec.use_gpu, place.hosts, place.gpu_counts, place.addresses)
-    except RuntimeError as exc:
-        spark_gpus = list(place.addresses)
-        raise RankFailed(rank, f"{exc} Spark assigned GPU addresses {spark_gpus} to ranks 0-{place.world - 1}"
-                               + (" (none: set spark.task.resource.gpu.amount)" if not any(spark_gpus) else
-                                  " but torch.cuda sees none: check the executors' CUDA drivers and CUDA_VISIBLE_DEVICES")
-                               + ".") from None
-    shared = shared_gpus(place.hosts, devices)
-    if shared and rank == 0:
-        log.warning("Ranks share GPUs (%s; spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one "
-                    "device, so gradients are averaged with gloo (through host memory, slower). Give each task a "
-                    "whole GPU for nccl.", "; ".join(f"{h} {d}: ranks {r}" for (h, d), r in shared.items()))
-    inject(faults, "before_checkin", rank, attempt)
-    store = server or _connect(rank, place.hosts[0], place.port, place.world, spec.rendezvous_timeout)
-    check_in(store, rank, place.hosts, spec.rendezvous_timeout)
-    ctx = RankContext(rank, place.world, place.hosts[:rank].count(place.hosts[rank]), devices[rank], place.hosts[0],
-                      place.port, place.addresses[rank], bool(shared))
-    result = run_rank(ctx, store, lambda c: train_worker(spec, c, faults, attempt, early),
-                      timeout=timedelta(seconds=spec.collective_timeout))
-    del store
-    return replace(result, setup_seconds=time.perf_counter() - started - result.seconds - result.teardown_seconds,
-                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-
-
-def _announce(spec: TrainSpec, ranks: range, host: str) -> threading.Thread:
-    """Leave the task's ranks' arrival markers in the store, off the critical path (read only on a timeout)."""
-    def write() -> None:
-        for rank in ranks:
-            try:
-                spec.data.store.write_bytes_atomic(spec.run.arrival(spec.launch_id, rank), json.dumps(
-                    {"rank": rank, "host": host, "pid": os.getpid()}).encode())
-            except Exception:  # noqa: BLE001 - only diagnostics; the rendezvous does not depend on it
-                log.debug("could not write the arrival marker of rank %d", rank, exc_info=True)
-
-    thread = threading.Thread(target=write, name=f"arrival-rank-{ranks[0]}", daemon=True)
-    thread.start()
-    return thread
-
-
 def _warm_up(early: Optional[EarlyRead]) -> None:
     """While Spark's barrier polls: the imports first, then this rank's shard read on its thread.
     Both need the CPU; run together in a fresh Python worker, they slowed each other down more than
@@ -342,53 +278,6 @@ def _warm_imports() -> None:
         log.debug("warming up torch._dynamo failed", exc_info=True)
 
 
-def _all_gather(task: Any, message: str, timeout: float,
-                while_waiting: Optional[Callable[[], None]] = None) -> Optional[List[str]]:
-    """Spark's allGather, abandoned after `timeout` seconds (Spark's own barrier timeout is a year).
-    `while_waiting` runs on this thread meanwhile."""
-    box: Dict[str, Any] = {}
-
-    def gather() -> None:
-        try:
-            box["replies"] = task.allGather(message)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the task's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=gather, name="spark-barrier", daemon=True)
-    thread.start()
-    started = time.monotonic()
-    if while_waiting is not None:
-        while_waiting()
-    thread.join(max(0.0, timeout - (time.monotonic() - started)))
-    if "error" in box:
-        raise box["error"]
-    return box.get("replies")
-
-
-def _late_at_barrier(spec: TrainSpec, rank: int, hosts: List[str], timeout: float) -> str:
-    try:
-        present = {int(os.path.basename(p)[len("rank-"):-len(".json")])
-                   for p in spec.data.store.ls(spec.run.launch(spec.launch_id))
-                   if os.path.basename(p).startswith("rank-") and p.endswith(".json")}
-    except Exception:  # noqa: BLE001 - the markers only refine the message
-        present = {rank}
-    late = [r for r in range(len(hosts)) if r not in present]
-    who = ", ".join(f"rank {r} (host {hosts[r]})" for r in late) if late else "some ranks"
-    return (f"{who} did not reach Spark's barrier within rendezvous_timeout={timeout:g} s (rank {rank} waited). "
-            "Their tasks started but their Python workers were still starting, importing torch or loading "
-            "the training spec: raise rendezvous_timeout, or look at those executors' logs.")
-
-
-def _connect(rank: int, host: str, port: int, world: int, timeout: float) -> TCPStore:
-    try:
-        return TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - unreachable rank 0: say which address and why it matters
-        raise RendezvousFailed(rank, f"rank {rank} could not connect to rank 0's rendezvous store at {host}:{port} "
-                                     f"within rendezvous_timeout={timeout:g} s ({type(exc).__name__}: {exc}). "
-                                     "Executors must reach each other on ephemeral TCP ports; check firewalls "
-                                     "and network security groups between executors.") from None
-
-
 def _remove_quietly(store: Any, path: str) -> None:
     try:
         store.rm(path)
@@ -396,46 +285,4 @@ def _remove_quietly(store: Any, path: str) -> None:
         log.debug("could not remove %s", path, exc_info=True)
 
 
-# -- local processes ----------------------------------------------------------------------------
-class LocalLauncher:
-    """Ranks on this machine, without Spark: in-process for one rank, spawned processes otherwise."""
-
-    def __init__(self, use_processes: Optional[bool] = None):
-        self.use_processes = use_processes
-
-    def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
-        server = TCPStore("127.0.0.1", 0, num_proc, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=spec.rendezvous_timeout))
-        try:
-            if num_proc == 1 and not self.use_processes:
-                return [_local_rank(spec, 0, 1, server.port)]
-            return self._spawn(spec, num_proc, server.port)
-        finally:
-            del server
-
-    def _spawn(self, spec: TrainSpec, num_proc: int, port: int) -> List[WorkerResult]:
-        mp = multiprocessing.get_context("spawn")
-        with mp.Pool(num_proc) as pool:
-            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port)) for r in range(num_proc)]
-            results, failures = [], []
-            for handle in handles:
-                try:
-                    results.append(handle.get())
-                except Exception as exc:  # noqa: BLE001 - every rank's outcome first, then the cause
-                    failures.append(exc)
-        if failures:  # the failing rank's own error, not a peer's echo of it
-            raise next((f for f in failures if failure_kind(f) is not FailureKind.PEER), failures[0])
-        return results
-
-
-def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
-    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=spec.rendezvous_timeout))
-    hosts = ["127.0.0.1"] * world
-    check_in(store, rank, hosts, spec.rendezvous_timeout)
-    devices = plan_devices(spec.use_gpu, hosts, [torch.cuda.device_count()] * world, [None] * world)
-    ctx = RankContext(rank, world, rank, devices[rank], "127.0.0.1", port,
-                      shared_gpus=bool(shared_gpus(hosts, devices)))
-    return run_rank(ctx, store, lambda c: train_worker(spec, c), timeout=timedelta(seconds=spec.collective_timeout))
-
-
-__all__ = ["Launcher", "SparkBarrierLauncher", "LocalLauncher", "RankFailed", "RendezvousFailed"]
+__all__ = ["Launcher", "SparkBarrierLauncher"]

@@ -22,7 +22,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from estimator.distributed import FailureKind, RankFailed, as_rank_failure
+from estimator.failures import FailureKind, RankFailed, as_rank_failure
 
 log = logging.getLogger("estimator")
 GRACE_SECONDS = 30.0  # after a rank's failure, how long its task waits for the other ranks to end on their own

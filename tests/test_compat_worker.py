@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from estimator.distributed import RankFailed
-from estimator.launcher import LocalLauncher
+from estimator.failures import RankFailed
+from estimator.local_launcher import LocalLauncher
 from helpers import MLP, make_spec, seeded
 
 

@@ -55,7 +55,7 @@ class BreakingMLP(nn.Module):
 
 
 def test_the_ranks_really_compile(spark, store, df):
-    from estimator.distributed import RankFailed
+    from estimator.failures import RankFailed
 
     model = seeded(BreakingMLP)
     assert len(_est(store, run_id="eager", model=model, epochs=1).fit(df).getHistory()) == 1  # eager runs it

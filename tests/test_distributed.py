@@ -31,7 +31,8 @@ def test_check_in_names_the_rank_that_did_not_arrive():
 
     from torch.distributed import TCPStore
 
-    from estimator.distributed import RendezvousFailed, check_in
+    from estimator.rendezvous import check_in
+    from estimator.failures import RendezvousFailed
 
     hosts = ["hostA", "hostB", "hostC"]
     server = TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -54,7 +55,7 @@ def test_check_in_passes_when_everyone_arrives():
 
     from torch.distributed import TCPStore
 
-    from estimator.distributed import check_in
+    from estimator.rendezvous import check_in
 
     server = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     client = TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=10))
@@ -98,7 +99,7 @@ def _raised_in_user_code():
 
 
 def test_a_rank_failure_reads_as_the_rank_and_its_own_exception_then_its_traceback_once():
-    from estimator.distributed import RankFailed
+    from estimator.failures import RankFailed
 
     formatted, summary = _raised_in_user_code()
     failure = RankFailed(1, formatted, summary)
@@ -111,11 +112,11 @@ def test_a_rank_failure_reads_as_the_rank_and_its_own_exception_then_its_traceba
 
 @pytest.mark.parametrize("kind", ["RankFailed", "RendezvousFailed"])
 def test_the_driver_rebuilds_the_rank_failure_from_sparks_text_without_java_frames(kind):
-    import estimator.distributed as distributed
+    import estimator.failures as failures
     from estimator.launcher import rank_failure
 
     formatted, summary = _raised_in_user_code()
-    rebuilt = rank_failure(_spark_text(getattr(distributed, kind)(1, formatted, summary)))
+    rebuilt = rank_failure(_spark_text(getattr(failures, kind)(1, formatted, summary)))
     assert type(rebuilt).__name__ == kind and rebuilt.rank == 1
     assert rebuilt.summary == summary and rebuilt.formatted == formatted.rstrip()
     assert "\tat " not in str(rebuilt) and "org.apache" not in str(rebuilt)
@@ -158,7 +159,7 @@ def test_failure_kinds_come_from_the_exception_types_not_their_text():
     import torch.distributed as dist
 
     from estimator.data import ReadFailed
-    from estimator.distributed import FailureKind, RankFailed, RendezvousFailed, failure_kind
+    from estimator.failures import FailureKind, RankFailed, RendezvousFailed, failure_kind
     from estimator.host_allreduce import PeerFailed
     from estimator.finite import NonFiniteLoss
 
@@ -180,7 +181,7 @@ def test_the_driver_takes_the_failing_ranks_record_not_a_peers_echo(store):
     import json
     import time
 
-    from estimator.distributed import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
+    from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
     from estimator.host_allreduce import PeerFailed
     from estimator.launcher import launch_failure
 

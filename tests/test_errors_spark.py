@@ -102,7 +102,7 @@ def test_a_rank_failing_mid_training_raises_its_error_and_the_next_fit_works(spa
     barrier stage, the user gets rank 1's own Python traceback, and Python workers stay usable."""
     import os
 
-    from estimator.distributed import RankFailed
+    from estimator.failures import RankFailed
 
     calls = {"n": 0}
 
@@ -184,7 +184,7 @@ def test_a_loss_that_turns_nan_fails_the_fit_and_keeps_the_good_checkpoint(spark
     failure. Epoch 1 of run 'r' trains well; its refit's epoch 2 has a loss that is NaN: the fit fails, and the
     run's checkpoint still holds epoch 1's finite weights."""
     from estimator.checkpoint import load_checkpoint
-    from estimator.distributed import FailureKind, RankFailed
+    from estimator.failures import FailureKind, RankFailed
 
     with pytest.raises(RankFailed) as info:
         _est(store, epochs=2, lr=1e20).fit(df)

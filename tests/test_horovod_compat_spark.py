@@ -124,7 +124,7 @@ def test_gradient_compression_fp16_trains(spark, store, df):
 
 
 def test_terminate_on_nan_reaches_the_user(spark, store, df):
-    from estimator.distributed import RankFailed
+    from estimator.failures import RankFailed
 
     def nan_loss(output, target):
         return nn.functional.cross_entropy(output, target) * float("nan")

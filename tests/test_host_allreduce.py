@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from estimator import host_allreduce
-from estimator.distributed import RankFailed
-from estimator.launcher import LocalLauncher
+from estimator.failures import RankFailed
+from estimator.local_launcher import LocalLauncher
 from helpers import MLP, make_spec, seeded, metrics
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimator.launcher import LocalLauncher
+from estimator.local_launcher import LocalLauncher
 from estimator.spec import ReaderSpec
 from helpers import MLP, make_spec, seeded
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from estimator.launcher import LocalLauncher
+from estimator.local_launcher import LocalLauncher
 from estimator.progress import ProgressWatcher, StepBar
 from estimator.worker import StepReport
 from helpers import MLP, make_spec, seeded

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.distributed import RankFailed
+from estimator.failures import RankFailed
 from estimator.faults import ENV
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by

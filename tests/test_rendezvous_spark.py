@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.distributed import RendezvousFailed
+from estimator.failures import RendezvousFailed
 from estimator.faults import ENV
 from helpers import MLP, seeded
 from spark_helpers import digits_frame

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from estimator.distributed import FailureKind, RankContext, RankFailed, plan_devices, shared_gpus
+from estimator.distributed import RankContext, plan_devices, shared_gpus
+from estimator.failures import FailureKind, RankFailed
 from estimator.session import default_num_proc, ranks_per_task
 from estimator.task_ranks import run_ranks
 

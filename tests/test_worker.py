@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.distributed import RankFailed
-from estimator.launcher import LocalLauncher
+from estimator.failures import RankFailed
+from estimator.local_launcher import LocalLauncher
 from estimator.pickling import user_objects
 from estimator.faults import Fault, InjectedFault
 from estimator.data import EarlyRead, open_shards
@@ -273,7 +273,7 @@ def test_a_nan_loss_fails_the_rank_before_its_weights_are_checkpointed(store, di
     step: the rank fails with NonFiniteLoss naming epoch 2, step 3 and the rank, and the checkpoint still holds
     epoch 1's (finite) weights. Deferred (GPUs: no host wait per step) finds the same step at the epoch's end."""
     from estimator import finite
-    from estimator.distributed import FailureKind
+    from estimator.failures import FailureKind
 
     if deferred:
         monkeypatch.setattr(finite, "DEFERRED_CHECK_DEVICES", ("cuda", "cpu"))

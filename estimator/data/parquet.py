@@ -16,6 +16,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from estimator.data.arrays import Arrays, table_to_arrays
+from estimator.failures import FailureKind
 from estimator.spec import Piece
 from store import Store
 
@@ -26,7 +27,7 @@ class ReadFailed(OSError):
     """Reading the training data from the store failed (a missing, unreadable or corrupt file, a lost
     connection). A later launch may succeed: the store may come back."""
 
-    failure_kind = "read"  # estimator.distributed.FailureKind
+    failure_kind = FailureKind.READ
 
 
 @contextlib.contextmanager

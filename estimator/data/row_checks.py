@@ -9,6 +9,8 @@ from typing import Any, Dict, Iterable, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from estimator.failures import FailureKind
+
 log = logging.getLogger("estimator")
 
 
@@ -16,7 +18,7 @@ class BadRows(ValueError):
     """The DataFrame's rows cannot be trained on (nulls, ragged or empty arrays): the same rows fail every time,
     so another launch cannot help."""
 
-    failure_kind = "data"  # estimator.distributed.FailureKind
+    failure_kind = FailureKind.DATA
 
 
 def batch_counts(batch: pa.RecordBatch, columns: Sequence[str]) -> Dict[str, int]:

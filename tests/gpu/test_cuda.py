@@ -18,7 +18,7 @@ import torch
 
 from estimator.checkpoint import load_checkpoint
 from estimator.data.arrays import tensors_to, to_tensors
-from estimator.launcher import LocalLauncher
+from estimator.local_launcher import LocalLauncher
 from helpers import MLP, make_spec, seeded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.distributed import RankFailed
+from estimator.failures import RankFailed
 from store import Store
 
 from gpu_jobs import gpu_session, kept_log_lines  # noqa: E402 - beside this script

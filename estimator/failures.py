@@ -1,0 +1,104 @@
+"""What failed on a rank, as types: the kind of failure (FailureKind: the driver retries or not from it), and the
+exception that carries it to the driver (RankFailed: its rank, its own exception line and traceback). No torch
+needed to import it: the data layer's exceptions name their kind with FailureKind members."""
+from __future__ import annotations
+
+import enum
+import re
+import time
+import traceback
+from typing import Optional
+
+
+class FailureKind(str, enum.Enum):
+    """What failed on a rank. The driver decides from it whether another launch can help."""
+
+    RENDEZVOUS = "rendezvous"  # the ranks did not all meet (late, unreachable)
+    PEER = "peer"  # this rank stopped because another rank failed: never the cause
+    USER = "user"  # an exception from the model, loss, transformation_fn... or anything not named below
+    NAN = "nan"  # a non-finite loss with terminate_on_nan: it would recur
+    READ = "read"  # reading the training data from the store
+    WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
+    DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
+
+    @property
+    def retryable(self) -> bool:
+        return self not in (FailureKind.NAN, FailureKind.DATA)
+
+
+class RankFailed(RuntimeError):
+    """A rank failed. The message's first line is `rank N: <its exception type>: <message>`, then its Python
+    traceback once. `summary` is that exception line, `formatted` the traceback (or the explanation when the
+    rank left none, e.g. a crashed worker); `kind` says what failed."""
+
+    default_kind = FailureKind.USER
+
+    def __init__(self, rank: int, formatted: str, summary: Optional[str] = None,
+                 kind: Optional[FailureKind] = None):
+        self.rank, self.formatted = rank, formatted.rstrip()
+        self.summary = summary or exception_line(self.formatted)
+        self.kind = FailureKind(kind) if kind is not None else self.default_kind
+        body = "" if self.formatted == self.summary else "\n" + self.formatted
+        super().__init__(f"rank {rank}: {self.summary}{body}")
+
+    def __reduce__(self):  # crosses process boundaries (LocalLauncher's pool) with its own arguments
+        return type(self), (self.rank, self.formatted, self.summary, self.kind)
+
+    def record(self) -> dict:
+        """What a rank leaves in the store for the driver (launcher.launch_failure reads it back)."""
+        return {"rank": self.rank, "kind": self.kind.value, "summary": self.summary, "formatted": self.formatted,
+                "rendezvous": isinstance(self, RendezvousFailed), "time": time.time()}
+
+    @staticmethod
+    def from_record(record: dict) -> "RankFailed":
+        cls = RendezvousFailed if record.get("rendezvous") else RankFailed
+        return cls(int(record["rank"]), record["formatted"], record["summary"], FailureKind(record["kind"]))
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """The kind of an exception raised on a rank: named by the exception (its `failure_kind`, on it or on an
+    exception it was raised from), a torch.distributed error (a peer went away), else the user's code."""
+    seen = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RankFailed):
+            return current.kind
+        named = getattr(current, "failure_kind", None)
+        if named is not None:
+            return FailureKind(named)
+        if _is_dist_error(current):
+            return FailureKind.PEER
+        current = current.__cause__ or current.__context__
+    return FailureKind.USER
+
+
+def as_rank_failure(rank: int, exc: BaseException) -> RankFailed:
+    """`exc`, raised on rank `rank` (inside an except block), as the RankFailed the driver sees."""
+    if isinstance(exc, RankFailed):
+        return exc
+    summary = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return RankFailed(rank, traceback.format_exc(), summary, failure_kind(exc))
+
+
+def exception_line(formatted: str) -> str:
+    """`Type: message` from a formatted traceback (its last unindented `Name: ...` line), else the first line."""
+    lines = [line for line in formatted.splitlines() if line.strip()]
+    if lines and lines[0].startswith("Traceback (most recent call last)"):
+        named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(: |$)", line)]
+        if named:
+            return named[-1]
+    return lines[0] if lines else ""
+
+
+class RendezvousFailed(RankFailed):
+    """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""
+
+    default_kind = FailureKind.RENDEZVOUS
+
+
+def _is_dist_error(exc: BaseException) -> bool:
+    """A torch.distributed error: a peer went away. torch is imported only where a rank failed (it is there)."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError)

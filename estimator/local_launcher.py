@@ -1,0 +1,51 @@
+"""Ranks on this machine, without Spark: in-process for one rank, spawned processes otherwise; the same
+per-rank code as Spark's barrier tasks (estimator.rank_setup)."""
+from __future__ import annotations
+
+import multiprocessing
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+from torch.distributed import TCPStore
+
+from estimator.failures import FailureKind, failure_kind
+from estimator.rank_setup import Placement, train_rank
+from estimator.spec import TrainSpec, WorkerResult
+
+
+class LocalLauncher:
+    """Ranks on this machine, without Spark: in-process for one rank, spawned processes otherwise."""
+
+    def __init__(self, use_processes: Optional[bool] = None):
+        self.use_processes = use_processes
+
+    def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
+        server = TCPStore("127.0.0.1", 0, num_proc, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=spec.rendezvous_timeout))
+        try:
+            if num_proc == 1 and not self.use_processes:
+                return [_local_rank(spec, 0, 1, server.port)]
+            return self._spawn(spec, num_proc, server.port)
+        finally:
+            del server
+
+    def _spawn(self, spec: TrainSpec, num_proc: int, port: int) -> List[WorkerResult]:
+        mp = multiprocessing.get_context("spawn")
+        with mp.Pool(num_proc) as pool:
+            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port)) for r in range(num_proc)]
+            results, failures = [], []
+            for handle in handles:
+                try:
+                    results.append(handle.get())
+                except Exception as exc:  # noqa: BLE001 - every rank's outcome first, then the cause
+                    failures.append(exc)
+        if failures:  # the failing rank's own error, not a peer's echo of it
+            raise next((f for f in failures if failure_kind(f) is not FailureKind.PEER), failures[0])
+        return results
+
+
+def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
+    gpus = torch.cuda.device_count() if spec.use_gpu is not False else 0
+    place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port, torch.get_num_threads())
+    return train_rank(spec, (), 0, rank, place)
