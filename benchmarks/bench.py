@@ -184,7 +184,7 @@ def reader_vs_pyarrow(store, pieces, data_spec, repeat: int, rank=0, world=2) ->
     numpy; page cache warm for both (one untimed read first)."""
     import pyarrow.dataset as ds
 
-    from estimator.data import read_rows, shard_range
+    from estimator.data.parquet import read_rows, shard_range
 
     start, stop = shard_range(sum(p.num_rows for p in pieces), rank, world)
     offsets = np.cumsum([0] + [p.num_rows for p in pieces])
@@ -342,7 +342,7 @@ def main(argv=None):
         results["transform_50k"] = transform_vs_forward(fitted, test, repeat)
         test.unpersist()
 
-    from estimator.data import list_pieces
+    from estimator.data.parquet import list_pieces
     from estimator.spec import DataSpec
 
     markers = [m for m in store.find(store.path("data"), suffix="_COMMITTED.json")

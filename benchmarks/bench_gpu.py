@@ -69,7 +69,7 @@ def png_rows(copies: int):
 
 
 def write(store, folder, columns, files):
-    from estimator.data import list_pieces
+    from estimator.data.parquet import list_pieces
 
     store.makedirs(store.path(folder))
     rows = len(next(iter(columns.values())))

@@ -14,7 +14,7 @@ from typing import Sequence, Tuple, Union
 import pyarrow as pa
 from pyspark.sql import DataFrame
 
-from estimator.data import Arrays
+from estimator.data.arrays import Arrays
 from estimator.data.arrays import table_to_arrays
 from estimator.fingerprint import ROW_HASH, SPLIT_COLUMN
 from estimator.materialize import any_null, null_checks, selected

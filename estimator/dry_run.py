@@ -11,7 +11,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from estimator.data import Arrays, column_max, prepare_arrays, read_head, to_tensors, transform_batch
+from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
+from estimator.data.frames import transform_batch
+from estimator.data.parquet import column_max, read_head
 from estimator.losses import Objective, loss_kind, loss_name
 from estimator.spec import DataSpec, UserObjects
 

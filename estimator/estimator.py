@@ -24,7 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 from estimator import checks
 from estimator.compression import compression_name
 from estimator.checkpoint import Position, describe, load_checkpoint, position_of
-from estimator.data import list_pieces, parquet_columns
+from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.data.row_checks import BadRows
 from estimator.direct import direct_source, head
 from estimator.failures import FailureKind, RankFailed

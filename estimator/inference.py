@@ -16,7 +16,8 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from estimator.data import column_to_numpy, reshape, torch_dtype_array
+from estimator.data.arrays import column_to_numpy, reshape
+from estimator.data.frames import torch_dtype_array
 from estimator.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 from torch.distributed import TCPStore
 
-from estimator.data import EarlyRead
+from estimator.data.shards import EarlyRead
 from estimator.data.spill import Spilled, local_data, rank_data, spill, spill_root
 from estimator.distributed import task_gpus
 from estimator.failure_watch import FailureWatch, stopped_by_driver

@@ -28,7 +28,7 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
-from estimator.data import list_pieces, pieces_of_files
+from estimator.data.parquet import list_pieces, pieces_of_files
 from estimator.data.row_checks import check_observed
 from estimator.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, content_aggregates, fingerprint, plan_key,
                                    reusable_plan, shape_key, tagged)

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch.distributed import TCPStore
 
-from estimator.data import EarlyRead
+from estimator.data.shards import EarlyRead
 from estimator.distributed import RankContext, plan_devices, run_rank, shared_gpus
 from estimator.failures import RankFailed
 from estimator.faults import Fault, inject

@@ -21,7 +21,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from estimator.checkpoint import Position, load_checkpoint, position_of, save_checkpoint
-from estimator.data import Decoders, EarlyRead, Feed, Shard, Tensors, epoch_seed, feed_workers, open_shards, tensors_to
+from estimator.data.arrays import Tensors, tensors_to
+from estimator.data.feed import Decoders, Feed, feed_workers
+from estimator.data.plan import epoch_seed
+from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
 from estimator.finite import FiniteCheck

@@ -69,7 +69,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
-    from estimator.data import list_pieces
+    from estimator.data.parquet import list_pieces
     from estimator.pickling import dumps, user_objects
     from estimator.spec import DataSpec, TrainSpec
 

@@ -2,8 +2,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from estimator.data import (ShardBatches, column_to_numpy, list_pieces, plan_steps, read_head, read_rows, reshape,
-                            shard_range)
+from estimator.data.arrays import column_to_numpy, reshape
+from estimator.data.cached import ShardBatches
+from estimator.data.parquet import list_pieces, read_head, read_rows, shard_range
+from estimator.data.plan import plan_steps
 from helpers import write_parquet
 from store import Store
 

@@ -158,7 +158,7 @@ def _raise(exc):
 def test_failure_kinds_come_from_the_exception_types_not_their_text():
     import torch.distributed as dist
 
-    from estimator.data import ReadFailed
+    from estimator.data.parquet import ReadFailed
     from estimator.failures import FailureKind, RankFailed, RendezvousFailed, failure_kind
     from estimator.host_allreduce import PeerFailed
     from estimator.finite import NonFiniteLoss

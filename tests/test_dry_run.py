@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimator.data import list_pieces
+from estimator.data.parquet import list_pieces
 from estimator.dry_run import dry_run
 from estimator.losses import Objective
 from estimator.pickling import user_objects

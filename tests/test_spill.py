@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from estimator.data import open_shards
+from estimator.data.shards import open_shards
 from estimator.data.cached import CachedShard
 from estimator.data.row_checks import BadRows, batch_counts, merged
 from estimator.data.spill import ROW_GROUP_BYTES, SPLIT_COLUMN, local_data, rank_data, spill
@@ -92,7 +92,7 @@ def test_the_checks_run_over_every_ranks_rows(store, digits, tmp_path):
 def test_a_shard_read_during_the_rendezvous_is_planned_over_every_ranks_rows(store, digits, tmp_path):
     """The direct mode reads its spilled shard while Spark's barrier polls, before it knows the peers' counts;
     the plan then spreads the largest shard's rows, as if the counts had been known from the start."""
-    from estimator.data import EarlyRead
+    from estimator.data.shards import EarlyRead
 
     small = spill(_batches(3, 1000), str(tmp_path / "r0"), ["features", "label"])
     large = spill(_batches(4, 1000, start=10**6), str(tmp_path / "r1"), ["features", "label"])

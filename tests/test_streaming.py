@@ -8,10 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from estimator.data import (CachedShard, Decoders, EarlyRead, Feed, StreamingShard, cache_decision, list_pieces,
-                            open_shards, spans, to_tensors)
-from estimator.data.arrays import column_to_numpy
-from estimator.data.streaming import shuffled
+from estimator.data.arrays import column_to_numpy, to_tensors
+from estimator.data.cached import CachedShard
+from estimator.data.feed import Decoders, Feed
+from estimator.data.parquet import list_pieces, spans
+from estimator.data.shards import EarlyRead, cache_decision, open_shards
+from estimator.data.streaming import StreamingShard, shuffled
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec
 
 
@@ -78,7 +80,7 @@ def test_without_shuffle_streaming_gives_exactly_the_cached_batches(store):
 
 
 def _range(spec, rank):
-    from estimator.data import shard_range
+    from estimator.data.parquet import shard_range
 
     return shard_range(spec.data.train_rows, rank, 2)
 
@@ -148,7 +150,9 @@ def test_a_row_stays_in_the_shuffle_buffer_for_a_geometric_number_of_exchanges()
 MEMORY_PROBE = """
 import sys, tracemalloc
 import pyarrow as pa
-from estimator.data import CachedShard, list_pieces, open_shards
+from estimator.data.cached import CachedShard
+from estimator.data.parquet import list_pieces
+from estimator.data.shards import open_shards
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec
 from store import Store
 store, cache = Store.create(sys.argv[1]), sys.argv[2] == "cached"

@@ -11,7 +11,7 @@ from estimator.failures import RankFailed
 from estimator.local_launcher import LocalLauncher
 from estimator.pickling import user_objects
 from estimator.faults import Fault, InjectedFault
-from estimator.data import EarlyRead, open_shards
+from estimator.data.shards import EarlyRead, open_shards
 from estimator.worker import build_optimizer
 from helpers import MLP, make_spec, seeded
 
@@ -144,7 +144,7 @@ def test_train_steps_per_epoch_sets_the_optimizer_steps(store, digits):
 
 def test_label_shapes_reshape_labels_and_name_a_mismatch():
     from estimator.spec import DataSpec
-    from estimator.data import to_tensors
+    from estimator.data.arrays import to_tensors
 
     data = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 2, 2),))
     batch = {"x": np.zeros((3, 5), np.float32), "y": np.arange(12, dtype=np.float32).reshape(3, 4)}
