@@ -13,6 +13,8 @@ class HDFSStore(Store):
     `extra_conf` are passed to it.
     """
 
+    url_prefixes = ("hdfs://",)
+
     def __init__(self, prefix_path: str, host: Optional[str] = None, port: Optional[int] = None,
                  user: Optional[str] = None, kerb_ticket: Optional[str] = None, driver: str = "libhdfs",
                  extra_conf: Optional[Dict[str, str]] = None, temp_dir: Optional[str] = None,
@@ -25,6 +27,8 @@ class HDFSStore(Store):
 
 class DBFSLocalStore(LocalStore):
     """Databricks File System through its local mount: `dbfs:/path` and `/dbfs/path` are `/dbfs/path`."""
+
+    url_prefixes = ("dbfs:", "/dbfs/")
 
     def __init__(self, prefix_path: str, *args: Any, **kwargs: Any):
         super().__init__(dbfs_local_path(prefix_path), *args, **kwargs)

@@ -6,7 +6,7 @@ import os
 import posixpath
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import fsspec
@@ -33,6 +33,13 @@ class Store:
 
     max_data_bytes: Optional[int] = DEFAULT_MAX_DATA_BYTES  # class defaults: stores pickled before these existed
     max_data_age: Optional[float] = DEFAULT_MAX_DATA_AGE
+    url_prefixes: Tuple[str, ...] = ()  # a subclass naming prefixes is what `Store.create` makes for such URLs
+    _by_prefix: List[type] = []  # those subclasses (store.horovod's), as they are defined
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("url_prefixes"):
+            Store._by_prefix.append(cls)
 
     def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None, save_runs: bool = True,
                  checkpoint_filename: str = "checkpoint.pt", probe_timeout: float = 30.0,
@@ -62,14 +69,8 @@ class Store:
     def create(cls, prefix: str, storage_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> "Store":
         """A store for any fsspec URL or local path. Called on `Store` itself it picks the class a
         Horovod user expects: DBFSLocalStore for `dbfs:/` and `/dbfs/`, HDFSStore for `hdfs://`."""
-        if cls is Store:
-            from store.horovod import DBFSLocalStore, HDFSStore
-
-            if prefix.startswith(("dbfs:", "/dbfs/")):
-                return DBFSLocalStore(prefix, storage_options, **kwargs)
-            if prefix.startswith("hdfs://"):
-                return HDFSStore(prefix, storage_options=storage_options, **kwargs)
-        return cls(prefix, storage_options=storage_options, **kwargs)
+        chosen = next((c for c in Store._by_prefix if prefix.startswith(c.url_prefixes)), cls) if cls is Store else cls
+        return chosen(prefix, storage_options=storage_options, **kwargs)
 
     # -- filesystem ---------------------------------------------------------------------------
     def _resolve(self) -> None:
