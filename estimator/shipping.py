@@ -23,6 +23,7 @@ from estimator.session import conf, is_connect
 
 log = logging.getLogger("estimator")
 PACKAGES = ("estimator", "store")
+NOT_SHIPPED = ("estimator/cluster.py",)  # driver-side helpers only (local Spark servers for examples and tests)
 _lock = threading.Lock()
 _zip: Optional[str] = None
 _shipped: Set[str] = set()  # the sessions (Connect session ids, classic application ids) that have it
@@ -50,6 +51,8 @@ def _build_zip() -> str:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for path in files:
             name = os.path.relpath(path, root).replace(os.sep, "/")
+            if name in NOT_SHIPPED:
+                continue
             with open(path, "rb") as handle:
                 data = handle.read()
             digest.update(name.encode() + b"\0" + data)

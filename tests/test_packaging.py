@@ -72,3 +72,13 @@ def test_the_wheel_metadata(built):
                 if "extra ==" not in r}
     assert {"pyspark", "torch", "pyarrow", "numpy", "pandas", "fsspec", "cloudpickle", "tqdm"} <= requires
     assert "# spark-torch-estimator" in meta.get_payload()  # the README is the long description
+
+
+def test_the_zip_shipped_to_executors_holds_the_packages_without_the_driver_only_helpers():
+    import zipfile
+
+    from estimator.shipping import package_zip
+
+    names = zipfile.ZipFile(package_zip()).namelist()
+    assert {"estimator/launcher.py", "estimator/rank_setup.py", "estimator/data/feed.py", "store/store.py"} <= set(names)
+    assert "estimator/cluster.py" not in names  # local Spark servers for examples and tests: the driver's only
