@@ -1,7 +1,6 @@
 """TorchEstimator: validate -> materialize -> TrainSpec -> launcher.run -> TorchModel."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -9,13 +8,12 @@ import logging
 import os
 import random
 import re
-import sys
 import tempfile
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from pyspark.ml import Estimator
@@ -28,8 +26,8 @@ from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.data.row_checks import BadRows
 from estimator.direct import direct_source, head
 from estimator.failures import FailureKind, RankFailed
+from estimator.fit_report import log_fit, report_stop, tensorboard_on, watching
 from estimator.dry_run import HEAD_ROWS, dry_run
-from estimator.finite import non_finite_losses
 from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
 from estimator.materialize import finish, materialize
@@ -38,13 +36,12 @@ from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
-from estimator.progress import ProgressWatcher, StepBar
 from estimator.session import check_slots, default_num_proc, default_retries, ranks_per_task
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
 from estimator.stopping import Monitor
-from estimator.tracking import check_mlflow, log_to_mlflow, tensorboard_available
-from estimator.worker import build_optimizer, format_metrics
+from estimator.tracking import check_mlflow, log_to_mlflow
+from estimator.worker import build_optimizer
 from store import LocalStore, Store
 
 log = logging.getLogger("estimator")
@@ -196,28 +193,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         results = self._launch_with_retries(p, run, spec, spark, source)
         launch_seconds = time.perf_counter() - launched
         if results:
-            log.info("Trained run %s on %d ranks (%s, gradients averaged by %s) in %.1fs", run_id, len(results),
-                     results[0].device, results[0].allreduce, time.perf_counter() - started)
-            readers = sorted({r.reader for r in results})
-            log.info("Ranks read their data: %s", readers[0] if len(readers) == 1 else "; ".join(
-                f"rank {r.rank}: {r.reader}" for r in results))
-            train = max(r.seconds for r in results)
-            stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
-                      "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),
-                      "train_s": train, "shard_read_s": max(r.read_seconds for r in results),
-                      "train_waited_for_shard_s": max(r.read_wait_seconds for r in results),
-                      "data_wait_fraction": max(r.data_wait_seconds / max(r.train_loop_seconds, 1e-9)
-                                                for r in results),
-                      "teardown_s": max(r.teardown_seconds for r in results),
-                      "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
-                                                               for r in results),
-                      "train_rows": sum(r.train_rows for r in results) if source is not None else data.train_rows,
-                      "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
-            if source is not None:  # the DataFrame computed into the ranks, and their local copies (in launch_s)
-                stages["direct_spill_s"] = max(r.spill_seconds for r in results)
-            stages["materialize_share"] = data.materialize_seconds / (data.materialize_seconds + time.perf_counter()
-                                                                      - started)
-            log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
+            log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
         model = self._model(p, run, output_shapes)
         json_params = {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}
         logged = log_to_mlflow(p["mlflow"], json_params, model.getHistory(), model.getBestEpoch(), model.getModel())
@@ -250,7 +226,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
                              resume_from=spec.run.checkpoint if done.epochs or done.step else None)
             try:
-                with self._watching(p, run, spec):
+                with watching(p, run.store, spec.run, run.run_id):
                     return launcher.run(launch, run.num_proc, source, run.per_task)
             except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
                 if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
@@ -264,56 +240,6 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                             run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
         raise AssertionError("unreachable")
 
-    @contextlib.contextmanager
-    def _watching(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec) -> Iterator[None]:
-        """The live epoch lines while the ranks train, and with verbose=2 a bar of the running epoch's steps."""
-        bar = StepBar.open(p["verbose"])
-
-        def report(row: Dict[str, float]) -> None:
-            if bar is not None:
-                bar.close()
-            self._report_epoch(p, run.run_id, row)
-
-        try:
-            with ProgressWatcher(run.store, spec.run, report, steps=bar.update if bar is not None else None):
-                yield
-        finally:
-            if bar is not None:
-                bar.close()
-
-    @staticmethod
-    def _report_stop(p: Dict[str, Any], run: RunPlan, history: List[Dict[str, float]]) -> None:
-        """Say why a run ended before `epochs` (early stopping), and which epoch was best."""
-        stopped = run.monitor.stop_reason(history) if len(history) < p["epochs"] else None
-        if stopped is None:
-            return
-        best = run.monitor.best_epoch(history)
-        log.info("Run %s stopped early after epoch %d of %d: %s", run.run_id, len(history), p["epochs"], stopped)
-        TorchEstimator._say(p, f"run {run.run_id} stopped early after epoch {len(history)} of {p['epochs']}: "
-                               f"{stopped}; best epoch {best}" + (" (restored)" if p["restore_best"] else ""))
-
-    @staticmethod
-    def _report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
-        """One epoch's line, live on the driver; a warning for an epoch whose loss is not finite (reached only with
-        terminate_on_nan=False: otherwise the ranks stop at the first such step)."""
-        TorchEstimator._say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}")
-        bad = [f"{k}={v}" for k, v in non_finite_losses(row).items()]
-        if bad:
-            warnings.warn(f"Run {run_id} epoch {row['epoch']:.0f}: {', '.join(bad)}. terminate_on_nan=False keeps "
-                          "training, and a model with non-finite weights predicts NaN: lower lr, or set "
-                          "gradient_clip_val.", RuntimeWarning, stacklevel=2)
-
-    @staticmethod
-    def _say(p: Dict[str, Any], line: str) -> None:
-        """A line of the run for the user: to the Horovod backend's stdout, else printed to stderr (a notebook
-        shows it without any logging set up; also logged at DEBUG). verbose=0 silences it."""
-        if not p["verbose"]:
-            return
-        if p["backend"] is not None and hasattr(p["backend"], "write"):
-            p["backend"].write(line)
-        else:
-            say_to_user(line)
-
     def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
         restore_best, of its best epoch's checkpoint (the history stays whole)."""
@@ -321,7 +247,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         checkpoint = load_checkpoint(store, layout.checkpoint)
         history = checkpoint["history"]
         best = run.monitor.best_epoch(history)
-        self._report_stop(p, run, history)
+        report_stop(p, run.monitor, run.run_id, history)
         if p["restore_best"] and best is not None and best != len(history):
             if not store.exists(layout.best(best)):
                 raise ValueError(f"restore_best=True: run {run_id!r} has no checkpoint of its best epoch {best} by "
@@ -343,28 +269,6 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)
-
-
-_TENSORBOARD_OFF_SAID = []
-
-
-def say_to_user(line: str) -> None:
-    """Printed to stderr, where a notebook or a terminal shows it whatever logging is set up (and logged at
-    DEBUG). Callers say nothing at verbose=0."""
-    print(line, file=sys.stderr, flush=True)
-    log.debug(line)
-
-
-def tensorboard_on(verbose: int) -> bool:
-    """TensorBoard event files when the tensorboard package is installed; said once per driver process when it
-    is not, by the first fit with verbose > 0 (verbose=0 prints nothing)."""
-    if tensorboard_available():
-        return True
-    if verbose and not _TENSORBOARD_OFF_SAID:
-        _TENSORBOARD_OFF_SAID.append(True)
-        say_to_user("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
-                    "or this project's [tensorboard] extra). Said once.")
-    return False
 
 
 def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
