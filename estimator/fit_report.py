@@ -17,7 +17,7 @@ from estimator.progress import ProgressWatcher, StepBar
 from estimator.spec import DataSpec, WorkerResult
 from estimator.stopping import Monitor
 from estimator.tracking import tensorboard_available
-from estimator.worker import format_metrics
+from estimator.epochs import format_metrics
 
 log = logging.getLogger("estimator")
 

@@ -7,7 +7,7 @@ import torch
 
 from estimator.local_launcher import LocalLauncher
 from estimator.progress import ProgressWatcher, StepBar
-from estimator.worker import StepReport
+from estimator.loop import StepReport
 from helpers import MLP, make_spec, seeded
 
 

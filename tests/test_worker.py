@@ -232,10 +232,10 @@ def test_a_resumed_16_mixed_run_continues_the_grad_scalers_scale(store, digits, 
     65536 and a fresh growth count would not grow it at all."""
     import dataclasses
 
-    from estimator import worker
+    from estimator import loop
     from estimator.checkpoint import Position, load_checkpoint, save_checkpoint
 
-    monkeypatch.setattr(worker, "SCALED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(loop, "SCALED_DEVICES", ("cuda", "cpu"))
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.05), train_rows=320, val_rows=64,
                      epochs=1, batch=64, precision="16-mixed")

@@ -1,0 +1,182 @@
+"""One rank's epochs: training and validation over its shards, the history row reduced over all ranks,
+the learning-rate schedule, TensorBoard, the callbacks and rank 0's checkpoints (the last, and the best
+epochs'). The step-level loop is estimator.loop's. torch only, no pyspark."""
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from estimator.checkpoint import Position, save_checkpoint
+from estimator.data.feed import Decoders, Feed, feed_workers
+from estimator.data.shards import EarlyRead, Shard, open_shards
+from estimator.distributed import RankContext
+from estimator.faults import Fault, inject
+from estimator.loop import TrainLoop, reduce_sums
+from estimator.losses import Objective
+from estimator.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.tracking import TensorBoardLog
+
+log = logging.getLogger("estimator")
+
+
+class Run:
+    """One rank's epochs: training, validation, the reduced history row, checkpoints."""
+
+    def __init__(self, spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Module, ddp: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any, history: List[Dict[str, float]],
+                 faults: Tuple[Fault, ...], attempt: int):
+        self.spec, self.ctx, self.objs, self.model, self.ddp = spec, ctx, objs, model, ddp
+        self.optimizer, self.scheduler, self.history = optimizer, scheduler, history
+        self.device = torch.device(ctx.device)
+        self.objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
+                                   weighted=spec.data.sample_weight_col is not None)
+        self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
+        self.faults, self.attempt = faults, attempt
+        self.waited = self.looped = 0.0
+        self.tensorboard: Optional[TensorBoardLog] = None
+
+    def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
+        spec, ctx = self.spec, self.ctx
+        opening = time.perf_counter()
+        train, val = (early.result(ctx.rank, ctx.world_size) if early is not None
+                      else open_shards(spec, ctx.rank, ctx.world_size))
+        read_wait = time.perf_counter() - opening
+        self.loop.global_step = position.global_step
+        if position.step and position.layout != self.layout():
+            log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks = %s; this run "
+                        "has %s, so the epoch starts over from its first batch", ctx.rank, position.step,
+                        position.epochs + 1, position.layout, self.layout())
+            position = Position(position.epochs, global_step=position.global_step)
+        callbacks = self.objs.callbacks if ctx.rank == 0 else []
+        self.tensorboard = (TensorBoardLog.open(spec.data.store, spec.run.logs, spec.log_every_n_steps, spec.launch_id)
+                            if spec.tensorboard and ctx.rank == 0 else None)
+        if self.tensorboard is not None:
+            self.loop.on_step = self.tensorboard.step
+        _call(callbacks, "on_train_begin", {})
+        self.decoders = {training: self.open_decoders(training) for training in (True, False)}
+        try:
+            for epoch in range(len(self.history), spec.epochs):
+                stop = spec.monitor.stop_reason(self.history)  # the same on every rank: the rows are reduced
+                if stop is not None:
+                    if ctx.rank == 0:
+                        log.info("stopping early after epoch %d: %s", epoch, stop)
+                    break
+                inside = position if epoch == position.epochs and position.step else Position(epoch)
+                inject(self.faults, "epoch", ctx.rank, self.attempt, epoch + 1)
+                self.epoch(epoch, train, val, inside)
+                _call(callbacks, "on_epoch_end", epoch, dict(self.history[-1]))
+        finally:
+            for closing in (train, val, *self.decoders.values(), self.tensorboard):
+                if closing is not None:
+                    closing.close()
+        _call(callbacks, "on_train_end", {"history": self.history})
+        del self.ddp, self.loop  # the caller's teardown needs DDP gone before destroy_process_group
+        reader = train.describe() + (f"; val {val.describe()}" if val is not None else "")
+        return WorkerResult(ctx.rank, tuple(self.history), str(self.device), train.rows,
+                            time.perf_counter() - started, reader=reader,
+                            optimizer_steps=optimizer_steps(self.optimizer), assigned_gpu=ctx.assigned_gpu,
+                            allreduce=allreduce, read_seconds=early.seconds if early is not None else read_wait,
+                            read_wait_seconds=read_wait, data_wait_seconds=self.waited,
+                            train_loop_seconds=self.looped)
+
+    def epoch(self, epoch: int, train: Shard, val: Optional[Shard], inside: Position) -> None:
+        spec, ctx = self.spec, self.ctx
+        began = time.perf_counter()
+        if self.loop.steps_report is not None:
+            self.loop.steps_report.begin(train.plan().steps, float(sum(inside.sums[2:3])) if inside.sums else 0.0)
+        feed = self.feed(train.epoch(epoch, inside.step), True)
+        try:
+            sums = self.loop.train_epoch(epoch, iter(feed), inside)
+        finally:
+            feed.close()
+        seconds = time.perf_counter() - began
+        timing = torch.tensor([feed.waited, seconds], dtype=torch.float64, device=self.device)
+        self.waited, self.looped = self.waited + feed.waited, self.looped + seconds
+        if val is not None:
+            val_feed = self.feed(val.epoch(epoch), False)
+            try:
+                sums = torch.cat([sums, self.loop.evaluate(self.model, iter(val_feed))])
+            finally:
+                val_feed.close()
+        reduced = reduce_sums(torch.cat([sums, timing]))
+        row = {"epoch": float(epoch + 1),
+               **self.objective.summarize(reduced[:-2], with_val=val is not None),
+               "data_wait": reduced[-2] / max(reduced[-1], 1e-9)}  # of the ranks' training time, all ranks
+        self.history.append(row)
+        self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed
+        if self.tensorboard is not None:  # rows/s: every rank's rows over the ranks' mean epoch time
+            self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]),
+                                   float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9))
+        if self.scheduler is not None:
+            step_scheduler(self.scheduler, row)
+        if ctx.rank == 0:
+            self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
+            spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
+            if spec.verbose:
+                log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
+
+    def open_decoders(self, training: bool) -> Decoders:
+        reader, fn = self.spec.reader, self.objs.transformation_fn
+        workers = feed_workers(reader.train_workers if training else reader.val_workers, fn is not None)
+        pool = reader.pool_type if reader.kind == "arrow" else "thread"  # petastorm's pool type is its readers'
+        return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}")
+
+    def feed(self, batches: Iterator[Any], training: bool) -> Feed:
+        return Feed(batches, self.spec.data, self.decoders[training], pin=self.device.type == "cuda",
+                    name=f"feed-rank-{self.ctx.rank}")
+
+    def checkpoint_inside(self, epoch: int, step: int, sums: torch.Tensor) -> None:
+        """Every rank calls this at the same optimizer step: the sums so far are reduced (a collective), and
+        rank 0 writes them with the position, so a resumed epoch reports what an uninterrupted one would."""
+        reduced = reduce_sums(sums.clone())
+        self.loop.finite.check_weights(self.model, epoch, step)
+        if self.ctx.rank == 0:
+            self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
+
+    def layout(self) -> List[int]:
+        return [self.spec.batch_size, self.ctx.world_size]
+
+    def save(self, position: Position, best: bool = False) -> None:
+        """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
+        save_top_k best by the monitor, and the copies of epochs that left the top k are removed."""
+        spec, store = self.spec, self.spec.data.store
+        top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
+        epoch = len(self.history)
+        save_checkpoint(store, spec.run.checkpoint, self.model, self.optimizer, self.history, position,
+                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [], scaler=self.loop.scaler)
+        if best:
+            keep = {posixpath.basename(spec.run.best(e)) for e in top}
+            for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
+                if posixpath.basename(path) not in keep:
+                    store.rm(path)
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Steps taken, where the optimizer counts them (Adam, AdamW, ...); 0 otherwise."""
+    steps = [s.get("step") for s in optimizer.state.values() if "step" in s]
+    return int(max(float(s) for s in steps)) if steps else 0
+
+
+def step_scheduler(scheduler: Any, row: Dict[str, float]) -> None:
+    """Once per epoch, on every rank alike (the row's metrics are already reduced over all ranks)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(row.get("val_loss", row["loss"]))
+    else:
+        scheduler.step()
+
+
+def format_metrics(row: Dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch")
+
+
+def _call(callbacks: Sequence[Any], method: str, *args: Any) -> None:
+    for callback in callbacks:
+        hook = getattr(callback, method, None)
+        if hook is not None:
+            hook(*args)

@@ -1,0 +1,173 @@
+"""The step-level loop of one rank: an epoch of training over ready batches (forward under autocast, the
+loss, backward with accumulation and a GradScaler, clipping, the optimizer step, NaN checks, checkpoints inside
+the epoch) and exact validation. torch only, no pyspark."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from estimator.checkpoint import Position
+from estimator.data.arrays import Tensors, tensors_to
+from estimator.data.plan import epoch_seed
+from estimator.distributed import RankContext
+from estimator.faults import Fault, inject
+from estimator.finite import FiniteCheck
+from estimator.losses import Objective
+from estimator.spec import TrainSpec
+
+log = logging.getLogger("estimator")
+SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
+
+
+class TrainLoop:
+    """One epoch of training or validation over ready batches, with accumulation and NaN checks."""
+
+    def __init__(self, spec: TrainSpec, ctx: RankContext, ddp: nn.Module, optimizer: torch.optim.Optimizer,
+                 objective: Objective, faults: Tuple[Fault, ...] = (), attempt: int = 0, checkpoint: Any = None):
+        self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
+        self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
+        self.device = torch.device(ctx.device)
+        if spec.precision == "16-mixed" and self.device.type not in SCALED_DEVICES:
+            raise ValueError(f"precision='16-mixed' needs CUDA (float16 autocast with a GradScaler) but rank "
+                             f"{ctx.rank} trains on {ctx.device}. Use precision='bf16-mixed' on CPUs, or GPUs.")
+        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "16-mixed" else None
+        self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
+        self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
+        self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
+        self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
+
+    def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
+        """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
+        self.ddp.train()
+        every, start = self.spec.backward_passes_per_step, inside.step if inside else 0
+        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        if inside is not None and inside.sums and self.ctx.rank == 0:
+            sums += torch.tensor(inside.sums[:self.objective.width], dtype=torch.float64, device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        # Each batch's randomness (dropout) depends only on (seed, epoch, rank, step): a resumed run draws
+        # what an uninterrupted one did, wherever it resumed.
+        base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
+        for step, (batch, last) in enumerate(with_last(self.on_device(batches)), start=start):
+            inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
+            self.seed(base + step)
+            features, labels, weights = batch
+            stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
+            with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
+                with self.autocast():
+                    loss, batch_sums = self.objective(as_tuple(self.ddp(*features)), labels, weights)
+                self.finite.loss(loss, epoch, step)
+                scaled = loss / every if every > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            sums += batch_sums
+            if self.steps_report is not None:
+                self.steps_report.batch(epoch, step + 1, sums)
+            if stepping:
+                self.step()
+                self.global_step += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.on_step is not None:
+                    self.on_step(self.global_step, loss.detach())
+                steps = self.spec.checkpoint_steps
+                if steps and self.global_step % steps == 0 and not last and self.checkpoint is not None:
+                    self.checkpoint(epoch, step + 1, sums)
+        self.finite.flush(epoch)
+        return sums
+
+    def autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def step(self) -> None:
+        """One optimizer step: gradients unscaled (16-mixed), the global norm clipped (gradient_clip_val; every
+        rank holds the same averaged gradients, so every rank clips alike), then the step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.spec.gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.spec.gradient_clip_val)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def seed(self, value: int) -> None:
+        """This device's generator only: torch.manual_seed seeds every backend and took 200 us a step here."""
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(value)
+        torch.default_generator.manual_seed(value)
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Tensors]) -> torch.Tensor:
+        """Exact validation over this rank's batches. Runs the plain module, not DDP: ranks may have
+        different numbers of validation batches, and no collective may run per batch."""
+        model.eval()
+        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        with torch.no_grad(), self.autocast():
+            for features, labels, weights in self.on_device(batches):
+                sums += self.objective(as_tuple(model(*features)), labels, weights)[1]
+        return sums
+
+    def on_device(self, batches: Iterable[Tensors]) -> Iterator[Tensors]:
+        """Copies start when a batch is taken; with `with_last` looking one ahead, the next batch's copy to the
+        GPU (from pinned memory, non_blocking) overlaps the current batch's computation."""
+        return (tensors_to(batch, self.device) for batch in batches)
+
+
+class StepReport:
+    """verbose=2: rank 0 leaves where the epoch stands in the store about once a second (batch, of how many, rows/s,
+    the running loss of its own batches), for the driver's progress bar."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, spec: TrainSpec, ctx: RankContext):
+        self.spec, self.world = spec, ctx.world_size
+        self.steps = 0  # batches in this epoch, set by the Run before each epoch
+        self.started, self.last, self.rows_at_start = time.perf_counter(), 0.0, 0.0
+
+    def begin(self, steps: int, epoch_rows_so_far: float) -> None:
+        self.steps, self.started, self.last, self.rows_at_start = steps, time.perf_counter(), 0.0, epoch_rows_so_far
+
+    def batch(self, epoch: int, done: int, sums: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.INTERVAL and done < self.steps:
+            return
+        self.last = now
+        loss_sum, weight, rows = (float(v) for v in sums[:3])
+        state = {"epoch": epoch + 1, "step": done, "steps": self.steps, "loss": loss_sum / weight if weight else None,
+                 "rows_per_second": (rows - self.rows_at_start) * self.world / max(now - self.started, 1e-9)}
+        try:
+            self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
+        except Exception:  # noqa: BLE001 - progress only
+            log.debug("could not write the step progress", exc_info=True)
+
+
+def with_last(items: Iterable[Any]) -> Iterator[Tuple[Any, bool]]:
+    """(item, is_last) pairs, looking one item ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
+
+
+def reduce_sums(sums: torch.Tensor) -> List[float]:
+    """One all_reduce: every rank's (loss * rows, rows, metric * rows, ...) summed."""
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    return sums.cpu().tolist()
+
+
+def as_tuple(outputs: Any) -> Tuple[torch.Tensor, ...]:
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
