@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
@@ -146,3 +146,22 @@ def check_compile(setting: Any, model: nn.Module) -> None:
     except Exception as exc:  # noqa: BLE001 - torch's own message says what it accepts
         raise ValueError(f"The 'compile' parameter of {OWNER} was refused by torch.compile: {type(exc).__name__}: "
                          f"{exc}") from None
+
+
+def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """Params set to values the chosen reader does not use, and why: a warning each, never silence."""
+    arrow, processes = p["reader"] == "arrow", p["reader_pool_type"] == "process"
+    ignored = []
+    if p["mp_start_method"] is not None and not (arrow and processes and p["transformation_fn"] is not None):
+        ignored.append(("mp_start_method", "it only starts the arrow reader's decoding processes (reader='arrow', "
+                                           "reader_pool_type='process' and a transformation_fn)."))
+    if arrow and processes and p["transformation_fn"] is None:
+        ignored.append(("reader_pool_type", "the arrow reader's processes run transformation_fn, and there is none: "
+                                            "batches are converted on threads."))
+    if p["data_mode"] == "direct" and p["partitions_per_process"] is not None:
+        ignored.append(("partitions_per_process", "it sets the Parquet files written when materializing, and "
+                                                  "data_mode='direct' writes none: each rank takes one partition."))
+    if not arrow and p["shuffle_buffer_size"] is not None:
+        ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
+                                               "groups and rows its own way."))
+    return ignored

@@ -12,23 +12,20 @@ import tempfile
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
 
 from estimator import checks
+from estimator.attempts import launch_with_retries
 from estimator.compression import compression_name
-from estimator.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
-from estimator.data.row_checks import BadRows
 from estimator.direct import direct_source, head
-from estimator.failures import FailureKind, RankFailed
-from estimator.fit_report import log_fit, report_stop, tensorboard_on, watching
+from estimator.fit_report import log_fit, report_stop, tensorboard_on
 from estimator.dry_run import HEAD_ROWS, dry_run
-from estimator.launcher import SparkBarrierLauncher
 from estimator.losses import loss_kind
 from estimator.materialize import finish, materialize
 from estimator.model import TorchModel
@@ -36,9 +33,9 @@ from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.params import DeclaredParams, declare
 from estimator.persistence import Persistable
 from estimator.pickling import dumps, user_objects
-from estimator.session import check_slots, default_num_proc, default_retries, ranks_per_task
+from estimator.session import check_slots, default_num_proc, ranks_per_task
 from estimator.shipping import ship_package
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects, WorkerResult
+from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.stopping import Monitor
 from estimator.tracking import check_mlflow, log_to_mlflow
 from estimator.worker import build_optimizer
@@ -111,7 +108,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p = self.validated()
         checks.check_params(p)
         check_mlflow(p["mlflow"])
-        for name, why in ignored_params(p):
+        for name, why in checks.ignored_params(p):
             warnings.warn(f"TorchEstimator ignores {name}={p[name]!r}: {why}", UserWarning, stacklevel=4)
         if p["reader"] == "petastorm":
             from estimator.data.petastorm import check_petastorm
@@ -190,7 +187,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
                                                                     "run_id": run_id}).encode())
         launched = time.perf_counter()
-        results = self._launch_with_retries(p, run, spec, spark, source)
+        results = launch_with_retries(p, run, spec, spark, source)
         launch_seconds = time.perf_counter() - launched
         if results:
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
@@ -202,43 +199,6 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model
-
-    def _launch_with_retries(self, p: Dict[str, Any], run: RunPlan, spec: TrainSpec, spark: SparkSession,
-                             source: Any = None) -> List[WorkerResult]:
-        """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
-        times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
-        checkpoint already has every requested epoch. In the direct mode every launch computes `source`."""
-        retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
-        launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
-        for attempt in range(retries + 1):
-            done, history = resume_point(run.store, spec.run, p["model"], run.run_id)
-            if done.epochs >= spec.epochs:
-                log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
-                         done.epochs, spec.epochs)
-                return []
-            stopped = run.monitor.stop_reason(history)
-            if stopped is not None:
-                log.info("Run %s stopped early after epoch %d: nothing to train (%s)", run.run_id, done.epochs,
-                         stopped)
-                return []
-            if done.epochs or done.step:
-                log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
-            launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
-                             resume_from=spec.run.checkpoint if done.epochs or done.step else None)
-            try:
-                with watching(p, run.store, spec.run, run.run_id):
-                    return launcher.run(launch, run.num_proc, source, run.per_task)
-            except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
-                if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
-                    raise BadRows(exc.summary.split(": ", 1)[-1]) from None  # as a materialized fit raises it
-                if attempt >= retries or not retryable(exc):
-                    if attempt:
-                        log.error("Run %s failed on attempt %d of %d; giving up", run.run_id, attempt + 1,
-                                  retries + 1)
-                    raise
-                log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
-                            run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
-        raise AssertionError("unreachable")
 
     def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
@@ -271,25 +231,6 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 declare(TorchEstimator, ESTIMATOR_PARAMS)
 
 
-def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
-    """Params set to values the chosen reader does not use, and why: a warning each, never silence."""
-    arrow, processes = p["reader"] == "arrow", p["reader_pool_type"] == "process"
-    ignored = []
-    if p["mp_start_method"] is not None and not (arrow and processes and p["transformation_fn"] is not None):
-        ignored.append(("mp_start_method", "it only starts the arrow reader's decoding processes (reader='arrow', "
-                                           "reader_pool_type='process' and a transformation_fn)."))
-    if arrow and processes and p["transformation_fn"] is None:
-        ignored.append(("reader_pool_type", "the arrow reader's processes run transformation_fn, and there is none: "
-                                            "batches are converted on threads."))
-    if p["data_mode"] == "direct" and p["partitions_per_process"] is not None:
-        ignored.append(("partitions_per_process", "it sets the Parquet files written when materializing, and "
-                                                  "data_mode='direct' writes none: each rank takes one partition."))
-    if not arrow and p["shuffle_buffer_size"] is not None:
-        ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
-                                               "groups and rows its own way."))
-    return ignored
-
-
 def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val: Tuple[Any, ...] = (),
               materialize_seconds: float = 0.0) -> DataSpec:
     """The columns and shapes from the params; the pieces (none in the direct mode: the ranks have them)."""
@@ -301,27 +242,6 @@ def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val:
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:
     path = store.run(run_id).metadata
     return json.loads(store.read_bytes(path)) if store.exists(path) else {}
-
-
-def retryable(exc: BaseException) -> bool:
-    """Worth another launch from the checkpoint: a crashed or lost worker, a rank's error, a late rank, a failed
-    read. Not: NaN/inf losses with terminate_on_nan (they would recur). Read from the failure's kind."""
-    return not isinstance(exc, RankFailed) or exc.kind.retryable
-
-
-def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str
-                 ) -> Tuple[Position, List[Dict[str, float]]]:
-    """Where the run's checkpoint stands, and its history (nothing done without one); its model must be this
-    model."""
-    if not store.exists(run.checkpoint):
-        return Position(), []
-    state = load_checkpoint(store, run.checkpoint)
-    try:
-        copy.deepcopy(model).load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
-                         f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
-    return position_of(state), list(state["history"])
 
 
 def check_rows(data: DataSpec, num_proc: int, reader: str) -> None:

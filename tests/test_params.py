@@ -94,7 +94,7 @@ def test_params_the_reader_does_not_use_are_named_with_why():
     from torch import nn
 
     from estimator import TorchEstimator
-    from estimator.estimator import ignored_params
+    from estimator.checks import ignored_params
 
     def ignored(**kw):
         model = nn.Linear(2, 2)

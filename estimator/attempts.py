@@ -1,0 +1,83 @@
+"""A fit's launches: the ranks launched, and after a failure launched again from the run's last checkpoint, up
+to max_retries times (Spark never retries a failed barrier ResultStage itself), as long as the failure's kind
+says another launch can help (estimator.failures)."""
+from __future__ import annotations
+
+import copy
+import logging
+import uuid
+from dataclasses import replace
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from estimator.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.data.row_checks import BadRows
+from estimator.failures import FailureKind, RankFailed
+from estimator.fit_report import watching
+from estimator.launcher import SparkBarrierLauncher
+from estimator.session import default_retries
+from estimator.spec import TrainSpec, WorkerResult
+from store import Store
+
+log = logging.getLogger("estimator")
+
+
+def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any, source: Any = None
+                        ) -> List[WorkerResult]:
+    """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
+    times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
+    checkpoint already has every requested epoch. In the direct mode every launch computes `source`. `run`: the
+    fit's RunPlan (estimator.estimator)."""
+    retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
+    launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
+    for attempt in range(retries + 1):
+        done, history = resume_point(run.store, spec.run, p["model"], run.run_id)
+        if done.epochs >= spec.epochs:
+            log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
+                     done.epochs, spec.epochs)
+            return []
+        stopped = run.monitor.stop_reason(history)
+        if stopped is not None:
+            log.info("Run %s stopped early after epoch %d: nothing to train (%s)", run.run_id, done.epochs,
+                     stopped)
+            return []
+        if done.epochs or done.step:
+            log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
+        launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
+                         resume_from=spec.run.checkpoint if done.epochs or done.step else None)
+        try:
+            with watching(p, run.store, spec.run, run.run_id):
+                return launcher.run(launch, run.num_proc, source, run.per_task)
+        except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
+            if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
+                raise BadRows(exc.summary.split(": ", 1)[-1]) from None  # as a materialized fit raises it
+            if attempt >= retries or not retryable(exc):
+                if attempt:
+                    log.error("Run %s failed on attempt %d of %d; giving up", run.run_id, attempt + 1,
+                              retries + 1)
+                raise
+            log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
+                        run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
+    raise AssertionError("unreachable")
+
+
+def retryable(exc: BaseException) -> bool:
+    """Worth another launch from the checkpoint: a crashed or lost worker, a rank's error, a late rank, a failed
+    read. Not: NaN/inf losses with terminate_on_nan (they would recur). Read from the failure's kind."""
+    return not isinstance(exc, RankFailed) or exc.kind.retryable
+
+
+def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str
+                 ) -> Tuple[Position, List[Dict[str, float]]]:
+    """Where the run's checkpoint stands, and its history (nothing done without one); its model must be this
+    model."""
+    if not store.exists(run.checkpoint):
+        return Position(), []
+    state = load_checkpoint(store, run.checkpoint)
+    try:
+        copy.deepcopy(model).load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
+                         f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
+    return position_of(state), list(state["history"])
