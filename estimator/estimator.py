@@ -175,9 +175,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         # The fields named as params take the param's value; the rest are derived here, once.
         derived = dict(data=data, payload=run.payload, run=store.run(run_id), seed=run.seed,
                        val_batch_size=p["val_batch_size"] or p["batch_size"],
-                       reader=ReaderSpec(p["reader"], p["train_reader_num_workers"], p["val_reader_num_workers"],
-                                         p["reader_pool_type"], p["inmemory_cache_all"], p["mp_start_method"],
-                                         p["shuffle_buffer_size"], pyspark_memory_per_task(spark)),
+                       reader=ReaderSpec.from_params(p, pyspark_memory_per_task(spark)),
                        monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]),
                        compression=compression_name(p["gradient_compression"]),
                        rendezvous_timeout=float(p["rendezvous_timeout"]),

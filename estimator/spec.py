@@ -1,7 +1,7 @@
 """Plain frozen data sent from the driver to every rank. No pyspark here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from estimator.stopping import Monitor
@@ -69,6 +69,17 @@ class ReaderSpec:
     mp_start_method: Optional[str] = None
     shuffle_buffer_size: Optional[int] = None  # rows; None: estimator.data.shards.default_buffer_rows
     memory_budget_mb: Optional[float] = None  # per rank, from spark.executor.pyspark.memory when set
+
+    @classmethod
+    def from_params(cls, p: Dict[str, Any], memory_budget_mb: Optional[float]) -> "ReaderSpec":
+        """From the estimator's params, by name (READER_PARAMS: the fields whose param has another name)."""
+        named = {f.name: p[READER_PARAMS.get(f.name, f.name)] for f in fields(cls)
+                 if READER_PARAMS.get(f.name, f.name) in p}
+        return cls(**{**named, "memory_budget_mb": memory_budget_mb})
+
+
+READER_PARAMS = {"kind": "reader", "train_workers": "train_reader_num_workers",
+                 "val_workers": "val_reader_num_workers", "pool_type": "reader_pool_type"}
 
 
 @dataclass(frozen=True)

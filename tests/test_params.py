@@ -107,3 +107,26 @@ def test_params_the_reader_does_not_use_are_named_with_why():
     assert ignored(reader_pool_type="process", transformation_fn=lambda df: df, mp_start_method="spawn") == []
     assert ignored(mp_start_method="spawn") == ["mp_start_method"]
     assert ignored(reader="petastorm", shuffle_buffer_size=10) == ["shuffle_buffer_size"]
+
+
+def test_what_the_ranks_get_is_named_and_defaulted_as_the_params_are():
+    """TrainSpec and ReaderSpec are filled from the params by name (ReaderSpec: READER_PARAMS renames four); a
+    field named as a param defaults to the param's default, so a spec built without the estimator (tests,
+    LocalLauncher) trains as a fit with default params does."""
+    import dataclasses
+
+    from estimator.param_table import ESTIMATOR_PARAMS
+    from estimator.spec import READER_PARAMS, ReaderSpec, TrainSpec
+
+    defaults = {spec.name: spec.default for spec in ESTIMATOR_PARAMS}
+    named = {f.name: f for f in dataclasses.fields(TrainSpec) if f.name in defaults}
+    named.update({READER_PARAMS.get(f.name, f.name): f for f in dataclasses.fields(ReaderSpec)
+                  if READER_PARAMS.get(f.name, f.name) in defaults})
+    assert len(named) >= 25 and set(READER_PARAMS.values()) <= set(named)
+    derived = {"rendezvous_timeout", "collective_timeout", "val_batch_size", "monitor"}  # made from params
+    for name, f in named.items():
+        if f.default is dataclasses.MISSING or name in derived:
+            continue
+        assert f.default == defaults[name], f"{name}: the spec defaults to {f.default!r}, the param to {defaults[name]!r}"
+    p = dict(defaults, reader="petastorm", train_reader_num_workers=3, reader_pool_type="process")
+    assert ReaderSpec.from_params(p, 512.0) == ReaderSpec("petastorm", 3, None, "process", None, None, None, 512.0)
