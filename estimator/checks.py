@@ -18,8 +18,13 @@ OWNER = "TorchEstimator"
 
 def check_params(p: Dict[str, Any]) -> None:
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
-    if (p["loss"] is None) == (p["loss_constructors"] is None):
-        raise ValueError(f"{OWNER} needs exactly one of 'loss' and 'loss_constructors'. Got "
+    if p["train_step"] is not None:
+        if p["loss_constructors"] is not None or p["metrics"]:
+            raise ValueError(f"{OWNER} with train_step takes no loss_constructors or metrics: train_step computes the "
+                             "loss, and returns the metrics with it ({'loss': ..., 'accuracy': ...}). Got "
+                             f"loss_constructors={p['loss_constructors']!r}, metrics={p['metrics']!r}.")
+    elif (p["loss"] is None) == (p["loss_constructors"] is None):
+        raise ValueError(f"{OWNER} needs exactly one of 'loss' and 'loss_constructors' (or a train_step). Got "
                          f"loss={p['loss']!r}, loss_constructors={p['loss_constructors']!r}.")
     if p["backend"] is not None and p["num_proc"] is not None:
         raise ValueError(f"{OWNER} takes 'num_proc' or 'backend', not both: the backend's num_processes() "
@@ -27,6 +32,17 @@ def check_params(p: Dict[str, Any]) -> None:
     for name, count, what in (("input_shapes", n_features, "feature_cols"), ("label_shapes", n_labels, "label_cols")):
         if p[name] is not None and len(p[name]) != count:
             raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
+    check_compile(p["compile"], p["model"])
+    if p["precision"] == "16-mixed" and p["use_gpu"] is False:
+        raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
+                         "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")
+    used = list(p["feature_cols"]) + list(p["label_cols"])
+    overlap = sorted({c for c in used if used.count(c) > 1})
+    if overlap:
+        raise ValueError(f"Columns {overlap} appear in both feature_cols and label_cols of {OWNER}; "
+                         "a column can be a feature or a label, not both.")
+    if p["loss"] is None and p["loss_constructors"] is None:
+        return  # a train_step without a loss: nothing more to check here (its dry run checks it)
     name = "loss" if p["loss"] is not None else "loss_constructors"
     losses = p[name] if isinstance(p[name], (list, tuple)) else [p[name]]
     if len(losses) not in (1, n_labels):
@@ -46,15 +62,6 @@ def check_params(p: Dict[str, Any]) -> None:
                 "torch.nn.functional.binary_cross_entropy) when sample_weight_col is set, so that per-row losses "
                 "can be weighted", p[name]))
     check_metrics(p["metrics"], losses_per_label(losses, n_labels), p["label_cols"])
-    if p["precision"] == "16-mixed" and p["use_gpu"] is False:
-        raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
-                         "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")
-    check_compile(p["compile"], p["model"])
-    used = list(p["feature_cols"]) + list(p["label_cols"])
-    overlap = sorted({c for c in used if used.count(c) > 1})
-    if overlap:
-        raise ValueError(f"Columns {overlap} appear in both feature_cols and label_cols of {OWNER}; "
-                         "a column can be a feature or a label, not both.")
 
 
 def check_schema(p: Dict[str, Any], schema: StructType) -> None:
@@ -119,13 +126,19 @@ def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:
     return None if value is None else tuple(tuple(int(d) for d in s) for s in value)
 
 
-def monitor_for(p: Dict[str, Any], losses: Sequence[Any], has_validation: bool) -> Monitor:
-    """The monitored history key (one the history will have), its direction and the early-stopping rule."""
+def metric_names(p: Dict[str, Any], losses: Sequence[Any]) -> List[str]:
+    """The history's training keys of the built-in loop: the loss, then the metrics per label."""
     n_labels = len(p["label_cols"])
-    key = p["monitor"] or default_monitor(has_validation)
     objective = Objective(losses_per_label(list(losses), n_labels), [1.0] * n_labels, p["metrics"], p["label_cols"],
                           weighted=False)
-    names = ["loss"] + [name for name, _, _ in objective.metrics]
+    return ["loss"] + [name for name, _, _ in objective.metrics]
+
+
+def monitor_for(p: Dict[str, Any], names: Sequence[str], has_validation: bool) -> Monitor:
+    """The monitored history key (one the history will have: `names`, their val_ ones, data_wait), its
+    direction and the early-stopping rule."""
+    key = p["monitor"] or default_monitor(has_validation)
+    names = list(names)
     keys = names + ([f"val_{name}" for name in names] if has_validation else []) + ["data_wait"]
     if key not in keys:
         raise ValueError(param_error(OWNER, "monitor", "a key of the history this fit writes: " + ", ".join(

@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from estimator import steps
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
 from estimator.data.parquet import column_max, read_head
@@ -21,18 +22,14 @@ HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of th
 
 
 def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> List[tuple]:
-    """`head`: the first rows when the data is not in the store (the direct mode); else read from it."""
-    head = read_head(data.source, data.train, HEAD_ROWS, data.columns) if head is None else head
-    arrays = prepare_arrays(data, head)
-    rows = len(head[data.columns[0]])
-    if objs.transformation_fn is not None:
-        try:
-            arrays = transform_batch(objs.transformation_fn, arrays)
-        except Exception as exc:  # noqa: BLE001 - the user's function
-            raise ValueError(f"transformation_fn failed on {rows} training rows (a pandas DataFrame with columns "
-                             f"{list(arrays)}): {type(exc).__name__}: {exc}") from None
+    """`head`: the first rows when the data is not in the store (the direct mode); else read from it. With a
+    train_step, the forward pass only (what transform needs); the step itself is checked by `dry_step`."""
+    arrays = head_arrays(objs, data, head)
+    rows = len(arrays[data.columns[0]])
     model = copy.deepcopy(objs.model).eval()
     outputs = forward(model, data, arrays, rows)
+    if objs.train_step is not None:
+        return [tuple(o.shape[1:]) for o in outputs]
     checked = rows_unlike(outputs, rows)  # a row count no output dimension equals: shape mistakes cannot broadcast
     if checked != rows:
         arrays = {k: v[:checked] for k, v in arrays.items()}
@@ -56,6 +53,25 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
                          f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, label_cols, label_shapes and the model's "
                          "output shape.") from None
     return [tuple(o.shape[1:]) for o in outputs]
+
+
+def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Tuple[str, ...]:
+    """The train_step on a few training rows, in training and in validation: the names of the numbers it returns
+    besides the loss (estimator.steps)."""
+    return steps.dry_step(objs.train_step, objs.model, data, head_arrays(objs, data, head))
+
+
+def head_arrays(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Arrays:
+    """The first training rows as the ranks' batches hold them (transformation_fn applied)."""
+    head = read_head(data.source, data.train, HEAD_ROWS, data.columns) if head is None else head
+    arrays = prepare_arrays(data, head)
+    if objs.transformation_fn is not None:
+        try:
+            arrays = transform_batch(objs.transformation_fn, arrays)
+        except Exception as exc:  # noqa: BLE001 - the user's function
+            raise ValueError(f"transformation_fn failed on {len(head[data.columns[0]])} training rows (a pandas "
+                             f"DataFrame with columns {list(arrays)}): {type(exc).__name__}: {exc}") from None
+    return arrays
 
 
 class BroadcastWarning(ValueError):

@@ -20,6 +20,7 @@ from estimator.faults import Fault, inject
 from estimator.loop import TrainLoop, reduce_sums
 from estimator.losses import Objective
 from estimator.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.steps import StepObjective
 from estimator.tracking import TensorBoardLog
 
 log = logging.getLogger("estimator")
@@ -34,8 +35,9 @@ class Run:
         self.spec, self.ctx, self.objs, self.model, self.ddp = spec, ctx, objs, model, ddp
         self.optimizer, self.scheduler, self.history = optimizer, scheduler, history
         self.device = torch.device(ctx.device)
-        self.objective = Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
-                                   weighted=spec.data.sample_weight_col is not None)
+        self.objective = (StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
+                          else Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
+                                         weighted=spec.data.sample_weight_col is not None))
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
         self.faults, self.attempt = faults, attempt
         self.waited = self.looped = 0.0
@@ -101,7 +103,7 @@ class Run:
         if val is not None:
             val_feed = self.feed(val.epoch(epoch), False)
             try:
-                sums = torch.cat([sums, self.loop.evaluate(self.model, iter(val_feed))])
+                sums = torch.cat([sums, self.loop.evaluate(self.model, iter(val_feed), epoch)])
             finally:
                 val_feed.close()
         reduced = reduce_sums(torch.cat([sums, timing]))

@@ -12,7 +12,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from pyspark.ml import Estimator
@@ -25,7 +25,7 @@ from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.direct import direct_source, head
 from estimator.fit_report import log_fit, report_stop, tensorboard_on
-from estimator.dry_run import HEAD_ROWS, dry_run
+from estimator.dry_run import HEAD_ROWS, dry_run, dry_step
 from estimator.losses import loss_kind
 from estimator.materialize import finish, materialize
 from estimator.model import TorchModel
@@ -56,7 +56,7 @@ class RunPlan:
     split_seed: int  # the validation split
     store: Store
     run_id: str
-    monitor: Monitor
+    monitor: Optional[Monitor]  # None until train_step's dry run names the history's keys
     per_task: int = 1  # ranks per Spark task: one per GPU the task is given
 
 
@@ -130,12 +130,14 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             if p["loss_constructors"] is not None else []
         weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
-        monitor = checks.monitor_for(p, losses or [make() for make in constructors], has_validation)
+        monitor = None if p["train_step"] is not None else checks.monitor_for(  # train_step's: after its dry run
+            p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
-        objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
-        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, lr_scheduler_fn or callbacks",
-                        roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
-                               *p["callbacks"], p["lr_scheduler_fn"]])
+        objs.callbacks, objs.lr_scheduler_fn, objs.train_step = list(p["callbacks"]), p["lr_scheduler_fn"], p["train_step"]
+        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, lr_scheduler_fn or "
+                              "callbacks", roots=[objs.model, *losses, *constructors, *p["metrics"],
+                                                  p["transformation_fn"], p["train_step"], *p["callbacks"],
+                                                  p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)
@@ -171,12 +173,16 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             check_rows(data, num_proc, p["reader"])
         checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data, first_rows)
+        step_metrics = dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()
+        if p["train_step"] is not None:  # the history's keys are train_step's: the monitor is one of them
+            has_validation = bool(p["validation"] or data.val)
+            run = replace(run, monitor=checks.monitor_for(p, ["loss", *step_metrics], has_validation))
         dry_run_seconds = time.perf_counter() - checked
         # The fields named as params take the param's value; the rest are derived here, once.
         derived = dict(data=data, payload=run.payload, run=store.run(run_id), seed=run.seed,
                        val_batch_size=p["val_batch_size"] or p["batch_size"],
                        reader=ReaderSpec.from_params(p, pyspark_memory_per_task(spark)),
-                       monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]),
+                       monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]), step_metrics=step_metrics,
                        compression=compression_name(p["gradient_compression"]),
                        rendezvous_timeout=float(p["rendezvous_timeout"]),
                        collective_timeout=float(p["collective_timeout"]))

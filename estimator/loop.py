@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from estimator.faults import Fault, inject
 from estimator.finite import FiniteCheck
 from estimator.losses import Objective
 from estimator.spec import TrainSpec
+from estimator.steps import StepContext, StepObjective
 
 log = logging.getLogger("estimator")
 SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
@@ -31,7 +32,8 @@ class TrainLoop:
     """One epoch of training or validation over ready batches, with accumulation and NaN checks."""
 
     def __init__(self, spec: TrainSpec, ctx: RankContext, ddp: nn.Module, optimizer: torch.optim.Optimizer,
-                 objective: Objective, faults: Tuple[Fault, ...] = (), attempt: int = 0, checkpoint: Any = None):
+                 objective: Union[Objective, StepObjective], faults: Tuple[Fault, ...] = (), attempt: int = 0,
+                 checkpoint: Any = None):
         self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
         self.device = torch.device(ctx.device)
@@ -56,14 +58,14 @@ class TrainLoop:
         # Each batch's randomness (dropout) depends only on (seed, epoch, rank, step): a resumed run draws
         # what an uninterrupted one did, wherever it resumed.
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
+        step_ctx = self.step_context(epoch, training=True)
         for step, (batch, last) in enumerate(with_last(self.on_device(batches)), start=start):
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
             self.seed(base + step)
-            features, labels, weights = batch
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
             with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
                 with self.autocast():
-                    loss, batch_sums = self.objective(as_tuple(self.ddp(*features)), labels, weights)
+                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, step_ctx)
                 self.finite.loss(loss, epoch, step)
                 scaled = loss / every if every > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -106,15 +108,19 @@ class TrainLoop:
             torch.cuda.default_generators[self.device.index].manual_seed(value)
         torch.default_generator.manual_seed(value)
 
-    def evaluate(self, model: nn.Module, batches: Iterable[Tensors]) -> torch.Tensor:
+    def evaluate(self, model: nn.Module, batches: Iterable[Tensors], epoch: int) -> torch.Tensor:
         """Exact validation over this rank's batches. Runs the plain module, not DDP: ranks may have
         different numbers of validation batches, and no collective may run per batch."""
         model.eval()
         sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        step_ctx = self.step_context(epoch, training=False)
         with torch.no_grad(), self.autocast():
-            for features, labels, weights in self.on_device(batches):
-                sums += self.objective(as_tuple(model(*features)), labels, weights)[1]
+            for batch in self.on_device(batches):
+                sums += self.objective.on_batch(model, batch, step_ctx)[1]
         return sums
+
+    def step_context(self, epoch: int, training: bool) -> StepContext:
+        return StepContext(self.ctx.rank, self.ctx.world_size, self.device, epoch + 1, training)
 
     def on_device(self, batches: Iterable[Tensors]) -> Iterator[Tensors]:
         """Copies start when a batch is taken; with `with_last` looking one ahead, the next batch's copy to the
@@ -167,7 +173,3 @@ def reduce_sums(sums: torch.Tensor) -> List[float]:
     """One all_reduce: every rank's (loss * rows, rows, metric * rows, ...) summed."""
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     return sums.cpu().tolist()
-
-
-def as_tuple(outputs: Any) -> Tuple[torch.Tensor, ...]:
-    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)

@@ -157,16 +157,23 @@ class Objective:
                 sums[3 + j] = torch.as_tensor(fn(outputs[i], targets[i])).double() * rows
         return loss, sums
 
-    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
-        """Per-epoch numbers from the reduced sums: loss, metrics, and the val_ ones."""
-        row = self._one(sums[: self.width], "")
-        if with_val:
-            row.update(self._one(sums[self.width:], "val_"))
-        return row
+    def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The built-in step: forward on the features, then the losses and metrics (`ctx` is the user step's)."""
+        features, labels, weights = tensors
+        outputs = model(*features)
+        return self(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,), labels, weights)
 
-    def _one(self, sums: List[float], prefix: str) -> Dict[str, float]:
-        rows = sums[2]
-        out = {prefix + "loss": sums[0] / sums[1] if sums[1] else float("nan")}
-        for j, (name, _, _) in enumerate(self.metrics):
-            out[prefix + name] = sums[3 + j] / rows if rows else float("nan")
-        return out
+    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
+        return summarize_sums(sums, self.width, [name for name, _, _ in self.metrics], with_val)
+
+
+def summarize_sums(sums: List[float], width: int, names: Sequence[str], with_val: bool) -> Dict[str, float]:
+    """Per-epoch numbers from the reduced sums (loss x rows, its denominator, rows, then each metric x rows; the
+    validation's the same after them): the loss, the metrics, and the val_ ones."""
+    row: Dict[str, float] = {}
+    for prefix, part in [("", sums[:width])] + ([("val_", sums[width:])] if with_val else []):
+        rows = part[2]
+        row[prefix + "loss"] = part[0] / part[1] if part[1] else float("nan")
+        for j, name in enumerate(names):
+            row[prefix + name] = part[3 + j] / rows if rows else float("nan")
+    return row

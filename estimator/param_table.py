@@ -21,7 +21,7 @@ ESTIMATOR_PARAMS = [
     ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
               "it", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("loss", "loss callable(output, label), or one per label column; required unless loss_constructors "
-              "is set", None, optional(is_callable_or_list),
+              "or train_step is set", None, optional(is_callable_or_list),
               "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False),
     ParamSpec("loss_weights", "weight of each label's loss in the total; default 1/len(label_cols) each", None,
               optional(is_number_list), "a list of numbers >= 0 (one per label column) or None"),
@@ -68,6 +68,11 @@ ESTIMATOR_PARAMS = [
               json=False),
     ParamSpec("transformation_fn", "function(pandas.DataFrame) -> pandas.DataFrame applied to every training and "
               "validation batch", None, optional(callable), "a callable or None", json=False),
+    ParamSpec("train_step", "your training step: function(model, batch, ctx) -> the loss (a scalar tensor) or a dict "
+              "with 'loss' and other numbers (history keys); the estimator does backward, precision, clipping, "
+              "the optimizer step, validation (the same function, ctx.training False) and checkpoints. loss is then "
+              "optional: given, it only says what transform's outputs are (README 'Your own training step')", None,
+              optional(callable), "a callable(model, batch, ctx) or None", json=False),
     ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow, in memory or streaming) or 'petastorm'",
               "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),

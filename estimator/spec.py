@@ -116,6 +116,7 @@ class TrainSpec:
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
+    step_metrics: Tuple[str, ...] = ()  # with train_step: the names of the numbers it returns besides the loss
 
 
 @dataclass
@@ -134,6 +135,7 @@ class UserObjects:
     transformation_fn: Any = None
     callbacks: List[Any] = field(default_factory=list)
     lr_scheduler_fn: Any = None
+    train_step: Any = None  # the user's step (estimator.steps): the losses and metrics are then unused
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)

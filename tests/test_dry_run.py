@@ -101,7 +101,7 @@ def test_accuracy_reads_the_output_as_the_loss_does():
 
     def accuracy_of(loss, output):
         objective = Objective([loss], [1.0], ["accuracy"], ["y"], weighted=False)
-        return objective._one(objective((output,), (target,), None)[1].tolist(), "")["accuracy"]
+        return objective.summarize(objective((output,), (target,), None)[1].tolist(), with_val=False)["accuracy"]
 
     assert accuracy_of(nn.BCEWithLogitsLoss(), logits) == 0.75  # logits >= 0; thresholding at 0.5 gave 0.5
     assert accuracy_of(nn.BCELoss(), torch.sigmoid(logits)) == 0.75  # probabilities >= 0.5

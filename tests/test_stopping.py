@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.checks import monitor_for
+from estimator.checks import metric_names, monitor_for
 from estimator.stopping import Monitor, default_mode
 
 
@@ -47,7 +47,8 @@ def _params(**kw):
 
 
 def test_the_monitor_must_be_a_key_the_history_will_have():
-    losses = [nn.CrossEntropyLoss()]
+    losses = metric_names(_params(), [nn.CrossEntropyLoss()])  # the history's names: loss, accuracy
+    assert losses == ["loss", "accuracy"]
     assert monitor_for(_params(), losses, has_validation=True) == Monitor("val_loss", "min")
     assert monitor_for(_params(), losses, has_validation=False) == Monitor("loss", "min")
     assert monitor_for(_params(monitor="val_accuracy", early_stopping_patience=3, min_delta=0.01), losses,

@@ -1,0 +1,126 @@
+"""Your own training step: `train_step=fn`, called as `fn(model, batch, ctx)` for every batch, returning the loss
+(a scalar tensor) or a dict with "loss" and other numbers. Everything around it stays the estimator's: backward
+(with gradient accumulation and the GradScaler), autocast, clipping, the optimizer step, NaN checks, exact
+validation (the same function, under torch.no_grad with ctx.training False, on the plain module), checkpoints,
+early stopping and the history. The dict's other numbers become history keys (and "val_" ones): each is a
+batch's mean, averaged over rows exactly as the loss is, over all ranks.
+
+`batch`: the rank's tensors on its device: `batch.features` and `batch.labels` in the order of feature_cols and
+label_cols, `batch.weights` (sample_weight_col, or None), and `batch["column"]` by name. `ctx`: rank, world_size,
+device, epoch (1-based, as in the history) and training. `model` is the DistributedDataParallel-wrapped module in
+training (call it, do not reach into it), the plain module in validation. torch only, no pyspark."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from estimator.data.arrays import Arrays, Tensors, to_tensors
+from estimator.losses import summarize_sums
+from estimator.spec import DataSpec
+
+
+@dataclass(frozen=True)
+class Batch:
+    features: List[torch.Tensor]
+    labels: List[torch.Tensor]
+    weights: Optional[torch.Tensor]
+    columns: Dict[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.columns[name]
+
+    @property
+    def rows(self) -> int:
+        return int((self.labels or self.features)[0].shape[0])
+
+
+@dataclass(frozen=True)
+class StepContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    epoch: int  # 1-based, as the history's rows
+    training: bool
+
+
+class StepObjective:
+    """The loss and the per-batch sums from the user's step, in the layout of losses.Objective (loss x rows,
+    rows, rows, then each metric x rows), so that the loop, the reductions and the history treat both alike."""
+
+    def __init__(self, fn: Callable[..., Any], keys: Sequence[str], data: DataSpec):
+        self.fn, self.keys, self.data = fn, tuple(keys), data
+        self.width = 3 + len(self.keys)
+
+    def on_batch(self, model: Any, tensors: Tensors, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
+        batch = as_batch(tensors, self.data)
+        loss, metrics = step_result(self.fn(model, batch, ctx))
+        if tuple(metrics) != self.keys:
+            raise ValueError(f"train_step returned the numbers {['loss', *metrics]} on rank {ctx.rank} (epoch "
+                             f"{ctx.epoch}, training={ctx.training}), but {['loss', *self.keys]} on the driver's "
+                             "dry run: return the same keys for every batch, in training and validation.")
+        rows = batch.rows
+        sums = torch.zeros(self.width, dtype=torch.float64, device=loss.device)
+        sums[0], sums[1], sums[2] = loss.detach().double() * rows, rows, rows
+        for j, value in enumerate(metrics.values()):
+            sums[3 + j] = torch.as_tensor(value, device=loss.device).detach().double() * rows
+        return loss, sums
+
+    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
+        return summarize_sums(sums, self.width, self.keys, with_val)
+
+
+def as_batch(tensors: Tensors, data: DataSpec) -> Batch:
+    features, labels, weights = tensors
+    columns = dict(zip(data.feature_cols, features))
+    columns.update(zip(data.label_cols, labels))
+    if data.sample_weight_col and weights is not None:
+        columns[data.sample_weight_col] = weights
+    return Batch(list(features), list(labels), weights, columns)
+
+
+def step_result(result: Any) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """(the loss, the other numbers) from what train_step returned; anything else is refused by name."""
+    metrics: Dict[str, Any] = {}
+    if isinstance(result, dict):
+        if "loss" not in result:
+            raise ValueError(f"train_step returned a dict without 'loss' (keys {list(result)}): put the loss to "
+                             "minimize under 'loss'; the other entries are reported as metrics.")
+        metrics = {k: v for k, v in result.items() if k != "loss"}
+        result = result["loss"]
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        got = f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else type(result).__name__
+        raise ValueError(f"train_step must return the loss as a scalar tensor (or a dict with 'loss' and other "
+                         f"numbers); it returned {got} as the loss. Reduce it, e.g. with .mean().")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or key.startswith("val_") or key in ("epoch", "data_wait"):
+            raise ValueError(f"train_step returned a metric named {key!r}: name metrics with strings other than "
+                             "'epoch' and 'data_wait', without the 'val_' prefix (validation adds it).")
+        if isinstance(value, torch.Tensor) and value.numel() != 1 or not isinstance(value, (torch.Tensor, int, float)):
+            raise ValueError(f"train_step returned {key!r} as {type(value).__name__}"
+                             + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+                             + ": metrics must be numbers or one-element tensors (a batch's mean).")
+    return result.reshape(()), metrics
+
+
+def dry_step(fn: Callable[..., Any], model: torch.nn.Module, data: DataSpec, arrays: Arrays) -> Tuple[str, ...]:
+    """The step on the driver, on a few training rows, in training and in validation: the names of the numbers it
+    returns (the same both times), or a clear error before any job."""
+    model = copy.deepcopy(model)
+    keys = []
+    for training in (True, False):
+        model.train(training)
+        ctx = StepContext(0, 1, torch.device("cpu"), 1, training)
+        try:
+            with torch.set_grad_enabled(training):
+                _, metrics = step_result(fn(model, as_batch(to_tensors(arrays, data), data), ctx))
+        except Exception as exc:  # noqa: BLE001 - the user's function, or what it returned
+            raise ValueError(f"train_step failed on the driver's dry run ({len(arrays[data.columns[0]])} training "
+                             f"rows, training={training}): {type(exc).__name__}: {exc}") from None
+        keys.append(tuple(metrics))
+    if keys[0] != keys[1]:
+        raise ValueError(f"train_step returned {list(keys[0])} in training but {list(keys[1])} in validation "
+                         "(ctx.training False): return the same numbers in both.")
+    return keys[0]
