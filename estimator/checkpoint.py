@@ -26,10 +26,11 @@ class Position:
 
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                     history: List[Dict[str, float]], position: Position, scheduler: Any = None,
-                    copies: Sequence[str] = (), scaler: Any = None) -> None:
+                    copies: Sequence[str] = (), scaler: Any = None, extra: Optional[Dict[str, Any]] = None) -> None:
     """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint), at `path`
     and at each of `copies` (the best epochs' checkpoints). `scaler`: 16-mixed's GradScaler, whose loss scale
-    and growth count a resumed run continues from (a fresh scale would overflow again for its first steps)."""
+    and growth count a resumed run continues from (a fresh scale would overflow again for its first steps).
+    `extra`: train_fn's own stateful objects (a second optimizer...), by name: their state_dict()s."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
                 "global_step": position.global_step, "history": history,
@@ -37,6 +38,7 @@ def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.op
                 if position.step else None,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
                 "format": CHECKPOINT_FORMAT}, buffer)
     for target in (path, *copies):
         store.write_bytes_atomic(target, buffer.getvalue())

@@ -18,11 +18,16 @@ OWNER = "TorchEstimator"
 
 def check_params(p: Dict[str, Any]) -> None:
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
-    if p["train_step"] is not None:
+    own = "train_fn" if p["train_fn"] is not None else "train_step" if p["train_step"] is not None else None
+    if p["train_fn"] is not None and p["train_step"] is not None:
+        raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
+                         "its own step.")
+    if own is not None:
         if p["loss_constructors"] is not None or p["metrics"]:
-            raise ValueError(f"{OWNER} with train_step takes no loss_constructors or metrics: train_step computes the "
-                             "loss, and returns the metrics with it ({'loss': ..., 'accuracy': ...}). Got "
-                             f"loss_constructors={p['loss_constructors']!r}, metrics={p['metrics']!r}.")
+            raise ValueError(f"{OWNER} with {own} takes no loss_constructors or metrics: {own} computes the loss "
+                             "and the metrics (train_step returns them, {'loss': ..., 'accuracy': ...}; a train_fn "
+                             f"reports them). Got loss_constructors={p['loss_constructors']!r}, "
+                             f"metrics={p['metrics']!r}.")
     elif (p["loss"] is None) == (p["loss_constructors"] is None):
         raise ValueError(f"{OWNER} needs exactly one of 'loss' and 'loss_constructors' (or a train_step). Got "
                          f"loss={p['loss']!r}, loss_constructors={p['loss_constructors']!r}.")
@@ -42,7 +47,7 @@ def check_params(p: Dict[str, Any]) -> None:
         raise ValueError(f"Columns {overlap} appear in both feature_cols and label_cols of {OWNER}; "
                          "a column can be a feature or a label, not both.")
     if p["loss"] is None and p["loss_constructors"] is None:
-        return  # a train_step without a loss: nothing more to check here (its dry run checks it)
+        return  # a train_step or train_fn without a loss: nothing more to check here
     name = "loss" if p["loss"] is not None else "loss_constructors"
     losses = p[name] if isinstance(p[name], (list, tuple)) else [p[name]]
     if len(losses) not in (1, n_labels):
@@ -134,13 +139,12 @@ def metric_names(p: Dict[str, Any], losses: Sequence[Any]) -> List[str]:
     return ["loss"] + [name for name, _, _ in objective.metrics]
 
 
-def monitor_for(p: Dict[str, Any], names: Sequence[str], has_validation: bool) -> Monitor:
-    """The monitored history key (one the history will have: `names`, their val_ ones, data_wait), its
-    direction and the early-stopping rule."""
+def monitor_for(p: Dict[str, Any], names: Optional[Sequence[str]], has_validation: bool) -> Monitor:
+    """The monitored history key (one the history will have: `names`, their val_ ones, data_wait; names None: a
+    train_fn's, known when it reports), its direction and the early-stopping rule."""
     key = p["monitor"] or default_monitor(has_validation)
-    names = list(names)
-    keys = names + ([f"val_{name}" for name in names] if has_validation else []) + ["data_wait"]
-    if key not in keys:
+    keys = [] if names is None else list(names) + ([f"val_{n}" for n in names] if has_validation else []) + ["data_wait"]
+    if names is not None and key not in keys:
         raise ValueError(param_error(OWNER, "monitor", "a key of the history this fit writes: " + ", ".join(
             repr(k) for k in keys) + ("" if has_validation else " (val_ keys need validation data)"), key))
     if p["restore_best"] and p["save_top_k"] == 0:

@@ -23,12 +23,12 @@ HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of th
 
 def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> List[tuple]:
     """`head`: the first rows when the data is not in the store (the direct mode); else read from it. With a
-    train_step, the forward pass only (what transform needs); the step itself is checked by `dry_step`."""
+    train_step or a train_fn, the forward pass only (what transform needs); a step is checked by `dry_step`."""
     arrays = head_arrays(objs, data, head)
     rows = len(arrays[data.columns[0]])
     model = copy.deepcopy(objs.model).eval()
     outputs = forward(model, data, arrays, rows)
-    if objs.train_step is not None:
+    if objs.train_step is not None or objs.train_fn is not None:  # they compute their own loss
         return [tuple(o.shape[1:]) for o in outputs]
     checked = rows_unlike(outputs, rows)  # a row count no output dimension equals: shape mistakes cannot broadcast
     if checked != rows:

@@ -35,13 +35,16 @@ class Run:
         self.spec, self.ctx, self.objs, self.model, self.ddp = spec, ctx, objs, model, ddp
         self.optimizer, self.scheduler, self.history = optimizer, scheduler, history
         self.device = torch.device(ctx.device)
-        self.objective = (StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
+        self.objective = (None if objs.train_fn is not None  # train_fn computes its own loss
+                          else StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
                           else Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                                          weighted=spec.data.sample_weight_col is not None))
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
         self.faults, self.attempt = faults, attempt
         self.waited = self.looped = 0.0
         self.tensorboard: Optional[TensorBoardLog] = None
+        self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
+        self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
@@ -60,24 +63,20 @@ class Run:
                             if spec.tensorboard and ctx.rank == 0 else None)
         if self.tensorboard is not None:
             self.loop.on_step = self.tensorboard.step
-        _call(callbacks, "on_train_begin", {})
+        call_callbacks(callbacks, "on_train_begin", {})
         self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
-            for epoch in range(len(self.history), spec.epochs):
-                stop = spec.monitor.stop_reason(self.history)  # the same on every rank: the rows are reduced
-                if stop is not None:
-                    if ctx.rank == 0:
-                        log.info("stopping early after epoch %d: %s", epoch, stop)
-                    break
-                inside = position if epoch == position.epochs and position.step else Position(epoch)
-                inject(self.faults, "epoch", ctx.rank, self.attempt, epoch + 1)
-                self.epoch(epoch, train, val, inside)
-                _call(callbacks, "on_epoch_end", epoch, dict(self.history[-1]))
+            if self.objs.train_fn is not None:  # the user's own loop over the same batches, history and checkpoints
+                from estimator.train_fn import TrainContext
+
+                TrainContext(self, train, val, callbacks).run(self.objs.train_fn)
+            else:
+                self.epochs(train, val, position, callbacks)
         finally:
             for closing in (train, val, *self.decoders.values(), self.tensorboard):
                 if closing is not None:
                     closing.close()
-        _call(callbacks, "on_train_end", {"history": self.history})
+        call_callbacks(callbacks, "on_train_end", {"history": self.history})
         del self.ddp, self.loop  # the caller's teardown needs DDP gone before destroy_process_group
         reader = train.describe() + (f"; val {val.describe()}" if val is not None else "")
         return WorkerResult(ctx.rank, tuple(self.history), str(self.device), train.rows,
@@ -87,8 +86,18 @@ class Run:
                             read_wait_seconds=read_wait, data_wait_seconds=self.waited,
                             train_loop_seconds=self.looped)
 
+    def epochs(self, train: Shard, val: Optional[Shard], position: Position, callbacks: Sequence[Any]) -> None:
+        """The built-in loop: the epochs left after `position`, each trained (estimator.loop) and validated."""
+        for epoch in range(len(self.history), self.spec.epochs):
+            if self.stop_reason(epoch) is not None:
+                break
+            inside = position if epoch == position.epochs and position.step else Position(epoch)
+            inject(self.faults, "epoch", self.ctx.rank, self.attempt, epoch + 1)
+            self.epoch(epoch, train, val, inside)
+            call_callbacks(callbacks, "on_epoch_end", epoch, dict(self.history[-1]))
+
     def epoch(self, epoch: int, train: Shard, val: Optional[Shard], inside: Position) -> None:
-        spec, ctx = self.spec, self.ctx
+        ctx = self.ctx
         began = time.perf_counter()
         if self.loop.steps_report is not None:
             self.loop.steps_report.begin(train.plan().steps, float(sum(inside.sums[2:3])) if inside.sums else 0.0)
@@ -110,18 +119,32 @@ class Run:
         row = {"epoch": float(epoch + 1),
                **self.objective.summarize(reduced[:-2], with_val=val is not None),
                "data_wait": reduced[-2] / max(reduced[-1], 1e-9)}  # of the ranks' training time, all ranks
+        # rows/s: every rank's rows over the ranks' mean epoch time
+        self.record(epoch, row, float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9))
+
+    def record(self, epoch: int, row: Dict[str, float], rows_per_second: float) -> None:
+        """An epoch's history row (the same on every rank): NaN checks, TensorBoard, the learning-rate schedule,
+        rank 0's checkpoint (and the best epochs') and the progress the driver shows."""
+        spec = self.spec
         self.history.append(row)
         self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed
-        if self.tensorboard is not None:  # rows/s: every rank's rows over the ranks' mean epoch time
-            self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]),
-                                   float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9))
+        if self.tensorboard is not None:
+            self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
         if self.scheduler is not None:
             step_scheduler(self.scheduler, row)
-        if ctx.rank == 0:
+        if self.ctx.rank == 0:
             self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
             spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
             if spec.verbose:
                 log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
+
+    def stop_reason(self, epoch: int) -> Optional[str]:
+        """Why no epoch follows `epoch` finished ones (early stopping), said once by rank 0; the same on every
+        rank: the rows are reduced."""
+        stop = self.spec.monitor.stop_reason(self.history)
+        if stop is not None and self.ctx.rank == 0:
+            log.info("stopping early after epoch %d: %s", epoch, stop)
+        return stop
 
     def open_decoders(self, training: bool) -> Decoders:
         reader, fn = self.spec.reader, self.objs.transformation_fn
@@ -151,7 +174,8 @@ class Run:
         top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
         epoch = len(self.history)
         save_checkpoint(store, spec.run.checkpoint, self.model, self.optimizer, self.history, position,
-                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [], scaler=self.loop.scaler)
+                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [], scaler=self.loop.scaler,
+                        extra=self.extra_state)
         if best:
             keep = {posixpath.basename(spec.run.best(e)) for e in top}
             for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
@@ -177,7 +201,7 @@ def format_metrics(row: Dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in row.items() if k != "epoch")
 
 
-def _call(callbacks: Sequence[Any], method: str, *args: Any) -> None:
+def call_callbacks(callbacks: Sequence[Any], method: str, *args: Any) -> None:
     for callback in callbacks:
         hook = getattr(callback, method, None)
         if hook is not None:

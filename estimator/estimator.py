@@ -130,14 +130,18 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             if p["loss_constructors"] is not None else []
         weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
-        monitor = None if p["train_step"] is not None else checks.monitor_for(  # train_step's: after its dry run
-            p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
+        if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
+            monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
+        else:  # train_step's keys are known after its dry run
+            monitor = None if p["train_step"] is not None else checks.monitor_for(
+                p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
-        objs.callbacks, objs.lr_scheduler_fn, objs.train_step = list(p["callbacks"]), p["lr_scheduler_fn"], p["train_step"]
-        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, lr_scheduler_fn or "
-                              "callbacks", roots=[objs.model, *losses, *constructors, *p["metrics"],
-                                                  p["transformation_fn"], p["train_step"], *p["callbacks"],
-                                                  p["lr_scheduler_fn"]])
+        objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
+        objs.train_step, objs.train_fn = p["train_step"], p["train_fn"]
+        payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
+                              "lr_scheduler_fn or callbacks",
+                        roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
+                               p["train_step"], p["train_fn"], *p["callbacks"], p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)

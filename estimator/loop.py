@@ -32,7 +32,7 @@ class TrainLoop:
     """One epoch of training or validation over ready batches, with accumulation and NaN checks."""
 
     def __init__(self, spec: TrainSpec, ctx: RankContext, ddp: nn.Module, optimizer: torch.optim.Optimizer,
-                 objective: Union[Objective, StepObjective], faults: Tuple[Fault, ...] = (), attempt: int = 0,
+                 objective: Optional[Union[Objective, StepObjective]], faults: Tuple[Fault, ...] = (), attempt: int = 0,
                  checkpoint: Any = None):
         self.spec, self.ctx, self.ddp, self.optimizer = spec, ctx, ddp, optimizer
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint

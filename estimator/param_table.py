@@ -73,6 +73,10 @@ ESTIMATOR_PARAMS = [
               "the optimizer step, validation (the same function, ctx.training False) and checkpoints. loss is then "
               "optional: given, it only says what transform's outputs are (README 'Your own training step')", None,
               optional(callable), "a callable(model, batch, ctx) or None", json=False),
+    ParamSpec("train_fn", "your whole training loop: function(ctx) run on every rank, over the estimator's data, "
+              "model, optimizer, checkpoints and history (ctx.epochs_to_run(), ctx.train_batches(), ctx.report(...); "
+              "README 'Your own training loop'); loss is then optional, as with train_step", None, optional(callable),
+              "a callable(ctx) or None", json=False),
     ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow, in memory or streaming) or 'petastorm'",
               "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),

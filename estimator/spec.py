@@ -136,6 +136,7 @@ class UserObjects:
     callbacks: List[Any] = field(default_factory=list)
     lr_scheduler_fn: Any = None
     train_step: Any = None  # the user's step (estimator.steps): the losses and metrics are then unused
+    train_fn: Any = None  # the user's loop (estimator.train_fn): the losses, metrics and train_step are unused
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)

@@ -58,6 +58,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt)
         if state is not None and state.get("grad_scaler") and run.loop.scaler is not None:
             run.loop.scaler.load_state_dict(state["grad_scaler"])
+        run.restored_extra = dict(state.get("extra") or {}) if state is not None else {}
         return run.train(position_of(state), started, allreduce, early)
     except BaseException:
         if comm is not None:

@@ -1,0 +1,138 @@
+"""Your own training loop: `train_fn=fn`, run on every rank as `fn(ctx)`, over the estimator's machinery.
+
+`ctx` gives the rank (`rank`, `world_size`, `device`), the model (`model`: DistributedDataParallel-wrapped, on the
+device; `module`: the plain one, for validation), the estimator's `optimizer` (restored on a resume), `epochs`
+and `start_epoch` (a retried or refitted run starts at its checkpoint's epoch, model and optimizer restored),
+`epochs_to_run()` (the epochs left, ending early when early stopping says so), the rank's batches of an epoch
+(`train_batches()`, `val_batches()`: estimator.steps.Batch objects on the device, from the same readers as the
+built-in loop, shuffled per epoch alike), `report(metrics)` once per epoch, `should_stop`, `autocast()` and
+`keep(name, obj)` for more stateful objects (a second optimizer...), checkpointed with the model and restored
+on a resume.
+
+`report` makes the epoch's history row on every rank: each number is taken as this rank's mean over the rows it
+trained on this epoch (or over `rows=`), and averaged over all ranks weighted by rows, as the built-in loop's
+metrics are. The row drives early stopping (`monitor` must be one of its keys), TensorBoard, MLflow, the
+learning-rate schedule and rank 0's checkpoint of the epoch. Resuming inside an epoch (checkpoint_steps) is the
+built-in loop's: a train_fn resumes at its last reported epoch. torch only, no pyspark."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+
+import torch
+
+from estimator.data.shards import Shard
+from estimator.epochs import call_callbacks
+from estimator.faults import inject
+from estimator.loop import reduce_sums
+from estimator.steps import Batch, as_batch
+
+
+class TrainContext:
+    def __init__(self, run: Any, train: Shard, val: Optional[Shard], callbacks: Sequence[Any]):
+        self._run, self._train, self._val, self._callbacks = run, train, val, callbacks
+        self.rank, self.world_size = run.ctx.rank, run.ctx.world_size
+        self.device = run.device
+        self.model, self.module, self.optimizer = run.ddp, run.model, run.optimizer
+        self.epochs, self.start_epoch = run.spec.epochs, len(run.history)
+        self.epoch = self.start_epoch  # the epoch being trained (0-based), or the next one
+        self._rows = 0  # training rows this rank took this epoch
+        self._began = time.perf_counter()
+
+    @property
+    def history(self) -> list:
+        return [dict(row) for row in self._run.history]
+
+    @property
+    def rows(self) -> int:
+        """The training rows this rank has taken from train_batches() in the current epoch."""
+        return self._rows
+
+    @property
+    def should_stop(self) -> bool:
+        """Early stopping says stop, or every epoch is done (the same on every rank)."""
+        return len(self._run.history) >= self.epochs or self._run.stop_reason(len(self._run.history)) is not None
+
+    def epochs_to_run(self) -> Iterator[int]:
+        """The epochs left (0-based), each to end with report(); ends early when early stopping says so."""
+        while not self.should_stop:
+            epoch = len(self._run.history)
+            self.epoch, self._rows, self._began = epoch, 0, time.perf_counter()
+            inject(self._run.faults, "epoch", self.rank, self._run.attempt, epoch + 1)
+            yield epoch
+            if len(self._run.history) == epoch:
+                raise RuntimeError(f"train_fn finished epoch {epoch + 1} without ctx.report(metrics): report once "
+                                   "per epoch (the history, early stopping and the checkpoint come from it).")
+
+    def train_batches(self) -> Iterator[Batch]:
+        """This rank's training batches of the current epoch, on the device, shuffled as the built-in loop's."""
+        run, loop = self._run, self._run.loop
+        feed = run.feed(self._train.epoch(self.epoch, 0), True)
+        began = time.perf_counter()
+        try:
+            for tensors in loop.on_device(feed):
+                inject(run.faults, "step", self.rank, run.attempt, self.epoch + 1, loop.global_step + 1)
+                batch = as_batch(tensors, run.spec.data)
+                self._rows += batch.rows
+                loop.global_step += 1  # batches, as the faults and TensorBoard's steps count them here
+                yield batch
+        finally:
+            feed.close()
+            run.waited += feed.waited
+            run.looped += time.perf_counter() - began
+
+    def val_batches(self) -> Iterator[Batch]:
+        """This rank's validation batches (none without validation data)."""
+        if self._val is None:
+            return
+        feed = self._run.feed(self._val.epoch(self.epoch), False)
+        try:
+            for tensors in self._run.loop.on_device(feed):
+                yield as_batch(tensors, self._run.spec.data)
+        finally:
+            feed.close()
+
+    def autocast(self) -> Any:
+        """The `precision` param's autocast (a no-op for '32')."""
+        return self._run.loop.autocast()
+
+    def keep(self, name: str, obj: Any) -> Any:
+        """Checkpoint `obj` (anything with state_dict/load_state_dict) with the model under `name`; on a resume
+        its state is restored here. Returns `obj`."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"ctx.keep({name!r}, ...) needs an object with state_dict() and load_state_dict(); got "
+                            f"{type(obj).__name__}.")
+        self._run.extra_state[name] = obj
+        if name in self._run.restored_extra:
+            obj.load_state_dict(self._run.restored_extra[name])
+        return obj
+
+    def report(self, metrics: Dict[str, Any], rows: Optional[int] = None) -> Dict[str, float]:
+        """The epoch's numbers from this rank, averaged over all ranks by rows (a collective: every rank calls
+        it once per epoch with the same keys); returns the history row. A number is this rank's mean over the
+        training rows it took this epoch (or over `rows`); a (mean, rows) pair is a mean over other rows (say,
+        this rank's validation rows), weighted by those."""
+        run = self._run
+        keys = sorted(metrics)
+        if any(k in ("epoch", "data_wait") for k in keys):
+            raise ValueError("ctx.report: 'epoch' and 'data_wait' are the estimator's own history keys.")
+        trained = float(self._rows if rows is None else rows)
+        pairs = [metrics[k] if isinstance(metrics[k], tuple) else (metrics[k], trained) for k in keys]
+        values = [(float(torch.as_tensor(v).detach().double().cpu()), float(w)) for v, w in pairs]
+        seconds = time.perf_counter() - self._began
+        sums = torch.tensor([v * w for v, w in values] + [w for _, w in values] + [trained, seconds],
+                            dtype=torch.float64, device=self.device)
+        reduced = reduce_sums(sums)
+        n = len(keys)
+        row = {"epoch": float(self.epoch + 1),
+               **{k: reduced[i] / reduced[n + i] if reduced[n + i] else float("nan") for i, k in enumerate(keys)}}
+        total = reduced[2 * n]
+        if run.spec.monitor.key not in row:
+            raise ValueError(f"monitor={run.spec.monitor.key!r} is not among the numbers train_fn reports "
+                             f"({keys}): report it, or set monitor to one of them.")
+        run.record(self.epoch, row, total / max(reduced[-1] / self.world_size, 1e-9))
+        call_callbacks(self._callbacks, "on_epoch_end", self.epoch, dict(row))
+        return row
+
+    def run(self, fn: Callable[["TrainContext"], Any]) -> None:
+        fn(self)

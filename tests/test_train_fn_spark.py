@@ -1,0 +1,83 @@
+"""train_fn=fn: your whole loop on every rank, over the estimator's data, checkpoints and history. Two optimizers
+(the estimator's over the body, a second one over the head, kept in the checkpoint with ctx.keep) train digits
+on 2 ranks; a rank killed in the second epoch is retried from the first epoch's checkpoint and ends with the
+weights of an uninterrupted run (both optimizers' momentum restored)."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from estimator import TorchEstimator
+from helpers import MLP, metrics, seeded
+from spark_helpers import digits_frame
+
+pytestmark = pytest.mark.spark
+FAULTS = "SPARK_TORCH_ESTIMATOR_FAULTS"
+
+
+def two_optimizers(ctx):
+    head = ctx.keep("head", torch.optim.SGD(ctx.module.net[2].parameters(), lr=0.05, momentum=0.9))
+    for _ in ctx.epochs_to_run():
+        ctx.model.train()
+        loss_sum = correct = 0.0
+        for batch in ctx.train_batches():
+            ctx.optimizer.zero_grad()
+            head.zero_grad()
+            logits = ctx.model(*batch.features)
+            loss = F.cross_entropy(logits, batch["label"])
+            loss.backward()
+            ctx.optimizer.step()
+            head.step()
+            loss_sum += float(loss.detach()) * batch.rows
+            correct += float((logits.argmax(1) == batch["label"]).sum())
+        trained = max(1, ctx.rows)
+        ctx.module.eval()
+        val_correct = val_rows = 0.0
+        with torch.no_grad():
+            for batch in ctx.val_batches():
+                val_correct += float((ctx.module(*batch.features).argmax(1) == batch["label"]).sum())
+                val_rows += batch.rows
+        ctx.report({"loss": loss_sum / trained, "accuracy": correct / trained,
+                    "val_accuracy": (val_correct / max(val_rows, 1), val_rows)})
+
+
+def _est(store, **kw):
+    model = seeded(MLP)
+    params = dict(num_proc=2, store=store, model=model, feature_cols=["features"], label_cols=["label"],
+                  optimizer=torch.optim.SGD(model.net[0].parameters(), lr=0.05, momentum=0.9), train_fn=two_optimizers,
+                  batch_size=32, epochs=5, validation=0.2, random_seed=7, monitor="val_accuracy", max_retries=1)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+def test_a_train_fn_with_two_optimizers_trains_digits_and_resumes_a_killed_rank_exactly(spark, store, digits,
+                                                                                      monkeypatch):
+    df = digits_frame(spark, digits)
+    straight = _est(store, run_id="straight").fit(df)
+    history = straight.getHistory()
+    assert [row["epoch"] for row in history] == [1, 2, 3, 4, 5]
+    assert history[-1]["val_accuracy"] >= 0.90 and set(history[-1]) == {"epoch", "loss", "accuracy", "val_accuracy"}
+    monkeypatch.setenv(FAULTS, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 40,
+                                            "attempt": 0}]))  # in epoch 2 (23 batches an epoch)
+    resumed = _est(store, run_id="killed").fit(df)
+    monkeypatch.delenv(FAULTS)
+    for a, b in zip(resumed.getModel().state_dict().values(), straight.getModel().state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    assert len(resumed.getHistory()) == len(history)
+    for x, y in zip(resumed.getHistory(), history):
+        assert metrics(x) == pytest.approx(metrics(y), rel=1e-6)
+
+
+def without_report(ctx):
+    for _ in ctx.epochs_to_run():
+        for _ in ctx.train_batches():
+            pass
+
+
+def test_a_train_fn_that_does_not_report_an_epoch_fails_naming_it(spark, store, digits):
+    from estimator.failures import RankFailed
+
+    with pytest.raises(RankFailed, match=r"train_fn finished epoch 1 without ctx.report\(metrics\)"):
+        _est(store, train_fn=without_report, max_retries=0).fit(digits_frame(spark, digits))
