@@ -48,6 +48,7 @@ def cross_entropy(model, batch, ctx):
     return F.cross_entropy(model(*batch.features), batch.labels[0])
 
 
+@pytest.mark.connect
 def test_a_step_computing_the_built_in_loss_trains_the_built_in_loops_weights(spark, store, digits):
     df = digits_frame(spark, digits)
     built_in = _est(store, loss=nn.CrossEntropyLoss(), epochs=2, run_id="built-in").fit(df)
