@@ -47,5 +47,6 @@ class LocalLauncher:
 
 def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
     gpus = torch.cuda.device_count() if spec.use_gpu is not False else 0
-    place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port, torch.get_num_threads())
+    place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port, torch.get_num_threads(),
+                      by_spark=False)
     return train_rank(spec, (), 0, rank, place)

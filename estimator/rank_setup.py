@@ -33,6 +33,7 @@ class Placement:
     addresses: Tuple[Optional[str], ...]  # per rank: the GPU address Spark gave it
     port: int  # rank 0's store, on hosts[0]
     threads: int  # torch threads per rank: the task's cores over its ranks
+    by_spark: bool = True  # Spark placed the ranks (its GPU addresses are worth naming); False: LocalLauncher
 
     @property
     def world(self) -> int:
@@ -55,6 +56,8 @@ def train_rank(spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, rank: i
         devices = plan_devices(spec.use_gpu, place.hosts, place.gpu_counts, place.addresses)
     except RuntimeError as exc:
         spark_gpus = list(place.addresses)
+        if not place.by_spark:
+            raise RankFailed(rank, str(exc)) from None
         raise RankFailed(rank, f"{exc} Spark assigned GPU addresses {spark_gpus} to ranks 0-{place.world - 1}"
                                + (" (none: set spark.task.resource.gpu.amount)" if not any(spark_gpus) else
                                   " but torch.cuda sees none: check the executors' CUDA drivers and CUDA_VISIBLE_DEVICES")

@@ -4,6 +4,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from estimator.distributed import RankContext, plan_devices, shared_gpus
 from estimator.failures import FailureKind, RankFailed
@@ -98,3 +99,19 @@ def fail_then_hang(rank):
     if rank == 0:
         raise ValueError("rank 0 fails")
     time.sleep(600)
+
+
+def test_use_gpu_true_without_cuda_in_local_processes_names_no_spark_setting(store, digits):
+    """LocalLauncher's ranks were not placed by Spark: the error says what is missing, not Spark's addresses."""
+    from estimator.local_launcher import LocalLauncher
+    from helpers import MLP, make_spec, seeded
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+                     use_gpu=True)
+    with pytest.raises(RankFailed) as caught:
+        LocalLauncher().run(spec, 1)
+    assert str(caught.value) == ("rank 0: use_gpu=True but ranks [0] see no CUDA device. Set use_gpu=False (or leave "
+                                 "it None to use GPUs only when every rank has one).")

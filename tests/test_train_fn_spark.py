@@ -76,6 +76,7 @@ def without_report(ctx):
             pass
 
 
+@pytest.mark.connect
 def test_a_train_fn_that_does_not_report_an_epoch_fails_naming_it(spark, store, digits):
     from estimator.failures import RankFailed
 
