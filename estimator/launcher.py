@@ -229,7 +229,7 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
     if spilled is not None:
         message["rows"] = spilled.counts
     replies = all_gather(task, json.dumps(message), timeout + (spilled.seconds if spilled else 0.0),
-                          while_waiting=lambda: _warm_up(early))
+                         while_waiting=(lambda: _warm_up(early)) if per_task == 1 else None)  # else: ranks' own
     if replies is None:
         arrived.join(5)
         raise RendezvousFailed(first, late_at_barrier(spec, first, hosts, timeout))

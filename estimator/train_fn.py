@@ -51,11 +51,12 @@ class TrainContext:
     @property
     def should_stop(self) -> bool:
         """Early stopping says stop, or every epoch is done (the same on every rank)."""
-        return len(self._run.history) >= self.epochs or self._run.stop_reason(len(self._run.history)) is not None
+        history = self._run.history
+        return len(history) >= self.epochs or self._run.spec.monitor.stop_reason(history) is not None
 
     def epochs_to_run(self) -> Iterator[int]:
         """The epochs left (0-based), each to end with report(); ends early when early stopping says so."""
-        while not self.should_stop:
+        while len(self._run.history) < self.epochs and self._run.stop_reason(len(self._run.history)) is None:
             epoch = len(self._run.history)
             self.epoch, self._rows, self._began = epoch, 0, time.perf_counter()
             inject(self._run.faults, "epoch", self.rank, self._run.attempt, epoch + 1)
