@@ -9,6 +9,7 @@ from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, Nume
 import torch
 from torch import nn
 
+from estimator.lightning import is_lightning_module
 from estimator.losses import Objective, check_metrics
 from estimator.params import param_error
 from estimator.stopping import Monitor, default_mode, default_monitor
@@ -22,7 +23,12 @@ def check_params(p: Dict[str, Any]) -> None:
     if p["train_fn"] is not None and p["train_step"] is not None:
         raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
                          "its own step.")
-    if own is not None:
+    if own is None and is_lightning_module(p["model"]):
+        check_lightning(p)
+    elif p["optimizer"] is None:
+        raise ValueError(param_error(OWNER, "optimizer", "a torch.optim.Optimizer built over model.parameters() (only "
+                                     "a LightningModule brings its own, from configure_optimizers)", None))
+    elif own is not None:
         if p["loss_constructors"] is not None or p["metrics"]:
             raise ValueError(f"{OWNER} with {own} takes no loss_constructors or metrics: {own} computes the loss "
                              "and the metrics (train_step returns them, {'loss': ..., 'accuracy': ...}; a train_fn "
@@ -67,6 +73,21 @@ def check_params(p: Dict[str, Any]) -> None:
                 "torch.nn.functional.binary_cross_entropy) when sample_weight_col is set, so that per-row losses "
                 "can be weighted", p[name]))
     check_metrics(p["metrics"], losses_per_label(losses, n_labels), p["label_cols"])
+
+
+def check_lightning(p: Dict[str, Any]) -> None:
+    """A LightningModule brings its optimizer (configure_optimizers), loss and metrics (training_step,
+    validation_step, self.log): the params that would give them again are refused, not silently ignored."""
+    name = type(p["model"]).__name__
+    why = {"optimizer": "its configure_optimizers() builds the optimizer on every rank",
+           "lr": "the learning rate is configure_optimizers()'s: vary a hyperparameter of the module instead",
+           "loss": "training_step computes the loss", "loss_constructors": "training_step computes the loss",
+           "metrics": "self.log in training_step and validation_step names the history's metrics",
+           "compile": "not supported with a LightningModule yet (its training_step is called, not forward)"}
+    for param, reason in why.items():
+        if p[param] is not None and p[param] is not False and p[param] != []:
+            raise ValueError(f"{OWNER} trains the LightningModule {name} with its own hooks, so it takes no "
+                             f"{param} (got {p[param]!r}): {reason}.")
 
 
 def check_schema(p: Dict[str, Any], schema: StructType) -> None:
@@ -139,18 +160,33 @@ def metric_names(p: Dict[str, Any], losses: Sequence[Any]) -> List[str]:
     return ["loss"] + [name for name, _, _ in objective.metrics]
 
 
-def monitor_for(p: Dict[str, Any], names: Optional[Sequence[str]], has_validation: bool) -> Monitor:
-    """The monitored history key (one the history will have: `names`, their val_ ones, data_wait; names None: a
-    train_fn's, known when it reports), its direction and the early-stopping rule."""
+def monitor_for(p: Dict[str, Any], names: Optional[Sequence[str]], has_validation: bool,
+                keys: Optional[List[str]] = None) -> Monitor:
+    """The monitored history key (one the history will have: `names`, their val_ ones, data_wait, or `keys` when
+    given; names None: a train_fn's, known when it reports), its direction and the early-stopping rule."""
     key = p["monitor"] or default_monitor(has_validation)
-    keys = [] if names is None else list(names) + ([f"val_{n}" for n in names] if has_validation else []) + ["data_wait"]
-    if names is not None and key not in keys:
+    if keys is None and names is not None:
+        keys = list(names) + ([f"val_{n}" for n in names] if has_validation else []) + ["data_wait"]
+    if keys is not None and key not in keys:
         raise ValueError(param_error(OWNER, "monitor", "a key of the history this fit writes: " + ", ".join(
             repr(k) for k in keys) + ("" if has_validation else " (val_ keys need validation data)"), key))
     if p["restore_best"] and p["save_top_k"] == 0:
         raise ValueError(f"{OWNER} keeps no best checkpoint with save_top_k=0, so restore_best=True has nothing to "
                          "restore. Set save_top_k >= 1 or restore_best=False.")
     return Monitor(key, p["monitor_mode"] or default_mode(key), float(p["min_delta"]), p["early_stopping_patience"])
+
+
+def lightning_monitor(p: Dict[str, Any], train_keys: Sequence[str], val_keys: Sequence[str],
+                      scheduler_monitor: Optional[str], has_validation: bool) -> Monitor:
+    """A LightningModule's history keys: training_step's loss and logs, validation_step's logs. The default
+    monitor is val_loss where validation_step logs it, else loss; a ReduceLROnPlateau's monitor must be a key."""
+    keys = ["loss", *train_keys, *(val_keys if has_validation else ()), "data_wait"]
+    if scheduler_monitor is not None and scheduler_monitor not in keys:
+        raise ValueError(f"configure_optimizers() names monitor={scheduler_monitor!r} for its scheduler, which is not "
+                         f"a key of this fit's history ({', '.join(repr(k) for k in keys)}): log it in training_step "
+                         "or validation_step, or monitor one of these.")
+    default = "val_loss" if "val_loss" in keys else "loss"
+    return monitor_for({**p, "monitor": p["monitor"] or default}, None, has_validation, keys)
 
 
 def check_compile(setting: Any, model: nn.Module) -> None:

@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from estimator import steps
+from estimator import lightning, steps
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
 from estimator.data.parquet import column_max, read_head
@@ -28,7 +28,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     rows = len(arrays[data.columns[0]])
     model = copy.deepcopy(objs.model).eval()
     outputs = forward(model, data, arrays, rows)
-    if objs.train_step is not None or objs.train_fn is not None:  # they compute their own loss
+    if objs.train_step is not None or objs.train_fn is not None or objs.lightning:  # they compute their own loss
         return [tuple(o.shape[1:]) for o in outputs]
     checked = rows_unlike(outputs, rows)  # a row count no output dimension equals: shape mistakes cannot broadcast
     if checked != rows:
@@ -59,6 +59,60 @@ def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -
     """The train_step on a few training rows, in training and in validation: the names of the numbers it returns
     besides the loss (estimator.steps)."""
     return steps.dry_step(objs.train_step, objs.model, data, head_arrays(objs, data, head))
+
+
+def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has_validation: bool,
+                  epochs: int) -> Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]:
+    """A LightningModule's configure_optimizers, training_step (and validation_step when there is validation
+    data) on a few training rows: the keys training_step and validation_step log, and the scheduler's monitor."""
+    arrays = head_arrays(objs, data, head)
+    rows = len(arrays[data.columns[0]])
+    module = copy.deepcopy(objs.model)
+    trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, epochs))
+    try:
+        _, scheduler, monitor = lightning.optimizers_of(module)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's hook
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() failed on the driver: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if scheduler is not None and objs.lr_scheduler_fn is not None:
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() returns a scheduler and lr_scheduler_fn is "
+                         "set too: keep one of them.")
+    batch = lightning.lightning_batch(to_tensors(arrays, data))
+    keys: List[Tuple[str, ...]] = []
+    for training, hook in ((True, "training_step"), (False, "validation_step")):
+        if not training and not (has_validation and lightning.overrides(module, hook)):
+            keys.append(())
+            continue
+        module.train(training)
+        trainer.update(steps.StepContext(0, 1, torch.device("cpu"), 1, training))
+        try:
+            with torch.set_grad_enabled(training), lightning.logging_into(module, hook) as logged:
+                result = lightning.call_hook(module, hook, batch, 0)
+            if training:
+                lightning.step_loss(result)
+        except Exception as exc:  # noqa: BLE001 - the user's hook, or what it returned or logged
+            raise ValueError(f"{hook} of {type(module).__name__} failed on the driver's dry run ({rows} training "
+                             f"rows, batch = the tensors of {list(data.columns)}): {type(exc).__name__}: {exc}") from None
+        keys.append(tuple(k for k in logged.values if not (training and k == "loss")))
+    train_keys, val_keys = keys
+    skipped = lightning.hooks_not_called(module)
+    if skipped:
+        warnings.warn(f"TorchEstimator runs {type(module).__name__}'s configure_optimizers, training_step, "
+                      f"validation_step and forward (in transform), not these hooks it overrides: {', '.join(skipped)}"
+                      " (README 'LightningModule').", UserWarning, stacklevel=5)
+    if has_validation and not lightning.overrides(module, "validation_step"):
+        warnings.warn(f"{type(module).__name__} has no validation_step: the validation rows are held out but give "
+                      "no val_ keys. Define validation_step (self.log('val_loss', ...)), or set validation=None.",
+                      UserWarning, stacklevel=5)
+    clash = sorted(set(train_keys) & set(val_keys)) + [k for k in val_keys if k == "loss"]
+    reserved = [k for k in train_keys + val_keys if k in lightning.RESERVED]
+    if clash or reserved:
+        raise ValueError(f"{type(module).__name__} logs {clash or reserved}: the history's keys are training_step's "
+                         "returned 'loss', what training_step logs and what validation_step logs, each once, besides "
+                         f"{list(lightning.RESERVED)}. Name validation's keys apart, e.g. 'val_loss', 'val_acc'.")
+    return train_keys, val_keys, monitor
 
 
 def head_arrays(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Arrays:

@@ -18,6 +18,7 @@ from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
 from estimator.loop import TrainLoop, reduce_sums
+from estimator.lightning import LightningObjective
 from estimator.losses import Objective
 from estimator.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.steps import StepObjective
@@ -31,12 +32,13 @@ class Run:
 
     def __init__(self, spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Module, ddp: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any, history: List[Dict[str, float]],
-                 faults: Tuple[Fault, ...], attempt: int):
+                 faults: Tuple[Fault, ...], attempt: int, trainer: Any = None):
         self.spec, self.ctx, self.objs, self.model, self.ddp = spec, ctx, objs, model, ddp
         self.optimizer, self.scheduler, self.history = optimizer, scheduler, history
         self.device = torch.device(ctx.device)
         self.objective = (None if objs.train_fn is not None  # train_fn computes its own loss
                           else StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
+                          else LightningObjective(model, spec.step_metrics, spec.val_metrics, trainer) if objs.lightning
                           else Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                                          weighted=spec.data.sample_weight_col is not None))
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
@@ -45,6 +47,7 @@ class Run:
         self.tensorboard: Optional[TensorBoardLog] = None
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
         self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
+        self.scheduler_monitor: Optional[str] = None  # the history key a ReduceLROnPlateau steps on
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
@@ -131,7 +134,7 @@ class Run:
         if self.tensorboard is not None:
             self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
         if self.scheduler is not None:
-            step_scheduler(self.scheduler, row)
+            step_scheduler(self.scheduler, row, self.scheduler_monitor)
         if self.ctx.rank == 0:
             self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
             spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
@@ -189,10 +192,11 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return int(max(float(s) for s in steps)) if steps else 0
 
 
-def step_scheduler(scheduler: Any, row: Dict[str, float]) -> None:
-    """Once per epoch, on every rank alike (the row's metrics are already reduced over all ranks)."""
+def step_scheduler(scheduler: Any, row: Dict[str, float], monitor: Optional[str] = None) -> None:
+    """Once per epoch, on every rank alike (the row's metrics are already reduced over all ranks). A
+    ReduceLROnPlateau steps on `monitor`, by default val_loss where there is one, else loss."""
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(row.get("val_loss", row["loss"]))
+        scheduler.step(row[monitor] if monitor else row.get("val_loss", row["loss"]))
     else:
         scheduler.step()
 

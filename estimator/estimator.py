@@ -25,7 +25,8 @@ from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.direct import direct_source, head
 from estimator.fit_report import log_fit, report_stop, tensorboard_on
-from estimator.dry_run import HEAD_ROWS, dry_run, dry_step
+from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step
+from estimator.lightning import optimizer_for
 from estimator.losses import loss_kind
 from estimator.materialize import finish, materialize
 from estimator.model import TorchModel
@@ -133,7 +134,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
         else:  # train_step's keys are known after its dry run
-            monitor = None if p["train_step"] is not None else checks.monitor_for(
+            monitor = None if p["train_step"] is not None or objs.lightning else checks.monitor_for(
                 p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
@@ -177,16 +178,22 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             check_rows(data, num_proc, p["reader"])
         checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data, first_rows)
-        step_metrics = dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()
+        step_metrics, val_metrics = (dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()), ()
+        has_validation = bool(p["validation"] or data.val)
         if p["train_step"] is not None:  # the history's keys are train_step's: the monitor is one of them
-            has_validation = bool(p["validation"] or data.val)
             run = replace(run, monitor=checks.monitor_for(p, ["loss", *step_metrics], has_validation))
+        if run.objs.lightning:  # the keys are what its steps log
+            step_metrics, val_metrics, scheduler_monitor = dry_lightning(run.objs, data, first_rows, has_validation,
+                                                                         p["epochs"])
+            run = replace(run, monitor=checks.lightning_monitor(p, step_metrics, val_metrics, scheduler_monitor,
+                                                                 has_validation))
         dry_run_seconds = time.perf_counter() - checked
         # The fields named as params take the param's value; the rest are derived here, once.
         derived = dict(data=data, payload=run.payload, run=store.run(run_id), seed=run.seed,
                        val_batch_size=p["val_batch_size"] or p["batch_size"],
                        reader=ReaderSpec.from_params(p, pyspark_memory_per_task(spark)),
                        monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]), step_metrics=step_metrics,
+                       val_metrics=val_metrics,
                        compression=compression_name(p["gradient_compression"]),
                        rendezvous_timeout=float(p["rendezvous_timeout"]),
                        collective_timeout=float(p["collective_timeout"]))
@@ -225,7 +232,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()
-        optimizer = build_optimizer(objs, trained)
+        optimizer = optimizer_for(trained, p["epochs"]) if objs.lightning else build_optimizer(objs, trained)
         optimizer.load_state_dict(checkpoint["optimizer"])
         return TorchModel(model=trained, optimizer=optimizer, feature_cols=list(p["feature_cols"]),
                           label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],

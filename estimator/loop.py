@@ -4,6 +4,7 @@ the epoch) and exact validation. torch only, no pyspark."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -65,7 +66,8 @@ class TrainLoop:
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
             with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
                 with self.autocast():
-                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, step_ctx)
+                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
+                        step_ctx, batch_idx=step, global_step=self.global_step))
                 self.finite.loss(loss, epoch, step)
                 scaled = loss / every if every > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -115,8 +117,9 @@ class TrainLoop:
         sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
         step_ctx = self.step_context(epoch, training=False)
         with torch.no_grad(), self.autocast():
-            for batch in self.on_device(batches):
-                sums += self.objective.on_batch(model, batch, step_ctx)[1]
+            for index, batch in enumerate(self.on_device(batches)):
+                sums += self.objective.on_batch(model, batch, dataclasses.replace(
+                    step_ctx, batch_idx=index, global_step=self.global_step))[1]
         return sums
 
     def step_context(self, epoch: int, training: bool) -> StepContext:

@@ -13,10 +13,12 @@ ESTIMATOR_PARAMS = [
               "session can tell (README 'Spark Connect')", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
               None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
-    ParamSpec("model", "the torch.nn.Module to train (fit trains a copy)", None, is_instance(nn.Module),
+    ParamSpec("model", "the torch.nn.Module to train (fit trains a copy), or a lightning.LightningModule (its hooks "
+              "run in the estimator's loop: README 'LightningModule')", None, is_instance(nn.Module),
               "a torch.nn.Module", json=False),
-    ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank", None,
-              is_instance(torch.optim.Optimizer), "a torch.optim.Optimizer built over model.parameters()",
+    ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank; required "
+              "unless model is a LightningModule (configure_optimizers)", None,
+              optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer built over model.parameters()",
               json=False),
     ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
               "it", None, optional(is_positive), "a number > 0 or None"),

@@ -26,10 +26,15 @@ from estimator.spec import UserObjects
 _INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "builtins"}
 
 
-def user_objects(model: nn.Module, optimizer: torch.optim.Optimizer, losses: List[Any],
+def user_objects(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], losses: List[Any],
                  loss_weights: List[float], metrics: List[Any], lr: Optional[float] = None) -> UserObjects:
     """A copy of everything the ranks need; the user's own model and optimizer are not touched. `lr`
-    (the estimator's param) replaces the learning rate of every param group."""
+    (the estimator's param) replaces the learning rate of every param group. No optimizer: a LightningModule's
+    configure_optimizers builds one on every rank."""
+    if optimizer is None:
+        return UserObjects(model=copy.deepcopy(model).cpu(), optimizer_cls=None, optimizer_groups=[],
+                           optimizer_defaults={}, optimizer_state={}, losses=copy.deepcopy(list(losses)),
+                           loss_weights=list(loss_weights), metrics=list(metrics), lightning=True)
     groups = optimizer_groups(optimizer, model)
     defaults, state = constructor_defaults(optimizer), copy.deepcopy(optimizer.state_dict())
     if lr is not None:

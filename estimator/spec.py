@@ -116,7 +116,8 @@ class TrainSpec:
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
-    step_metrics: Tuple[str, ...] = ()  # with train_step: the names of the numbers it returns besides the loss
+    step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's training_step logs
+    val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 
 
 @dataclass
@@ -124,7 +125,7 @@ class UserObjects:
     """The user's model, optimizer recipe, losses and metrics, pickled together once on the driver."""
 
     model: Any
-    optimizer_cls: type
+    optimizer_cls: Optional[type]  # None: a LightningModule's configure_optimizers builds it on each rank
     optimizer_groups: List[List[int]]  # per param group: indices into list(model.parameters())
     optimizer_defaults: Dict[str, Any]
     optimizer_state: Dict[str, Any]
@@ -137,6 +138,7 @@ class UserObjects:
     lr_scheduler_fn: Any = None
     train_step: Any = None  # the user's step (estimator.steps): the losses and metrics are then unused
     train_fn: Any = None  # the user's loop (estimator.train_fn): the losses, metrics and train_step are unused
+    lightning: bool = False  # model is a LightningModule run by the built-in loop (estimator.lightning)
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)

@@ -7,8 +7,9 @@ batch's mean, averaged over rows exactly as the loss is, over all ranks.
 
 `batch`: the rank's tensors on its device: `batch.features` and `batch.labels` in the order of feature_cols and
 label_cols, `batch.weights` (sample_weight_col, or None), and `batch["column"]` by name. `ctx`: rank, world_size,
-device, epoch (1-based, as in the history) and training. `model` is the DistributedDataParallel-wrapped module in
-training (call it, do not reach into it), the plain module in validation. torch only, no pyspark."""
+device, epoch (1-based, as in the history), training, batch_idx (in the epoch) and global_step (optimizer steps so
+far). `model` is the DistributedDataParallel-wrapped module in training (call it, do not reach into it), the
+plain module in validation. torch only, no pyspark."""
 from __future__ import annotations
 
 import copy
@@ -44,6 +45,8 @@ class StepContext:
     device: torch.device
     epoch: int  # 1-based, as the history's rows
     training: bool
+    batch_idx: int = 0  # the batch's index in this epoch (of this rank)
+    global_step: int = 0  # optimizer steps taken so far in the run
 
 
 class StepObjective:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from estimator import lightning
 from estimator.checkpoint import load_checkpoint, position_of
 from estimator.data.shards import EarlyRead
 from estimator.distributed import RankContext
@@ -34,8 +35,9 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     objs: UserObjects = cloudpickle.loads(spec.payload)
     device = torch.device(ctx.device)
     model = objs.model.to(device)
-    optimizer = build_optimizer(objs, model)
-    scheduler = objs.lr_scheduler_fn(optimizer) if objs.lr_scheduler_fn is not None else None
+    trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs)
+                               ) if objs.lightning else None
+    optimizer, scheduler, scheduler_monitor = optimization(objs, model)
     state = load_checkpoint(spec.data.store, spec.resume_from, device) if spec.resume_from else None
     if state is not None:  # a retry or a refit of this run_id: continue where the checkpoint stands
         model.load_state_dict(state["model"])
@@ -43,8 +45,9 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         if scheduler is not None and state.get("lr_scheduler") is not None:
             scheduler.load_state_dict(state["lr_scheduler"])
     history = [dict(row) for row in state["history"]] if state is not None else []
-    ddp = DistributedDataParallel(compiled(model, spec.compile), device_ids=[device.index] if device.type == "cuda"
-                                  else None)
+    # A LightningModule's training_step runs inside DDP's forward (LightningSteps), as a module's forward would.
+    wrapped = lightning.LightningSteps(model) if objs.lightning else compiled(model, spec.compile)
+    ddp = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
     comm = None
     if spec.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -55,7 +58,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     try:
         allreduce = "shared memory" if comm is not None else (
             f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
-        run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt)
+        run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt, trainer)
+        run.scheduler_monitor = scheduler_monitor
         if state is not None and state.get("grad_scaler") and run.loop.scaler is not None:
             run.loop.scaler.load_state_dict(state["grad_scaler"])
         run.restored_extra = dict(state.get("extra") or {}) if state is not None else {}
@@ -81,6 +85,18 @@ def compiled(model: nn.Module, setting: Any) -> nn.Module:
 
 def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def optimization(objs: UserObjects, model: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str]]:
+    """The optimizer, the learning-rate scheduler (or None) and what a ReduceLROnPlateau steps on (None: val_loss,
+    else loss): a LightningModule's configure_optimizers(), or the user's optimizer and lr_scheduler_fn."""
+    if objs.lightning:
+        optimizer, scheduler, monitor = lightning.optimizers_of(model)
+    else:
+        optimizer, scheduler, monitor = build_optimizer(objs, model), None, None
+    if scheduler is None and objs.lr_scheduler_fn is not None:
+        scheduler = objs.lr_scheduler_fn(optimizer)
+    return optimizer, scheduler, monitor
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

@@ -1,0 +1,281 @@
+"""A LightningModule trained by the estimator's own loop: `model=` a `lightning.LightningModule` (Lightning 2.x),
+with no optimizer and no loss.
+
+Its hooks run in the built-in loop, not in a Lightning Trainer: `configure_optimizers` on every rank (after the
+module is on its device), `training_step(batch, batch_idx)` through DistributedDataParallel (so gradients are
+averaged over the ranks), `validation_step` on the plain module, and `forward` in transform. Why not a Trainer:
+the Trainer brings its own loop, checkpoints, logging and precision, and resumes at epoch boundaries; here one
+loop gives every level (loss, train_step, train_fn, LightningModule) the same mid-epoch resume, exact metrics over
+rows, retries, early stopping, best checkpoints, TensorBoard and MLflow.
+
+What the module sees: `batch` is the tuple of the rank's tensors in the order feature_cols, label_cols (then the
+sample_weight_col), on the device, so `x, y = batch` works; `self.log(name, value)` and `self.log_dict` record a
+batch's number, and each becomes a history key: its mean over the rows of the batches that logged it, over all
+ranks (reduce_fx 'mean'; on_step, on_epoch, prog_bar, sync_dist and batch_size are not needed for that and are
+ignored). `self.trainer` is a stand-in with the epoch, step and rank attributes (StandInTrainer); other
+Trainer-only features (manual optimization, several optimizers, per-step schedulers, callbacks, other hooks) are
+refused or named in a warning. torch only: Lightning itself is not imported here."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import numbers
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from estimator.data.arrays import Tensors
+from estimator.steps import StepContext
+
+BASES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
+RESERVED = ("epoch", "data_wait")  # history keys the estimator writes itself
+CALLED = ("configure_optimizers", "training_step", "validation_step", "forward")
+OTHER_HOOKS = ("setup", "teardown", "configure_model", "configure_callbacks", "configure_gradient_clipping",
+               "optimizer_step", "optimizer_zero_grad", "backward", "lr_scheduler_step", "test_step", "predict_step",
+               "train_dataloader", "val_dataloader", "prepare_data", "transfer_batch_to_device")
+
+
+def lightning_base(model: Any) -> Optional[type]:
+    """The LightningModule class `model` derives from (Lightning 2.x, either package name), or None."""
+    return next((c for c in type(model).__mro__ if c.__name__ == "LightningModule" and c.__module__ in BASES), None)
+
+
+def is_lightning_module(model: Any) -> bool:
+    return lightning_base(model) is not None
+
+
+def hooks_not_called(model: Any) -> List[str]:
+    """The hooks `model` overrides that this loop does not call (a warning names them on the driver)."""
+    base = lightning_base(model)
+    names = [n for n in dir(base) if n.startswith("on_") or n in OTHER_HOOKS]
+    return sorted(n for n in names if callable(getattr(base, n, None)) and getattr(type(model), n) is not getattr(base, n))
+
+
+def overrides(model: Any, name: str) -> bool:
+    base = lightning_base(model)
+    return base is not None and getattr(type(model), name, None) is not getattr(base, name, None)
+
+
+class StandInTrainer:
+    """`self.trainer` for a module trained here: the epoch (0-based, as Lightning counts), the optimizer steps so
+    far, the ranks and the run's epochs. Anything else a Trainer has is refused by name."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, max_epochs: int):
+        self.global_rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.is_global_zero, self.max_epochs = rank == 0, max_epochs
+        self.current_epoch = self.global_step = 0
+        self.training, self.validating, self.sanity_checking = True, False, False
+        self.testing = self.predicting = False
+        self.logger, self.loggers, self.progress_bar_callback = None, [], None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"self.trainer.{name}: a LightningModule trained by TorchEstimator runs in the "
+                             "estimator's loop, not in a Lightning Trainer; self.trainer has "
+                             f"{', '.join(sorted(vars(self)))}. Use a train_fn for a loop of your own.")
+
+    def update(self, ctx: StepContext) -> None:
+        self.current_epoch, self.global_step = ctx.epoch - 1, ctx.global_step
+        self.training, self.validating = ctx.training, not ctx.training
+
+
+def attach(module: nn.Module, trainer: StandInTrainer) -> StandInTrainer:
+    """The stand-in becomes `module.trainer` (and its Lightning children's); pickling a LightningModule drops it."""
+    module.trainer = trainer
+    return trainer
+
+
+class Logged:
+    """What `self.log`/`self.log_dict` recorded during one hook call: name -> a batch's number (a tensor)."""
+
+    def __init__(self, hook: str):
+        self.hook, self.values = hook, {}  # type: Dict[str, torch.Tensor]
+
+    def log(self, name: str, value: Any, *args: Any, reduce_fx: Any = "mean", **kwargs: Any) -> None:
+        if reduce_fx not in ("mean", "avg", torch.mean):
+            raise ValueError(f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}) in {self.hook}: TorchEstimator "
+                             "averages every logged number over the epoch's rows on all ranks (reduce_fx='mean'). "
+                             "Log a per-batch mean, or use a train_fn and report what you need.")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            self.values[name] = value.detach().reshape(())
+        elif isinstance(value, numbers.Number) and not isinstance(value, bool):
+            self.values[name] = torch.tensor(float(value), dtype=torch.float64)
+        else:
+            kind = type(value).__name__ + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+            raise ValueError(f"self.log({name!r}, <{kind}>) in {self.hook}: log a number or a one-element tensor, "
+                             "this batch's value (a torchmetrics Metric: log metric(preds, target), the batch's "
+                             "value, not the Metric object).")
+
+
+@contextlib.contextmanager
+def logging_into(module: nn.Module, hook: str) -> Iterator[Logged]:
+    """`module.log` records into a Logged for the duration (LightningModule.log_dict calls self.log per entry)."""
+    logged = Logged(hook)
+    module.log = logged.log
+    try:
+        yield logged
+    finally:
+        del module.log
+
+
+def call_hook(module: nn.Module, name: str, batch: Tuple[torch.Tensor, ...], batch_idx: int) -> Any:
+    """training_step/validation_step with batch_idx when its signature takes one (Lightning 2.x makes it optional)."""
+    hook = getattr(module, name)
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return hook(batch, batch_idx)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_index = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    return hook(batch, batch_idx) if takes_index else hook(batch)
+
+
+class LightningSteps(nn.Module):
+    """What DistributedDataParallel wraps: its forward is the module's training_step, so the step's forward
+    passes run inside DDP's (which prepares the gradient averaging). Its parameters are the module's."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Tuple[torch.Tensor, ...], batch_idx: int) -> Any:
+        return call_hook(self.module, "training_step", batch, batch_idx)
+
+
+def lightning_batch(tensors: Tensors) -> Tuple[torch.Tensor, ...]:
+    features, labels, weights = tensors
+    return tuple(features) + tuple(labels) + ((weights,) if weights is not None else ())
+
+
+def step_loss(result: Any) -> torch.Tensor:
+    """training_step's loss: a scalar tensor, or a dict's 'loss' (Lightning's two forms)."""
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    if result is None:
+        raise ValueError("training_step returned None: Lightning then skips the batch; TorchEstimator trains on "
+                         "every batch (every rank takes the same steps). Return the loss.")
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise ValueError(f"training_step must return the loss as a scalar tensor, or a dict with 'loss'; it returned "
+                     f"{got}{' under loss' if isinstance(result, dict) else ''}.")
+
+
+class LightningObjective:
+    """training_step's loss and every logged number, per batch, in the sums layout the loop reduces: loss x rows,
+    rows, rows, then (value x rows, rows) per key: training_step's keys, then validation_step's (each key's mean
+    is over the rows of the batches that logged it)."""
+
+    def __init__(self, module: nn.Module, train_keys: Sequence[str], val_keys: Sequence[str],
+                 trainer: StandInTrainer):
+        self.module, self.trainer = module, trainer
+        self.train_keys, self.val_keys = tuple(train_keys), tuple(val_keys)
+        self.slots = {k: 3 + 2 * i for i, k in enumerate(self.train_keys + self.val_keys)}
+        self.width = 3 + 2 * len(self.slots)
+
+    def on_batch(self, model: Any, tensors: Tensors, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
+        batch = lightning_batch(tensors)
+        rows = int(batch[0].shape[0])
+        self.trainer.update(ctx)
+        hook = "training_step" if ctx.training else "validation_step"
+        with logging_into(self.module, hook) as logged:
+            if ctx.training:
+                loss = step_loss(model(batch, ctx.batch_idx))  # model: DDP over LightningSteps
+            else:
+                call_hook(self.module, hook, batch, ctx.batch_idx)
+                loss = None
+        device = batch[0].device
+        sums = torch.zeros(self.width, dtype=torch.float64, device=device)
+        sums[1] = sums[2] = rows
+        if loss is not None:
+            sums[0] = loss.detach().double() * rows
+        known = self.train_keys if ctx.training else self.val_keys
+        for name, value in logged.values.items():
+            if ctx.training and name == "loss":
+                continue  # the history's loss is training_step's returned loss
+            if name not in known:
+                raise ValueError(f"{hook} logged {name!r} on rank {ctx.rank} (epoch {ctx.epoch}, batch "
+                                 f"{ctx.batch_idx}), which it did not log on the driver's dry run ({list(known)}): "
+                                 "log the same names in every batch (the history's keys are fixed before training).")
+            slot = self.slots[name]
+            sums[slot] = value.to(device=device, dtype=torch.float64) * rows
+            sums[slot + 1] = rows
+        return (loss if loss is not None else torch.zeros((), device=device)), sums
+
+    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
+        train = sums[:self.width]
+        row = {"loss": train[0] / train[1] if train[1] else float("nan")}
+        parts = [(train, self.train_keys)] + ([(sums[self.width:], self.val_keys)] if with_val else [])
+        for part, keys in parts:
+            for key in keys:
+                value, rows = part[self.slots[key]], part[self.slots[key] + 1]
+                row[key] = value / rows if rows else float("nan")
+        return row
+
+
+def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str]]:
+    """configure_optimizers' optimizer, its epoch scheduler (or None) and the scheduler's monitor (or None), from
+    the forms Lightning accepts with one optimizer; the rest refused by name."""
+    if not getattr(module, "automatic_optimization", True):
+        raise ValueError(f"{type(module).__name__} sets automatic_optimization = False (manual optimization): "
+                         "TorchEstimator runs backward and the optimizer step itself. Write the loop as a train_fn "
+                         "(README 'Your own training loop'), which takes several optimizers.")
+    got = module.configure_optimizers()
+    optimizers, schedulers = _forms(got)
+    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() returned {_shown(got)}: TorchEstimator "
+                         "trains a LightningModule with exactly one torch.optim.Optimizer (optionally with one "
+                         "scheduler). For several optimizers, write the loop as a train_fn.")
+    if len(schedulers) > 1:
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() returned {len(schedulers)} schedulers: "
+                         "one is supported (stepped once per epoch).")
+    if not schedulers:
+        return optimizers[0], None, None
+    config = schedulers[0] if isinstance(schedulers[0], dict) else {"scheduler": schedulers[0]}
+    interval, frequency = config.get("interval", "epoch"), config.get("frequency", 1)
+    if interval != "epoch" or frequency != 1:
+        raise ValueError(f"{type(module).__name__}.configure_optimizers(): the scheduler's interval={interval!r}, "
+                         f"frequency={frequency!r}; TorchEstimator steps schedulers once per epoch (interval='epoch', "
+                         "frequency=1). Step it in a train_fn for other intervals.")
+    scheduler, monitor = config.get("scheduler"), config.get("monitor")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not monitor:
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() returned ReduceLROnPlateau without "
+                         "'monitor': return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'monitor': "
+                         "'val_loss'}} naming a logged key, as Lightning requires.")
+    return optimizers[0], scheduler, monitor
+
+
+def optimizer_for(module: nn.Module, max_epochs: int) -> torch.optim.Optimizer:
+    """configure_optimizers()' optimizer for a module off the ranks (the driver's TorchModel), with a stand-in
+    trainer for the call only (configure_optimizers may read self.trainer.max_epochs)."""
+    attach(module, StandInTrainer(0, 1, 0, max_epochs))
+    try:
+        return optimizers_of(module)[0]
+    finally:
+        module.trainer = None
+
+
+def _forms(got: Any) -> Tuple[List[Any], List[Any]]:
+    if isinstance(got, torch.optim.Optimizer):
+        return [got], []
+    if isinstance(got, dict):
+        return [got.get("optimizer")], [got["lr_scheduler"]] if got.get("lr_scheduler") is not None else []
+    if isinstance(got, (list, tuple)):
+        if len(got) == 2 and all(isinstance(part, (list, tuple)) for part in got):
+            return list(got[0]), list(got[1])
+        if got and all(isinstance(part, dict) for part in got):
+            optimizers, schedulers = [], []
+            for part in got:
+                one, sched = _forms(part)
+                optimizers += one
+                schedulers += sched
+            return optimizers, schedulers
+        return list(got), []
+    return [got], []
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    return "None" if value is None else type(value).__name__

@@ -1,0 +1,200 @@
+"""model= a LightningModule: its configure_optimizers, training_step, validation_step (self.log) run in the
+estimator's loop on 2 ranks. It trains digits, transforms, saves and loads in a Pipeline (on a Spark Connect
+session too); a module whose steps compute what the built-in loop computes trains its exact weights and history
+(the same loop); what the estimator cannot honour is refused on the driver."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from torch import nn
+
+from estimator import TorchEstimator, TorchModel
+from helpers import MLP, metrics, seeded
+from spark_helpers import digits_frame, jobs_run_by
+
+L = pytest.importorskip("lightning")
+pytestmark = pytest.mark.spark
+
+
+class LitDigits(L.LightningModule):
+    """An ordinary Lightning 2.x module: `x, y = batch`, self.log/log_dict, a dict from configure_optimizers whose
+    scheduler reads self.trainer.max_epochs."""
+
+    def __init__(self, lr=0.01):
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("accuracy", (logits.argmax(1) == y).float().mean(), prog_bar=True)
+        self.log("epoch_seen", float(self.current_epoch))
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log_dict({"val_loss": F.cross_entropy(logits, y), "val_accuracy": (logits.argmax(1) == y).float().mean()})
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.max_epochs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+
+
+def seeded_lit(cls=None):
+    """A module with MLP's seeded weights (its class refers to nothing outside this file and torch: the class is
+    pickled by value for the executors, and its methods' globals by reference)."""
+    module = (cls or LitDigits)()
+    module.net.load_state_dict(seeded(MLP).net.state_dict())
+    return module
+
+
+def _est(store, model=None, **kw):
+    params = dict(num_proc=2, store=store, model=model if model is not None else seeded_lit(),
+                  feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=6, validation=0.2,
+                  random_seed=5)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+@pytest.mark.connect
+def test_a_lightning_module_trains_digits_transforms_and_saves_and_loads_in_a_pipeline(spark, store, digits,
+                                                                                       tmp_path):
+    train, test = digits_frame(spark, digits).randomSplit([0.8, 0.2], seed=3)
+    fitted = Pipeline(stages=[_est(store)]).fit(train)
+    model = fitted.stages[-1]
+    history = model.getHistory()
+    assert set(history[-1]) == {"epoch", "loss", "accuracy", "epoch_seen", "val_loss", "val_accuracy", "data_wait"}
+    assert [row["epoch_seen"] for row in history] == [0, 1, 2, 3, 4, 5]  # self.current_epoch, as Lightning counts
+    assert history[-1]["val_accuracy"] >= 0.90 and history[-1]["loss"] < history[0]["loss"]
+    assert model.getOptimizer().param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)  # cosine over max_epochs=6
+    evaluator = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy")
+    accuracy = evaluator.evaluate(fitted.transform(test))  # forward(x) on the executors
+    assert accuracy >= 0.90
+    path = str(tmp_path / "pipeline")
+    fitted.write().overwrite().save(path)
+    reloaded = PipelineModel.load(path)
+    assert isinstance(reloaded.stages[-1], TorchModel) and isinstance(reloaded.stages[-1].getModel(), LitDigits)
+    assert evaluator.evaluate(reloaded.transform(test)) == pytest.approx(accuracy)
+
+
+class LitBuiltIn(L.LightningModule):
+    """What the built-in loop computes with loss=CrossEntropyLoss(), metrics=['accuracy'] and Adam(lr=0.01)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("accuracy", (logits.argmax(1) == y).float().mean())
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_accuracy", (logits.argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_a_lightning_module_computing_the_built_in_loss_trains_the_built_in_loops_weights(spark, store, digits,
+                                                                                         monkeypatch):
+    df = digits_frame(spark, digits)
+    plain = seeded(MLP)
+    built_in = _est(store, model=plain, optimizer=torch.optim.Adam(plain.parameters(), lr=0.01),
+                    loss=nn.CrossEntropyLoss(), metrics=["accuracy"], epochs=2, run_id="built-in").fit(df)
+    lit = _est(store, model=seeded_lit(LitBuiltIn), epochs=2, run_id="lightning").fit(df)
+    for a, b in zip(lit.getModel().state_dict().values(), built_in.getModel().state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    assert [set(row) for row in lit.getHistory()] == [set(row) for row in built_in.getHistory()]
+    for x, y in zip(lit.getHistory(), built_in.getHistory()):  # every metric exact over rows, on 2 ranks
+        assert metrics(x) == pytest.approx(metrics(y), rel=1e-6)
+    # a rank killed inside epoch 2 (23 batches an epoch): retried from the checkpoint of batch 30, it ends as if
+    # never interrupted, its logged keys' sums of the epoch's first batches restored too
+    monkeypatch.setenv("SPARK_TORCH_ESTIMATOR_FAULTS", json.dumps([{"point": "step", "rank": 1, "action": "exit",
+                                                                    "step": 36, "attempt": 0}]))
+    killed = _est(store, model=seeded_lit(LitBuiltIn), epochs=2, run_id="lightning-killed", checkpoint_steps=10,
+                  max_retries=1).fit(df)
+    monkeypatch.delenv("SPARK_TORCH_ESTIMATOR_FAULTS")
+    for a, b in zip(killed.getModel().state_dict().values(), lit.getModel().state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    for x, y in zip(killed.getHistory(), lit.getHistory()):
+        assert metrics(x) == pytest.approx(metrics(y), rel=1e-6)
+
+
+class TwoOptimizers(LitBuiltIn):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class Manual(LitBuiltIn):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class AsksTheTrainer(LitBuiltIn):
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1]) * self.trainer.accumulate_grad_batches
+
+
+class LogsAMax(LitBuiltIn):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("worst", loss, reduce_fx="max")
+        return loss
+
+
+class SameKeyTwice(LitBuiltIn):
+    def validation_step(self, batch, batch_idx):
+        self.log("accuracy", (self(batch[0]).argmax(1) == batch[1]).float().mean())
+
+
+class OtherHooks(LitBuiltIn):
+    def on_train_epoch_end(self):
+        pass
+
+
+@pytest.mark.parametrize("model, match", [
+    (TwoOptimizers(), r"returned a list of 2 \(SGD, SGD\): TorchEstimator trains a LightningModule with exactly one"),
+    (Manual(), r"automatic_optimization = False .*train_fn"),
+    (AsksTheTrainer(), r"self.trainer.accumulate_grad_batches: .* not in a Lightning Trainer; self.trainer has "),
+    (LogsAMax(), r"self.log\('worst', ..., reduce_fx='max'\) in training_step"),
+    (SameKeyTwice(), r"logs \['accuracy'\]: .*Name validation's keys apart"),
+])
+def test_what_a_lightning_module_asks_and_the_estimator_cannot_honour_is_refused_before_training(spark, store,
+                                                                                                 digits, model, match):
+    with pytest.raises(ValueError, match=match):
+        _est(store, model=model, epochs=1).fit(digits_frame(spark, digits))
+
+
+def test_params_a_lightning_module_brings_itself_are_refused_before_any_job_and_skipped_hooks_named(spark, store,
+                                                                                                    digits):
+    df = digits_frame(spark, digits)
+    module = LitBuiltIn()
+    for extra, match in [(dict(optimizer=torch.optim.SGD(module.parameters(), lr=0.1)), "takes no optimizer"),
+                         (dict(loss=nn.CrossEntropyLoss()), "takes no loss .*training_step computes the loss"),
+                         (dict(lr=0.1), "takes no lr .*configure_optimizers")]:
+        def fit():
+            with pytest.raises(ValueError, match=match):
+                _est(store, model=module, **extra).fit(df)
+
+        assert jobs_run_by(spark, fit) == []
+    with pytest.warns(UserWarning, match="not these hooks it overrides: on_train_epoch_end"):
+        history = _est(store, model=OtherHooks(), epochs=1).fit(df).getHistory()
+    assert len(history) == 1
