@@ -19,13 +19,12 @@ L = pytest.importorskip("lightning")
 pytestmark = pytest.mark.spark
 
 
-class LitDigits(L.LightningModule):
-    """An ordinary Lightning 2.x module: `x, y = batch`, self.log/log_dict, a dict from configure_optimizers whose
-    scheduler reads self.trainer.max_epochs."""
+class LitBuiltIn(L.LightningModule):
+    """An ordinary Lightning 2.x module (`x, y = batch`, self.log, self.log_dict), computing what the built-in loop
+    computes with loss=CrossEntropyLoss(), metrics=['accuracy'] and Adam(lr=0.01)."""
 
-    def __init__(self, lr=0.01):
+    def __init__(self):
         super().__init__()
-        self.lr = lr
         self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
     def forward(self, x):
@@ -35,7 +34,6 @@ class LitDigits(L.LightningModule):
         x, y = batch
         logits = self(x)
         self.log("accuracy", (logits.argmax(1) == y).float().mean(), prog_bar=True)
-        self.log("epoch_seen", float(self.current_epoch))
         return F.cross_entropy(logits, y)
 
     def validation_step(self, batch, batch_idx):
@@ -44,7 +42,18 @@ class LitDigits(L.LightningModule):
         self.log_dict({"val_loss": F.cross_entropy(logits, y), "val_accuracy": (logits.argmax(1) == y).float().mean()})
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class LitDigits(LitBuiltIn):
+    """The same steps, also logging self.current_epoch, and a scheduler that reads self.trainer.max_epochs."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("epoch_seen", float(self.current_epoch))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.max_epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
@@ -84,32 +93,6 @@ def test_a_lightning_module_trains_digits_transforms_and_saves_and_loads_in_a_pi
     reloaded = PipelineModel.load(path)
     assert isinstance(reloaded.stages[-1], TorchModel) and isinstance(reloaded.stages[-1].getModel(), LitDigits)
     assert evaluator.evaluate(reloaded.transform(test)) == pytest.approx(accuracy)
-
-
-class LitBuiltIn(L.LightningModule):
-    """What the built-in loop computes with loss=CrossEntropyLoss(), metrics=['accuracy'] and Adam(lr=0.01)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("accuracy", (logits.argmax(1) == y).float().mean())
-        return F.cross_entropy(logits, y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y))
-        self.log("val_accuracy", (logits.argmax(1) == y).float().mean())
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 def test_a_lightning_module_computing_the_built_in_loss_trains_the_built_in_loops_weights(spark, store, digits,
