@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import uuid
 from dataclasses import replace
 from typing import Any, Dict, List, Tuple
@@ -13,10 +14,10 @@ import torch
 
 from estimator.checkpoint import Position, describe, load_checkpoint, position_of
 from estimator.data.row_checks import BadRows
-from estimator.failures import FailureKind, RankFailed
+from estimator.failures import FailureKind, NotEnoughSlots, RankFailed
 from estimator.fit_report import watching
 from estimator.launcher import SparkBarrierLauncher
-from estimator.session import default_retries
+from estimator.session import default_retries, task_slots
 from estimator.spec import TrainSpec, WorkerResult
 from store import Store
 
@@ -31,7 +32,11 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
     fit's RunPlan (estimator.estimator)."""
     retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
     launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
+    world = run.num_proc
     for attempt in range(retries + 1):
+        if attempt:  # a lost executor may have taken slots with it
+            world = retry_world(spark, run.run_id, run.num_proc, p["min_num_proc"] or run.num_proc, run.per_task,
+                                spec.batch_size, spec.rendezvous_timeout)
         done, history = resume_point(run.store, spec.run, p["model"], run.run_id)
         if done.epochs >= spec.epochs:
             log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
@@ -45,10 +50,11 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
         if done.epochs or done.step:
             log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
         launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
-                         resume_from=spec.run.checkpoint if done.epochs or done.step else None)
+                         resume_from=spec.run.checkpoint if done.epochs or done.step else None,
+                         batch_size=spec.batch_size * run.num_proc // world)  # the global batch kept
         try:
             with watching(p, run.store, spec.run, run.run_id):
-                return launcher.run(launch, run.num_proc, source, run.per_task)
+                return launcher.run(launch, world, source, run.per_task)
         except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
             if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:
                 raise BadRows(exc.summary.split(": ", 1)[-1]) from None  # as a materialized fit raises it
@@ -60,6 +66,33 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
             log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
                         run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
     raise AssertionError("unreachable")
+
+
+def retry_world(spark: Any, run_id: str, num_proc: int, min_num_proc: int, per_task: int, batch_size: int,
+                timeout: float) -> int:
+    """The ranks of a retry: num_proc when the application has the task slots for them; else, when a lost
+    executor took slots with it, the most ranks the slots hold that keep the global batch whole (num_proc x
+    batch_size divisible by them; per_task ranks a task), if at least min_num_proc; else wait up to `timeout`
+    seconds for slots to come back, then a clear error (never a barrier stage Spark cannot schedule)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = task_slots(spark)
+        if slots is None or slots * per_task >= num_proc:
+            return num_proc  # unknown (a Connect session with dynamic allocation) or all there
+        world = next((w for w in range(slots * per_task, 0, -1)
+                      if w % per_task == 0 and num_proc * batch_size % w == 0), 0)
+        if world >= min_num_proc:
+            log.warning("Run %s: %d task slot(s) left of the %d it needs (an executor was lost): retrying on %d "
+                        "rank(s) (min_num_proc=%d) with %d rows per rank's batch, the global batch of %d kept; "
+                        "the interrupted epoch starts over", run_id, slots, num_proc // per_task, world,
+                        min_num_proc, num_proc * batch_size // world, num_proc * batch_size)
+            return world
+        if time.monotonic() > deadline:
+            raise NotEnoughSlots(f"Run {run_id} cannot be retried: {slots} task slot(s) hold {world} rank(s), and it "
+                                 f"needs at least {min_num_proc} (min_num_proc) of its {num_proc}; "
+                                 f"{timeout:.0f} s (rendezvous_timeout) did not bring enough back. Add executors, or "
+                                 "set min_num_proc lower to go on with fewer ranks from the last checkpoint.")
+        time.sleep(1.0)
 
 
 def retryable(exc: BaseException) -> bool:

@@ -3,11 +3,15 @@ retry or a refit reads back. Tensors and plain values only: it loads with weight
 from __future__ import annotations
 
 import io
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
+
+from estimator.failures import FailureKind
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
 
@@ -24,24 +28,108 @@ class Position:
     layout: List[int] = field(default_factory=list)  # [batch_size, world_size] that `step` counts batches of
 
 
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],
+                     position: Position, scheduler: Any = None, scaler: Any = None,
+                     extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Everything a resumed run needs, as a copy on the CPU (training may change the live tensors in place while
+    a background thread writes this). `scaler`: 16-mixed's GradScaler, whose loss scale and growth count a
+    resumed run continues from (a fresh scale would overflow again for its first steps). `extra`: train_fn's own
+    stateful objects (a second optimizer...), by name: their state_dict()s."""
+    return _cpu_copy({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
+                      "global_step": position.global_step, "history": [dict(row) for row in history],
+                      "position": {"step": position.step, "sums": list(position.sums),
+                                   "layout": list(position.layout)} if position.step else None,
+                      "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                      "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                      "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
+                      "format": CHECKPOINT_FORMAT})
+
+
+def write_checkpoint(store: Any, state: Dict[str, Any], targets: Sequence[str]) -> None:
+    """`state` written atomically (a reader never sees half a checkpoint) at each of `targets`."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    for target in targets:
+        store.write_bytes_atomic(target, buffer.getvalue())
+
+
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                     history: List[Dict[str, float]], position: Position, scheduler: Any = None,
                     copies: Sequence[str] = (), scaler: Any = None, extra: Optional[Dict[str, Any]] = None) -> None:
-    """Everything a resumed run needs, written atomically (a reader never sees half a checkpoint), at `path`
-    and at each of `copies` (the best epochs' checkpoints). `scaler`: 16-mixed's GradScaler, whose loss scale
-    and growth count a resumed run continues from (a fresh scale would overflow again for its first steps).
-    `extra`: train_fn's own stateful objects (a second optimizer...), by name: their state_dict()s."""
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
-                "global_step": position.global_step, "history": history,
-                "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
-                if position.step else None,
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
-                "format": CHECKPOINT_FORMAT}, buffer)
-    for target in (path, *copies):
-        store.write_bytes_atomic(target, buffer.getvalue())
+    """The checkpoint written now, at `path` and at each of `copies` (the best epochs' checkpoints)."""
+    write_checkpoint(store, checkpoint_state(model, optimizer, history, position, scheduler, scaler, extra),
+                     [path, *copies])
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _cpu_copy(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value
+
+
+class CheckpointWriteFailed(OSError):
+    """Rank 0 could not write a checkpoint to the store. A later launch may succeed (the store may come back);
+    it resumes from the last checkpoint that was written."""
+
+    failure_kind = FailureKind.WRITE
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, one at a time. In the background (the default): `submit` returns once the
+    state is copied to the CPU, and a thread serializes and writes it while training goes on; the next `submit`
+    waits only while the last write is still going (that wait is `stalled`). A failed write fails the run at the
+    next submit or at `wait` (CheckpointWriteFailed): never a silent gap. In the foreground every write waits."""
+
+    def __init__(self, background: bool = True):
+        self.background, self.stalled, self.written = background, 0.0, 0
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._what = ""
+
+    def submit(self, what: str, write: Callable[[], None]) -> None:
+        """`write` (which must only read what it was given) runs after the previous one has ended."""
+        self.wait()
+        self._what = what
+        if not self.background:
+            started = time.perf_counter()
+            self._run(write)
+            self.stalled += time.perf_counter() - started
+            self._raise()
+            return
+        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in flight has ended; raises CheckpointWriteFailed if it failed."""
+        if self._thread is not None:
+            started = time.perf_counter()
+            self._thread.join()
+            self.stalled += time.perf_counter() - started
+            self._thread = None
+        self._raise()
+
+    def close(self) -> None:
+        """The write in flight ended (a failing run leaves its last checkpoint whole for the retry); no error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+            self.written += 1
+        except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+            self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointWriteFailed(f"could not write the checkpoint of {self._what} to the store: "
+                                        f"{type(error).__name__}: {error}") from error
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:

@@ -90,6 +90,22 @@ def check_lightning(p: Dict[str, Any]) -> None:
                              f"{param} (got {p[param]!r}): {reason}.")
 
 
+def check_ranks(p: Dict[str, Any], num_proc: int, per_task: int) -> None:
+    """What the data mode and min_num_proc allow, once num_proc and the ranks per task are known."""
+    if per_task > 1 and p["data_mode"] == "direct":
+        raise ValueError(f"data_mode='direct' runs one training process per Spark task; with "
+                         f"spark.task.resource.gpu.amount={per_task} each task runs {per_task}. Use "
+                         "data_mode='materialize' (the default) on tasks with several GPUs.")
+    if p["min_num_proc"] is None:
+        return
+    if p["min_num_proc"] > num_proc:
+        raise ValueError(param_error(OWNER, "min_num_proc", f"at most num_proc ({num_proc})", p["min_num_proc"]))
+    if p["data_mode"] == "direct" and p["min_num_proc"] < num_proc:
+        raise ValueError(f"{OWNER} with data_mode='direct' trains one rank per partition of the DataFrame's "
+                         f"stage, so a retry cannot go on with fewer ranks: min_num_proc={p['min_num_proc']} needs "
+                         "data_mode='materialize' (the default).")
+
+
 def check_schema(p: Dict[str, Any], schema: StructType) -> None:
     """Every named column exists and has a type the estimator can train on."""
     available = schema.names

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from estimator.checkpoint import Position, save_checkpoint
+from estimator.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
 from estimator.data.feed import Decoders, Feed, feed_workers
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.distributed import RankContext
@@ -48,6 +48,7 @@ class Run:
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
         self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
         self.scheduler_monitor: Optional[str] = None  # the history key a ReduceLROnPlateau steps on
+        self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
@@ -75,7 +76,9 @@ class Run:
                 TrainContext(self, train, val, callbacks).run(self.objs.train_fn)
             else:
                 self.epochs(train, val, position, callbacks)
+            self.writer.wait()  # the last checkpoint is in the store before the driver reads it
         finally:
+            self.writer.close()
             for closing in (train, val, *self.decoders.values(), self.tensorboard):
                 if closing is not None:
                     closing.close()
@@ -87,7 +90,7 @@ class Run:
                             optimizer_steps=optimizer_steps(self.optimizer), assigned_gpu=ctx.assigned_gpu,
                             allreduce=allreduce, read_seconds=early.seconds if early is not None else read_wait,
                             read_wait_seconds=read_wait, data_wait_seconds=self.waited,
-                            train_loop_seconds=self.looped)
+                            train_loop_seconds=self.looped, checkpoint_wait_seconds=self.writer.stalled)
 
     def epochs(self, train: Shard, val: Optional[Shard], position: Position, callbacks: Sequence[Any]) -> None:
         """The built-in loop: the epochs left after `position`, each trained (estimator.loop) and validated."""
@@ -176,14 +179,20 @@ class Run:
         spec, store = self.spec, self.spec.data.store
         top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
         epoch = len(self.history)
-        save_checkpoint(store, spec.run.checkpoint, self.model, self.optimizer, self.history, position,
-                        self.scheduler, copies=[spec.run.best(epoch)] if epoch in top else [], scaler=self.loop.scaler,
-                        extra=self.extra_state)
-        if best:
-            keep = {posixpath.basename(spec.run.best(e)) for e in top}
-            for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
-                if posixpath.basename(path) not in keep:
-                    store.rm(path)
+        state = checkpoint_state(self.model, self.optimizer, self.history, position, self.scheduler, self.loop.scaler,
+                                 self.extra_state)
+        targets = [spec.run.checkpoint] + ([spec.run.best(epoch)] if epoch in top else [])
+        keep = {posixpath.basename(spec.run.best(e)) for e in top}
+
+        def write() -> None:  # in the writer's thread: reads only `state` and these names
+            inject(self.faults, "checkpoint_write", self.ctx.rank, self.attempt, position.epochs, position.global_step)
+            write_checkpoint(store, state, targets)
+            if best:
+                for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
+                    if posixpath.basename(path) not in keep:
+                        store.rm(path)
+
+        self.writer.submit(describe(position), write)
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

@@ -147,10 +147,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)
         check_slots(spark, num_proc, per_task)
-        if per_task > 1 and p["data_mode"] == "direct":
-            raise ValueError(f"data_mode='direct' runs one training process per Spark task; with "
-                             f"spark.task.resource.gpu.amount={per_task} each task runs {per_task}. Use "
-                             "data_mode='materialize' (the default) on tasks with several GPUs.")
+        checks.check_ranks(p, num_proc, per_task)
         if per_task > 1:
             log.info("num_proc=%d: %d Spark tasks of %d ranks each, a rank per GPU (spark.task.resource.gpu.amount=%d)",
                      num_proc, num_proc // per_task, per_task, per_task)

@@ -18,6 +18,7 @@ class FailureKind(str, enum.Enum):
     USER = "user"  # an exception from the model, loss, transformation_fn... or anything not named below
     NAN = "nan"  # a non-finite loss with terminate_on_nan: it would recur
     READ = "read"  # reading the training data from the store
+    WRITE = "write"  # writing a checkpoint to the store
     WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
     DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
 
@@ -89,6 +90,11 @@ def exception_line(formatted: str) -> str:
         if named:
             return named[-1]
     return lines[0] if lines else ""
+
+
+class NotEnoughSlots(RuntimeError):
+    """A retry found fewer task slots than the ranks it may run on (min_num_proc), and they did not come back
+    within rendezvous_timeout: no barrier stage is launched that Spark could not schedule."""
 
 
 class RendezvousFailed(RankFailed):

@@ -9,7 +9,9 @@ rank's rendezvous without changing the code under test. Nothing happens when the
 points: "before_barrier" (before Spark's barrier), "before_checkin" (after it, before the torch
 rendezvous), "read" (the rank's Arrow shard read, which runs on a thread during the rendezvous),
 "epoch" (at the start of an epoch; "epoch" selects which, 1-based), "step" (before each training batch;
-"step" selects the optimizer step it leads to, 1-based over the whole run).
+"step" selects the optimizer step it leads to, 1-based over the whole run), "checkpoint_write" (rank 0's
+checkpoint write, in the writer's thread: "epoch" selects the finished epochs the checkpoint holds, "step" its
+optimizer steps; "sleep" makes the store slow).
 actions: "sleep" ("seconds"), "raise", "exit" (os._exit: the Python worker dies without cleanup).
 "attempt" (optional) limits the fault to one launch attempt (0 = the first).
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 ENV = "SPARK_TORCH_ESTIMATOR_FAULTS"
-POINTS = ("before_barrier", "before_checkin", "read", "epoch", "step")
+POINTS = ("before_barrier", "before_checkin", "read", "epoch", "step", "checkpoint_write")
 ACTIONS = ("sleep", "raise", "exit")
 
 

@@ -88,6 +88,7 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
               "train_waited_for_shard_s": max(r.read_wait_seconds for r in results),
               "data_wait_fraction": max(r.data_wait_seconds / max(r.train_loop_seconds, 1e-9) for r in results),
               "teardown_s": max(r.teardown_seconds for r in results),
+              "checkpoint_wait_s": max(r.checkpoint_wait_seconds for r in results),
               "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                        for r in results),
               "train_rows": sum(r.train_rows for r in results) if direct else data.train_rows,

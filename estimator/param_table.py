@@ -104,6 +104,9 @@ ESTIMATOR_PARAMS = [
     ParamSpec("checkpoint_steps", "rank 0 also checkpoints every N optimizer steps, with the reader's position, so a "
               "retry or a refit resumes inside the epoch; None: at epoch ends only", None, optional(is_int(1)),
               "an int >= 1 or None"),
+    ParamSpec("checkpoint_async", "rank 0 copies the state to the CPU and writes each checkpoint from a background "
+              "thread while training goes on (one write at a time; a failed write fails the run); False: training "
+              "waits for every write", True, is_bool, "True or False"),
     ParamSpec("early_stopping_patience", "stop after this many epochs in which `monitor` did not improve by more "
               "than min_delta (all ranks decide together); None: train every epoch", None, optional(is_int(1)),
               "an int >= 1 or None"),
@@ -160,6 +163,9 @@ ESTIMATOR_PARAMS = [
               "True or False"),
     ParamSpec("max_retries", "times a failed training launch is retried from the last checkpoint; default: "
               "spark.task.maxFailures - 1 (0 in local[N] mode)", None, optional(is_int(0)), "an int >= 0 or None"),
+    ParamSpec("min_num_proc", "the fewest ranks a retry may go on with when a lost executor took task slots with it "
+              "(the global batch kept: README 'Failures and recovery'); default num_proc: a retry waits "
+              "rendezvous_timeout for the slots, then fails", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("rendezvous_timeout", "seconds for all ranks to meet before training; a late rank is named in the "
               "error", 120.0, is_seconds, "a number of seconds > 0"),
     ParamSpec("collective_timeout", "seconds a rank waits for its peers in one collective (gloo/nccl process "

@@ -109,6 +109,7 @@ class TrainSpec:
     attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
     resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
     checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)
+    checkpoint_async: bool = True  # rank 0 writes checkpoints from a background thread (estimator.checkpoint)
     monitor: Monitor = Monitor("loss")  # the best epoch, the checkpoints kept, early stopping
     save_top_k: int = 1  # checkpoints of the best epochs kept besides the last one
     tensorboard: bool = False  # rank 0 writes event files into the run's logs folder
@@ -162,4 +163,5 @@ class WorkerResult:
     read_wait_seconds: float = 0.0  # of `seconds`, the time training waited for those shards
     data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
     train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)
+    checkpoint_wait_seconds: float = 0.0  # of `seconds`, rank 0's waits for checkpoint writes (estimator.checkpoint)
     spill_seconds: float = 0.0  # direct mode: receiving this rank's rows from Spark and writing them to local disk

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.failures import RankFailed
+from estimator.failures import FailureKind, RankFailed
 from estimator.faults import ENV
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by
@@ -121,6 +121,23 @@ def test_a_failed_shard_read_fails_its_rank_after_the_rendezvous_and_is_retried(
     assert ("Run reread failed on attempt 1 of 2; retrying from its last checkpoint: rank 1: InjectedFault: injected "
             "fault at read") in caplog.text
     assert [row["epoch"] for row in model.getHistory()] == [1, 2]
+
+
+def test_a_failed_checkpoint_write_fails_the_run_and_the_retry_resumes_from_the_last_written(spark, store, df,
+                                                                                             monkeypatch, caplog):
+    """Rank 0 writes checkpoints in the background (checkpoint_async): epoch 2's write fails while epoch 3 trains;
+    the run fails with a WRITE failure at the next checkpoint, and a retry resumes from epoch 1's."""
+    _faults(monkeypatch, {"point": "checkpoint_write", "rank": 0, "action": "raise", "epoch": 2})
+    with pytest.raises(RankFailed) as info:
+        _est(store, run_id="unwritten", epochs=3, max_retries=0).fit(df)
+    assert info.value.rank == 0 and info.value.kind is FailureKind.WRITE
+    assert ("CheckpointWriteFailed: could not write the checkpoint of epoch 2 to the store: InjectedFault"
+            in info.value.summary)
+    _faults(monkeypatch, {"point": "checkpoint_write", "rank": 0, "action": "raise", "epoch": 2, "attempt": 0})
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        model = _est(store, run_id="rewritten", epochs=3, max_retries=1).fit(df)
+    assert "Run rewritten continues from its checkpoint after epoch 1" in caplog.text
+    assert [row["epoch"] for row in model.getHistory()] == [1, 2, 3]
 
 
 def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df):

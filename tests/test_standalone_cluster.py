@@ -69,3 +69,28 @@ def test_example_fits_and_transforms_across_two_executors(tmp_path):
     assert len(executor_dirs) == 2
     assert not _java_pids(str(base))  # the workers (their command lines name their dirs) were stopped
 
+
+
+def test_a_fit_that_loses_a_worker_goes_on_with_the_slots_left(tmp_path):
+    """min_num_proc=1: a worker (its JVM, its executor and their Python processes) killed in epoch 3 of 6; the
+    retry finds one task slot, goes on with one rank from the checkpoint of epoch 2, keeping the global batch,
+    and the history has each of the 6 epochs once."""
+    import json
+
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "lost_worker_job.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["killed"]["after_epochs"] == 2 and report["killed"]["processes"] >= 2  # worker and executor
+    assert report["slots_after"] == 1
+    log = "\n".join(report["log"])
+    assert "Run lost-worker failed on attempt 1 of 3; retrying from its last checkpoint" in log
+    assert ("Run lost-worker: 1 task slot(s) left of the 2 it needs (an executor was lost): retrying on 1 rank(s) "
+            "(min_num_proc=1) with 64 rows per rank's batch, the global batch of 64 kept") in log
+    assert "continues from its checkpoint after epoch 2" in log
+    assert "on 1 ranks" in report["log"][-1]  # "Trained run lost-worker on 1 ranks ..."
+    history = report["history"]
+    assert [row["epoch"] for row in history] == [1, 2, 3, 4, 5, 6]
+    assert history[-1]["val_accuracy"] >= 0.85 and history[-1]["loss"] < history[1]["loss"]
+    assert not _java_pids(str(tmp_path / "cluster"))

@@ -1,0 +1,71 @@
+"""Rank 0's checkpoint writes in the background: training goes on while a write is in flight, one write at a
+time, the state written is the state when it was submitted, and a failed write fails the run (a WRITE failure)
+instead of leaving a silent gap. No Spark: the writer alone (tests/test_recovery_spark.py: in a fit)."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from estimator.checkpoint import CheckpointWriteFailed, CheckpointWriter, Position, checkpoint_state
+from estimator.failures import FailureKind, failure_kind
+
+
+def test_submit_returns_while_the_write_is_still_going():
+    release, done = threading.Event(), threading.Event()
+
+    def slow_write():
+        release.wait(30)
+        done.set()
+
+    writer = CheckpointWriter(background=True)
+    writer.submit("epoch 1", slow_write)
+    assert not done.is_set()  # a foreground writer would have waited for the whole write (and then 30 s)
+    release.set()
+    writer.wait()
+    assert done.is_set() and writer.written == 1
+
+
+def test_one_write_at_a_time_in_the_order_submitted():
+    release, order = threading.Event(), []
+    writer = CheckpointWriter(background=True)
+    writer.submit("epoch 1", lambda: (release.wait(30), order.append(1)))
+    second = threading.Thread(target=writer.submit, args=("epoch 2", lambda: order.append(2)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and order == []  # the second submit waits for the first write
+    release.set()
+    second.join(30)
+    writer.wait()
+    assert order == [1, 2] and writer.written == 2 and writer.stalled > 0
+
+
+def test_a_failed_write_fails_the_next_submit_or_wait_as_a_write_failure():
+    def broken():
+        raise OSError("the store went away")
+
+    writer = CheckpointWriter(background=True)
+    writer.submit("epoch 2", broken)
+    with pytest.raises(CheckpointWriteFailed, match=r"could not write the checkpoint of epoch 2 to the store: "
+                                                    r"OSError: the store went away") as info:
+        writer.submit("epoch 3", lambda: None)
+    assert failure_kind(info.value) is FailureKind.WRITE and FailureKind.WRITE.retryable
+    foreground = CheckpointWriter(background=False)
+    with pytest.raises(CheckpointWriteFailed):
+        foreground.submit("epoch 1", broken)
+
+
+def test_the_state_written_is_a_copy_taken_at_submit():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    state = checkpoint_state(model, optimizer, [{"loss": 1.0}], Position(1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on, in place
+    optimizer.step()
+    for key, value in before.items():
+        assert torch.equal(state["model"][key], value)
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], moments)
