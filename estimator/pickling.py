@@ -14,7 +14,7 @@ import sys
 import sysconfig
 import threading
 from types import ModuleType
-from typing import Any, Iterable, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set
 
 import cloudpickle
 import torch
@@ -123,21 +123,51 @@ def _registered_by_value() -> set:
 
 
 def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:
-    names: Set[str] = set()
+    """The modules that exist only on the driver and that pickling `roots` needs: those of their classes and
+    functions, and, followed through the code of whatever is pickled by value (a notebook's class, a driver-only
+    module's), those of the globals it refers to (a helper function in another driver-only file)."""
+    pending: List[Any] = []
     for root in roots:
         items: Sequence[Any] = list(root.modules()) if isinstance(root, nn.Module) else [root]
         for item in items:
-            names.add(getattr(item, "__module__", None) or type(item).__module__)
-            names.add(type(item).__module__)
-    found = []
-    for name in sorted(n for n in names if n):
-        top = name.split(".")[0]
-        module = sys.modules.get(top)
-        if top in _INSTALLED_EVERYWHERE or top == "__main__" or module is None:
+            pending += [item if inspect.isclass(item) or inspect.isfunction(item) else type(item)]
+    found: Dict[str, ModuleType] = {}
+    seen: Set[int] = set()
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
             continue
-        if not _is_installed(module):
-            found.append(module)
-    return found
+        seen.add(id(item))
+        name = item.__name__ if isinstance(item, ModuleType) else getattr(item, "__module__", None) or ""
+        top = name.split(".")[0]
+        if top != "__main__":
+            module = sys.modules.get(top)
+            if not top or top in _INSTALLED_EVERYWHERE or module is None or _is_installed(module):
+                continue  # pickled by reference: executors import it
+            found[top] = module
+        if inspect.isclass(item) or inspect.isfunction(item):
+            pending += list(_referenced_globals(item))
+    return [found[name] for name in sorted(found)]
+
+
+def _referenced_globals(item: Any) -> Iterator[Any]:
+    """The global names the code of a class's methods (its own, not its bases') or of a function refers to."""
+    functions = list(vars(item).values()) if inspect.isclass(item) else [item]
+    for fn in functions:
+        fn = fn.fget if isinstance(fn, property) else getattr(fn, "__func__", fn)  # properties, static/class methods
+        code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or scope is None:
+            continue
+        for name in _code_names(code):
+            if name in scope:
+                yield scope[name]
+
+
+def _code_names(code: Any) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):  # nested functions, lambdas, comprehensions
+            yield from _code_names(const)
 
 
 def _is_installed(module: ModuleType) -> bool:

@@ -144,14 +144,18 @@ def test_second_fit_on_same_data_reuses_materialized_parquet(spark, store, frame
 
 
 def test_model_defined_in_a_driver_only_module(spark, store, frames, tmp_path, monkeypatch):
+    """Its forward calls a function of a second driver-only file (found through the code, also pickled by
+    value: the executors cannot import either file)."""
+    (tmp_path / "driver_helpers.py").write_text("def scaled(x):\n    return x * 1.0\n")
     (tmp_path / "only_on_driver.py").write_text(
         "import torch.nn as nn\n"
+        "from driver_helpers import scaled\n"
         "class Tiny(nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
         "        self.fc = nn.Linear(64, 10)\n"
         "    def forward(self, x):\n"
-        "        return self.fc(x)\n")
+        "        return scaled(self.fc(x))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import only_on_driver
 

@@ -59,8 +59,7 @@ class LitDigits(LitBuiltIn):
 
 
 def seeded_lit(cls=None):
-    """A module with MLP's seeded weights (its class refers to nothing outside this file and torch: the class is
-    pickled by value for the executors, and its methods' globals by reference)."""
+    """A module with MLP's seeded weights."""
     module = (cls or LitDigits)()
     module.net.load_state_dict(seeded(MLP).net.state_dict())
     return module
