@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from estimator.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.data.remainder import replayable
 from estimator.data.row_checks import BadRows
 from estimator.failures import FailureKind, NotEnoughSlots, RankFailed
 from estimator.fit_report import watching
@@ -49,9 +50,16 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
             return []
         if done.epochs or done.step:
             log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
+        batch_size = spec.batch_size * run.num_proc // world  # the global batch kept
+        if done.step and done.layout[:2] != [batch_size, world]:  # (a change of reader only: said by the ranks)
+            log.info("Run %s: the checkpoint stands inside epoch %d with batch_size, ranks = %s; this launch has %s: %s",
+                     run.run_id, done.epochs + 1, done.layout[:2], [batch_size, world],
+                     "the rest of the epoch trains each row not yet trained on once, dealt to these ranks"
+                     if replayable(spec, done.layout) else "the epoch starts over (only the in-memory reader's rows "
+                     "done can be known)")
         launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
                          resume_from=spec.run.checkpoint if done.epochs or done.step else None,
-                         batch_size=spec.batch_size * run.num_proc // world)  # the global batch kept
+                         batch_size=batch_size)
         try:
             with watching(p, run.store, spec.run, run.run_id):
                 return launcher.run(launch, world, source, run.per_task)
@@ -83,8 +91,8 @@ def retry_world(spark: Any, run_id: str, num_proc: int, min_num_proc: int, per_t
                       if w % per_task == 0 and num_proc * batch_size % w == 0), 0)
         if world >= min_num_proc:
             log.warning("Run %s: %d task slot(s) left of the %d it needs (an executor was lost): retrying on %d "
-                        "rank(s) (min_num_proc=%d) with %d rows per rank's batch, the global batch of %d kept; "
-                        "the interrupted epoch starts over", run_id, slots, num_proc // per_task, world,
+                        "rank(s) (min_num_proc=%d) with %d rows per rank's batch, the global batch of %d kept",
+                        run_id, slots, num_proc // per_task, world,
                         min_num_proc, num_proc * batch_size // world, num_proc * batch_size)
             return world
         if time.monotonic() > deadline:

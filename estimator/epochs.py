@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from estimator.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
+from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, feed_workers
+from estimator.data.remainder import Remainder, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
@@ -48,6 +50,8 @@ class Run:
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
         self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
         self.scheduler_monitor: Optional[str] = None  # the history key a ReduceLROnPlateau steps on
+        self.cached, self.in_remainder = False, False  # the training shard is in memory; training the rest of an epoch
+        self.remainder: Optional[Remainder] = None  # the rest of the epoch the checkpoint stands in, other layout
         self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
@@ -57,11 +61,15 @@ class Run:
                       else open_shards(spec, ctx.rank, ctx.world_size))
         read_wait = time.perf_counter() - opening
         self.loop.global_step = position.global_step
-        if position.step and position.layout != self.layout():
-            log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks = %s; this run "
-                        "has %s, so the epoch starts over from its first batch", ctx.rank, position.step,
-                        position.epochs + 1, position.layout, self.layout())
-            position = Position(position.epochs, global_step=position.global_step)
+        self.cached = isinstance(train, CachedShard)
+        if position.step and not same_layout(position.layout, self.layout()):
+            self.remainder = remainder_for(spec, train.total, position.epochs, position.layout, ctx.rank,
+                                           ctx.world_size, position.step)
+            if self.remainder is None:
+                log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks, in memory "
+                            "= %s; this run has %s, so the epoch starts over from its first batch", ctx.rank,
+                            position.step, position.epochs + 1, position.layout, self.layout())
+                position = Position(position.epochs, global_step=position.global_step)
         callbacks = self.objs.callbacks if ctx.rank == 0 else []
         self.tensorboard = (TensorBoardLog.open(spec.data.store, spec.run.logs, spec.log_every_n_steps, spec.launch_id)
                             if spec.tensorboard and ctx.rank == 0 else None)
@@ -107,11 +115,16 @@ class Run:
         began = time.perf_counter()
         if self.loop.steps_report is not None:
             self.loop.steps_report.begin(train.plan().steps, float(sum(inside.sums[2:3])) if inside.sums else 0.0)
-        feed = self.feed(train.epoch(epoch, inside.step), True)
+        remainder, self.remainder = (self.remainder, None) if inside.step else (None, self.remainder)
+        if remainder is not None:  # the rest of an epoch begun under another layout: its rows left, each once
+            inside = Position(inside.epochs, 0, inside.sums, inside.global_step)
+        feed = self.feed(remainder.batches(self.spec) if remainder else train.epoch(epoch, inside.step), True)
+        self.in_remainder = remainder is not None
         try:
             sums = self.loop.train_epoch(epoch, iter(feed), inside)
         finally:
             feed.close()
+            self.in_remainder = False
         seconds = time.perf_counter() - began
         timing = torch.tensor([feed.waited, seconds], dtype=torch.float64, device=self.device)
         self.waited, self.looped = self.waited + feed.waited, self.looped + seconds
@@ -165,13 +178,17 @@ class Run:
     def checkpoint_inside(self, epoch: int, step: int, sums: torch.Tensor) -> None:
         """Every rank calls this at the same optimizer step: the sums so far are reduced (a collective), and
         rank 0 writes them with the position, so a resumed epoch reports what an uninterrupted one would."""
+        if self.in_remainder:  # a position inside the rest of an epoch is not one of this layout's epochs
+            return
         reduced = reduce_sums(sums.clone())
         self.loop.finite.check_weights(self.model, epoch, step)
         if self.ctx.rank == 0:
             self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
 
     def layout(self) -> List[int]:
-        return [self.spec.batch_size, self.ctx.world_size]
+        """What a position inside an epoch counts batches of: batch size, ranks, and whether the ranks read in
+        memory (whose order estimator.data.remainder can replay)."""
+        return [self.spec.batch_size, self.ctx.world_size, int(self.cached)]
 
     def save(self, position: Position, best: bool = False) -> None:
         """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
@@ -193,6 +210,12 @@ class Run:
                         store.rm(path)
 
         self.writer.submit(describe(position), write)
+
+
+def same_layout(checkpoint: List[int], run: List[int]) -> bool:
+    """A position inside an epoch counts this run's batches (a checkpoint from before the reader was recorded,
+    [batch_size, ranks], is taken at its word)."""
+    return checkpoint[:2] == run[:2] and (len(checkpoint) < 3 or checkpoint[2] == run[2])
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

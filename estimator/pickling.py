@@ -145,6 +145,8 @@ def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:
             if not top or top in _INSTALLED_EVERYWHERE or module is None or _is_installed(module):
                 continue  # pickled by reference: executors import it
             found[top] = module
+        if inspect.isclass(item):
+            pending += list(item.__mro__[1:])  # a by-value class pickles its bases by reference
         if inspect.isclass(item) or inspect.isfunction(item):
             pending += list(_referenced_globals(item))
     return [found[name] for name in sorted(found)]

@@ -32,12 +32,18 @@ class ShardBatches:
                 yield {k: v[idx] for k, v in self.arrays.items()}
 
     def _order(self, items: int, shuffle: bool, seed) -> np.ndarray:
-        if self.rows == 0:
-            return np.empty((0,), dtype=np.int64)
-        rng = np.random.default_rng(seed)
-        rounds = math.ceil(items / self.rows)
-        parts = [rng.permutation(self.rows) if shuffle else np.arange(self.rows) for _ in range(rounds)]
-        return np.concatenate(parts)[:items]
+        return draw_order(self.rows, items, shuffle, seed)
+
+
+def draw_order(rows: int, items: int, shuffle: bool, seed) -> np.ndarray:
+    """The rows (0..rows-1) an epoch of `items` draws takes, in order: seeded permutations, one after another
+    when items > rows. A function of its arguments only (estimator.data.remainder replays it)."""
+    if rows == 0:
+        return np.empty((0,), dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    rounds = math.ceil(items / rows)
+    parts = [rng.permutation(rows) if shuffle else np.arange(rows) for _ in range(rounds)]
+    return np.concatenate(parts)[:items]
 
 
 class CachedShard:
