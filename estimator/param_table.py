@@ -22,8 +22,8 @@ ESTIMATOR_PARAMS = [
               json=False),
     ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
               "it", None, optional(is_positive), "a number > 0 or None"),
-    ParamSpec("loss", "loss callable(output, label), or one per label column; required unless loss_constructors "
-              "or train_step is set", None, optional(is_callable_or_list),
+    ParamSpec("loss", "loss callable(output, label), or one per label column; required unless loss_constructors, "
+              "train_step or train_fn is set, or model is a LightningModule", None, optional(is_callable_or_list),
               "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False),
     ParamSpec("loss_weights", "weight of each label's loss in the total; default 1/len(label_cols) each", None,
               optional(is_number_list), "a list of numbers >= 0 (one per label column) or None"),
