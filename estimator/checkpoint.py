@@ -30,19 +30,21 @@ class Position:
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],
                      position: Position, scheduler: Any = None, scaler: Any = None,
-                     extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Everything a resumed run needs, as a copy on the CPU (training may change the live tensors in place while
-    a background thread writes this). `scaler`: 16-mixed's GradScaler, whose loss scale and growth count a
-    resumed run continues from (a fresh scale would overflow again for its first steps). `extra`: train_fn's own
-    stateful objects (a second optimizer...), by name: their state_dict()s."""
-    return _cpu_copy({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
-                      "global_step": position.global_step, "history": [dict(row) for row in history],
-                      "position": {"step": position.step, "sums": list(position.sums),
-                                   "layout": list(position.layout)} if position.step else None,
-                      "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                      "grad_scaler": scaler.state_dict() if scaler is not None else None,
-                      "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
-                      "format": CHECKPOINT_FORMAT})
+                     extra: Optional[Dict[str, Any]] = None, copy: bool = True) -> Dict[str, Any]:
+    """Everything a resumed run needs; with `copy`, its tensors copied to the CPU (training may change the live
+    tensors in place while a background thread writes this; a write now needs no copy). `scaler`: 16-mixed's
+    GradScaler, whose loss scale and growth count a resumed run continues from (a fresh scale would overflow again
+    for its first steps). `extra`: train_fn's own stateful objects (a second optimizer...), by name: their
+    state_dict()s."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
+             "global_step": position.global_step, "history": [dict(row) for row in history],
+             "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
+             if position.step else None,
+             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "grad_scaler": scaler.state_dict() if scaler is not None else None,
+             "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
+             "format": CHECKPOINT_FORMAT}
+    return _cpu_copy(state) if copy else state
 
 
 def write_checkpoint(store: Any, state: Dict[str, Any], targets: Sequence[str]) -> None:
@@ -57,8 +59,8 @@ def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.op
                     history: List[Dict[str, float]], position: Position, scheduler: Any = None,
                     copies: Sequence[str] = (), scaler: Any = None, extra: Optional[Dict[str, Any]] = None) -> None:
     """The checkpoint written now, at `path` and at each of `copies` (the best epochs' checkpoints)."""
-    write_checkpoint(store, checkpoint_state(model, optimizer, history, position, scheduler, scaler, extra),
-                     [path, *copies])
+    write_checkpoint(store, checkpoint_state(model, optimizer, history, position, scheduler, scaler, extra,
+                                             copy=False), [path, *copies])
 
 
 def _cpu_copy(value: Any) -> Any:

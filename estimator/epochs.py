@@ -113,11 +113,12 @@ class Run:
     def epoch(self, epoch: int, train: Shard, val: Optional[Shard], inside: Position) -> None:
         ctx = self.ctx
         began = time.perf_counter()
-        if self.loop.steps_report is not None:
-            self.loop.steps_report.begin(train.plan().steps, float(sum(inside.sums[2:3])) if inside.sums else 0.0)
-        remainder, self.remainder = (self.remainder, None) if inside.step else (None, self.remainder)
+        remainder, self.remainder = self.remainder, None  # only the epoch the checkpoint stands in has one
         if remainder is not None:  # the rest of an epoch begun under another layout: its rows left, each once
             inside = Position(inside.epochs, 0, inside.sums, inside.global_step)
+        if self.loop.steps_report is not None:
+            self.loop.steps_report.begin(remainder.steps if remainder else train.plan().steps,
+                                         float(sum(inside.sums[2:3])) if inside.sums else 0.0)
         feed = self.feed(remainder.batches(self.spec) if remainder else train.epoch(epoch, inside.step), True)
         self.in_remainder = remainder is not None
         try:
@@ -197,7 +198,7 @@ class Run:
         top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
         epoch = len(self.history)
         state = checkpoint_state(self.model, self.optimizer, self.history, position, self.scheduler, self.loop.scaler,
-                                 self.extra_state)
+                                 self.extra_state, copy=self.writer.background)
         targets = [spec.run.checkpoint] + ([spec.run.best(epoch)] if epoch in top else [])
         keep = {posixpath.basename(spec.run.best(e)) for e in top}
 
