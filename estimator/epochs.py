@@ -15,7 +15,7 @@ from torch import nn
 from estimator.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, feed_workers
-from estimator.data.remainder import Remainder, remainder_for
+from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.distributed import RankContext
 from estimator.faults import Fault, inject
@@ -63,8 +63,8 @@ class Run:
         self.loop.global_step = position.global_step
         self.cached = isinstance(train, CachedShard)
         if position.step and not same_layout(position.layout, self.layout()):
-            self.remainder = remainder_for(spec, train.total, position.epochs, position.layout, ctx.rank,
-                                           ctx.world_size, position.step)
+            self.remainder = remainder_for(spec, train, position.epochs, position.layout, ctx.rank, ctx.world_size,
+                                           position.step)
             if self.remainder is None:
                 log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks, in memory "
                             "= %s; this run has %s, so the epoch starts over from its first batch", ctx.rank,
@@ -119,7 +119,7 @@ class Run:
         if self.loop.steps_report is not None:
             self.loop.steps_report.begin(remainder.steps if remainder else train.plan().steps,
                                          float(sum(inside.sums[2:3])) if inside.sums else 0.0)
-        feed = self.feed(remainder.batches(self.spec) if remainder else train.epoch(epoch, inside.step), True)
+        feed = self.feed(remainder.batches(self.spec, train) if remainder else train.epoch(epoch, inside.step), True)
         self.in_remainder = remainder is not None
         try:
             sums = self.loop.train_epoch(epoch, iter(feed), inside)
@@ -187,9 +187,9 @@ class Run:
             self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
 
     def layout(self) -> List[int]:
-        """What a position inside an epoch counts batches of: batch size, ranks, and whether the ranks read in
-        memory (whose order estimator.data.remainder can replay)."""
-        return [self.spec.batch_size, self.ctx.world_size, int(self.cached)]
+        """What a position inside an epoch counts batches of: batch size, ranks, whether the ranks read in
+        memory or streamed (their orders differ), and whether estimator.data.remainder can replay the order."""
+        return [self.spec.batch_size, self.ctx.world_size, int(self.cached), int(known_order(self.spec))]
 
     def save(self, position: Position, best: bool = False) -> None:
         """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the

@@ -35,29 +35,34 @@ def recording_step(path):
     return step
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before, after, cached", [(2, 1, (True, True)), (1, 2, (True, True)), (2, 1, (False, False)),
+                                                   (1, 2, (True, False))])
 def test_an_epoch_interrupted_on_one_rank_count_ends_on_another_with_each_row_once(spark, store, digits, tmp_path,
-                                                                                  monkeypatch, caplog, before, after):
+                                                                                  monkeypatch, caplog, before, after,
+                                                                                  cached):
+    """In memory on both sides, streamed on both (the streaming reader's order replayed over row ids), in memory
+    then streamed."""
     X, y = digits
     rows = [(x.tolist(), int(t), float(i)) for i, (x, t) in enumerate(zip(X[:ROWS], y[:ROWS]))]
     df = spark.createDataFrame(rows, "features array<float>, label long, row_id double").repartition(2)
     path = str(tmp_path / "visits.jsonl")
-    run_id = f"resize-{before}-{after}"
+    run_id = f"resize-{before}-{after}-{cached[0]}-{cached[1]}"
 
-    def fit(num_proc, **kw):
+    def fit(num_proc, cache):
         model = seeded(IdMLP)
         return TorchEstimator(num_proc=num_proc, store=store, model=model, run_id=run_id,
                               optimizer=torch.optim.Adam(model.parameters(), lr=0.01), train_step=recording_step(path),
                               feature_cols=["features", "row_id"], label_cols=["label"], batch_size=16, epochs=2,
-                              checkpoint_steps=10, random_seed=11, max_retries=0, **kw).fit(df)
+                              checkpoint_steps=10, random_seed=11, max_retries=0, inmemory_cache_all=cache,
+                              shuffle_buffer_size=200).fit(df)
 
     # killed before optimizer step 23 of epoch 1, after the checkpoint of step 20
     monkeypatch.setenv(ENV, json.dumps([{"point": "step", "rank": 0, "action": "exit", "step": 23}]))
     with pytest.raises(RankFailed):
-        fit(before)
+        fit(before, cached[0])
     monkeypatch.delenv(ENV)
     with caplog.at_level("INFO", logger="estimator"):
-        model = fit(after)  # the same run_id: continues from its checkpoint, on `after` ranks
+        model = fit(after, cached[1])  # the same run_id: continues from its checkpoint, on `after` ranks
     assert "the rest of the epoch trains each row not yet trained on once" in caplog.text
     assert [row["epoch"] for row in model.getHistory()] == [1, 2]
     # the last checkpoint written before the kill (step 20, or step 10 if step 20's background write was cut)

@@ -116,20 +116,41 @@ def read_rows(store: Store, pieces: Sequence[Piece], start: int, stop: int, colu
     return table_to_arrays(pa.concat_tables(tables) if tables else None, columns)
 
 
+def span_windows(span: Span, chunk_rows: int) -> List[Tuple[int, int]]:
+    """The [lo, hi) offsets inside the row group of the chunks `read_span` yields: the row group cut every
+    `chunk_rows` rows, clipped to the span. A function of the footers alone, so the rows a streaming epoch
+    served can be replayed without reading them (estimator.data.remainder)."""
+    first = span.lo - span.lo % chunk_rows
+    return [(max(at, span.lo), min(at + chunk_rows, span.hi)) for at in range(first, span.hi, chunk_rows)]
+
+
 def read_span(store: Store, span: Span, columns: Sequence[str], chunk_rows: int) -> Iterator[Arrays]:
-    """A span's rows in chunks of at most `chunk_rows`, decoded piece by piece: memory holds about one
+    """A span's rows in the chunks `span_windows` names, decoded piece by piece: memory holds about one
     chunk and a read buffer per column, however large the row group is."""
+    windows = iter(span_windows(span, chunk_rows))
+    window = next(windows, None)
     with reading(span.piece.path), arrow_filesystem(store).open_input_file(span.piece.path) as handle:
         # pre_buffer=False: pyarrow would otherwise fetch the whole row group's column chunks up front
         batches = pq.ParquetFile(handle, buffer_size=READ_BUFFER, pre_buffer=False).iter_batches(
             batch_size=chunk_rows, row_groups=[span.piece.row_group], columns=list(columns))
+        pending: List[pa.RecordBatch] = []  # rows from window[0] on (pyarrow's batches are the windows, as a rule)
         offset = 0
         for batch in batches:
-            lo, hi = max(span.lo, offset), min(span.hi, offset + batch.num_rows)
+            lo, hi = max(window[0], offset), min(span.hi, offset + batch.num_rows)
             if lo < hi:
-                yield table_to_arrays(pa.Table.from_batches([batch.slice(lo - offset, hi - lo)]), columns)
+                pending.append(batch.slice(lo - offset, hi - lo))
             offset += batch.num_rows
-            if offset >= span.hi:
+            while window is not None and offset >= window[1]:
+                rows = window[1] - window[0]
+                if len(pending) == 1 and pending[0].num_rows == rows:  # the rule: no cutting
+                    yield table_to_arrays(pa.Table.from_batches(pending), columns)
+                    pending = []
+                else:
+                    table = pa.Table.from_batches(pending)
+                    yield table_to_arrays(table.slice(0, rows), columns)
+                    pending = table.slice(rows).to_batches()
+                window = next(windows, None)
+            if window is None:
                 return
 
 

@@ -77,16 +77,29 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
     needed = CACHE_OVERHEAD * (estimated_bytes(parts["train"]) + estimated_bytes(parts["val"]))
     cached, why = cache_decision(spec.reader.inmemory_cache_all, needed,
                                  *memory_budget(spec.reader.memory_budget_mb, ranks_on_host))
-    buffer_rows = spec.reader.shuffle_buffer_size
-    buffer_rows = default_buffer_rows(parts["train"]) if buffer_rows is None else buffer_rows
+    buffer_rows = shuffle_buffer_rows(spec, parts["train"])
 
     def open_one(split: str, training: bool) -> Shard:
         pieces = data.train if training else data.val
         if cached:
             return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why, totals[split])
-        return StreamingShard(spec, parts[split], totals[split], rank, world_size, training, buffer_rows, why)
+        first = ranges[split][0] if data.local is None else 0
+        return StreamingShard(spec, parts[split], totals[split], rank, world_size, training, buffer_rows, why, first)
 
     return open_one("train", True), open_one("val", False) if data.val else None
+
+
+def streaming_train_shard(spec: TrainSpec, rank: int, world_size: int) -> StreamingShard:
+    """The training shard `rank` of `world_size` streams (materialized data: rows by global order)."""
+    parts = spans(spec.data.train, *shard_range(spec.data.train_rows, rank, world_size))
+    return StreamingShard(spec, parts, spec.data.train_rows, rank, world_size, True, shuffle_buffer_rows(spec, parts),
+                          first=shard_range(spec.data.train_rows, rank, world_size)[0])
+
+
+def shuffle_buffer_rows(spec: TrainSpec, parts) -> int:
+    """shuffle_buffer_size, or by default as many rows of `parts` as fit SHUFFLE_BUFFER_BYTES."""
+    configured = spec.reader.shuffle_buffer_size
+    return default_buffer_rows(parts) if configured is None else configured
 
 
 def default_buffer_rows(parts) -> int:

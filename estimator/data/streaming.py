@@ -16,21 +16,27 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from estimator.data.arrays import Arrays, prepare_arrays
-from estimator.data.parquet import Span, read_span
+from estimator.data.parquet import Span, read_span, span_windows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
 
 CHUNK_BYTES = 1 << 20  # decoded at a time from one span: 4,096 rows of 64 floats, 32 rows of 32 KB images
 CHUNK_ROWS = (32, 4096)  # ...within these bounds (more, smaller reads cost more per row; 1,024: +20%)
 PIECE_ROWS = 128  # rows the interleave takes from one span at a time: many small pieces mix in the buffer
 INTERLEAVE = 16  # spans open at once while shuffling
+ROW_ID = "__row_id__"  # the one column of a replayed epoch: global row ids
 
 
 class StreamingShard:
+    """Rows `parts` of the training or validation rows, the first at global row `first`; with `keep` (sorted
+    global row ids), only those of them (the rest of an interrupted epoch, estimator.data.remainder)."""
+
     def __init__(self, spec, parts: Sequence[Span], total: int, rank: int, world_size: int, training: bool,
-                 buffer_rows: int, reason: str = ""):
+                 buffer_rows: int, reason: str = "", first: int = 0, keep: Optional[np.ndarray] = None):
         self.spec, self.parts, self.total = spec, list(parts), total
         self.rank, self.world_size, self.training = rank, world_size, training
-        self.rows = sum(s.rows for s in self.parts)
+        self.starts = np.cumsum([first] + [s.rows for s in self.parts])[:-1]  # each part's first global row
+        self.keep = keep
+        self.rows = sum(s.rows for s in self.parts) if keep is None else len(keep)
         self.buffer_rows, self.reason = buffer_rows, reason
 
     def plan(self) -> EpochPlan:
@@ -40,22 +46,34 @@ class StreamingShard:
         """The epoch's batches from batch `skip` on (a resumed epoch reads and drops the batches before it,
         so that it continues with the rows and the order an uninterrupted epoch had)."""
         plan = self.plan()
-        rng = np.random.default_rng(epoch_seed(self.spec.seed, epoch, self.rank)) if self.training else None
-        chunks = self._chunks(plan.items, plan.shuffle, rng)
-        if plan.shuffle:
-            batches = shuffled(chunks, plan.batch_size, self.buffer_rows, rng)
-        else:
-            batches = in_order(chunks, plan.batch_size)
-        for step, batch in enumerate(batches):
+        for step, batch in enumerate(self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch))):
             if step >= skip:
                 yield prepare_arrays(self.spec.data, batch)
 
-    def _chunks(self, items: int, shuffle: bool, rng: Optional[np.random.Generator]) -> Iterator[Arrays]:
+    def served(self, epoch: int, steps: int) -> Iterator[np.ndarray]:
+        """The global row ids of this rank's first `steps` batches of `epoch`, batch by batch, without reading a
+        row: the same draws as `epoch`'s, over the row ids in the chunks the reads yield (parquet.span_windows)."""
+        plan = self.plan()
+        batches = self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch), ids=True)
+        for _, batch in zip(range(steps), batches):
+            yield batch[ROW_ID]
+
+    def batches(self, items: int, batch_size: int, shuffle: bool, rng: Optional[np.random.Generator],
+                ids: bool = False) -> Iterator[Arrays]:
+        """`items` rows in batches of `batch_size`, undecoded (with `ids`, only their global row ids)."""
+        chunks = self._chunks(items, shuffle, rng, ids)
+        return shuffled(chunks, batch_size, self.buffer_rows, rng) if shuffle else in_order(chunks, batch_size)
+
+    def _rng(self, epoch: int) -> Optional[np.random.Generator]:
+        return np.random.default_rng(epoch_seed(self.spec.seed, epoch, self.rank)) if self.training else None
+
+    def _chunks(self, items: int, shuffle: bool, rng: Optional[np.random.Generator], ids: bool) -> Iterator[Arrays]:
         """Exactly `items` rows, in chunks: passes over the spans (a new order each pass) until enough."""
         left = items
         while left > 0 and self.rows > 0:
+            before = left
             order = rng.permutation(len(self.parts)) if shuffle else range(len(self.parts))
-            streams = [self._span(self.parts[i], shuffle) for i in order]
+            streams = [self._span(i, shuffle, ids) for i in order]
             width = INTERLEAVE if shuffle else 1
             stagger = self.rows // len(self.parts) // min(width, len(self.parts))  # a span's rows / spans open
             for chunk in interleave(streams, width, rng, stagger):
@@ -66,9 +84,18 @@ class StreamingShard:
                 left -= n
                 if left == 0:
                     return
+            if left == before:  # `keep` named no row of the parts: nothing to pass over again
+                return
 
-    def _span(self, span: Span, shuffle: bool) -> Iterator[Arrays]:
-        chunks = read_span(self.spec.data.source, span, self.spec.data.columns, chunk_rows(span))
+    def _span(self, i: int, shuffle: bool, ids: bool) -> Iterator[Arrays]:
+        span = self.parts[i]
+        size = chunk_rows(span)
+        windows = span_windows(span, size)
+        offset = int(self.starts[i]) - span.lo  # the global id of the row group's first row
+        chunks = (({ROW_ID: np.arange(lo + offset, hi + offset, dtype=np.int64)} for lo, hi in windows) if ids
+                  else read_span(self.spec.data.source, span, self.spec.data.columns, size))
+        if self.keep is not None:
+            chunks = kept(chunks, windows, offset, self.keep)
         return pieces(chunks, PIECE_ROWS) if shuffle else chunks
 
     def describe(self) -> str:
@@ -77,6 +104,25 @@ class StreamingShard:
 
     def close(self) -> None:
         pass
+
+
+def kept(chunks: Iterator[Arrays], windows: List[Tuple[int, int]], offset: int, keep: np.ndarray
+         ) -> Iterator[Arrays]:
+    """The rows of `chunks` (one per window, row group offsets + `offset` = global ids) whose ids are in `keep`
+    (sorted); chunks left empty are dropped."""
+    try:
+        for chunk, (lo, hi) in zip(chunks, windows):
+            ids = np.arange(lo + offset, hi + offset)
+            at = np.minimum(np.searchsorted(keep, ids), max(len(keep) - 1, 0))
+            mask = keep[at] == ids if len(keep) else np.zeros(len(ids), dtype=bool)
+            if mask.all():
+                yield chunk
+            elif mask.any():
+                yield {k: v[mask] for k, v in chunk.items()}
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def chunk_rows(span: Span) -> int:
