@@ -56,7 +56,7 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
                      run.run_id, done.epochs + 1, done.layout[:2], [batch_size, world],
                      "the rest of the epoch trains each row not yet trained on once, dealt to these ranks"
                      if replayable(spec, done.layout) else "the epoch starts over (the rows done cannot be known with "
-                     "petastorm, train_steps_per_epoch or data_mode='direct')")
+                     "petastorm or data_mode='direct')")
         launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
                          resume_from=spec.run.checkpoint if done.epochs or done.step else None,
                          batch_size=batch_size)

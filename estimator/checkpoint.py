@@ -25,7 +25,7 @@ class Position:
     step: int = 0
     sums: List[float] = field(default_factory=list)
     global_step: int = 0
-    layout: List[int] = field(default_factory=list)  # [batch_size, ranks, in memory, order known]: what `step` counts
+    layout: List[int] = field(default_factory=list)  # what `step` counts batches of: epochs.Run.layout
 
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],

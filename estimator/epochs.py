@@ -188,8 +188,11 @@ class Run:
 
     def layout(self) -> List[int]:
         """What a position inside an epoch counts batches of: batch size, ranks, whether the ranks read in
-        memory or streamed (their orders differ), and whether estimator.data.remainder can replay the order."""
-        return [self.spec.batch_size, self.ctx.world_size, int(self.cached), int(known_order(self.spec))]
+        memory or streamed (their orders differ), whether estimator.data.remainder can replay the order, and the
+        epoch's batches when train_steps_per_epoch sets them (0: whole passes)."""
+        spec = self.spec
+        return [spec.batch_size, self.ctx.world_size, int(self.cached), int(known_order(spec)),
+                spec.train_steps_per_epoch or 0]
 
     def save(self, position: Position, best: bool = False) -> None:
         """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
@@ -214,9 +217,9 @@ class Run:
 
 
 def same_layout(checkpoint: List[int], run: List[int]) -> bool:
-    """A position inside an epoch counts this run's batches (a checkpoint from before the reader was recorded,
-    [batch_size, ranks], is taken at its word)."""
-    return checkpoint[:2] == run[:2] and (len(checkpoint) < 3 or checkpoint[2] == run[2])
+    """A position inside an epoch counts this run's batches (a checkpoint that recorded less, [batch_size, ranks]
+    before the reader was recorded, is taken at its word)."""
+    return checkpoint[:2] == run[:2] and all(a == b for a, b in zip(checkpoint[2:], run[2:]))
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from estimator.data.cached import CachedShard
-from estimator.data.remainder import Remainder, done_rows
+from estimator.data.remainder import Remainder, left_rows
 from estimator.data.shards import open_shards
 from estimator.data.streaming import StreamingShard
 from test_streaming import _spec
@@ -35,7 +35,7 @@ def test_the_rows_a_streaming_epoch_served_are_replayed_without_reading(store, s
         shard = open_shards(spec, rank, world)[0]
         assert isinstance(shard, StreamingShard)
         read = _labels(b for _, b in zip(range(steps), shard.epoch(4)))
-        assert np.concatenate(list(shard.served(4, steps))).tolist() == read
+        assert np.concatenate(list(shard.drawn(4, steps))).tolist() == read
 
 
 @pytest.mark.parametrize("old_cache, new_cache", [(True, True), (False, False), (False, True), (True, False)])
@@ -53,8 +53,8 @@ def test_the_rest_of_an_epoch_on_another_layout_trains_each_row_left_once(store,
         shard = open_shards(old, rank, old_world)[0]
         assert isinstance(shard, CachedShard if old_cache else StreamingShard)
         done.update(_labels(b for _, b in zip(range(steps), shard.epoch(2))))
-    layout = [old_batch, old_world, int(old_cache), 1]
-    assert np.flatnonzero(done_rows(old, ROWS, 2, layout, steps)).tolist() == sorted(done)  # replayed, not read
+    layout = [old_batch, old_world, int(old_cache), 1, 0]
+    assert np.flatnonzero(left_rows(old, ROWS, 2, layout, steps) == 0).tolist() == sorted(done)  # replayed, not read
     assert set(done.values()) == {1}
 
     new = _reader(dataclasses.replace(old, batch_size=new_batch), new_cache)
@@ -82,7 +82,31 @@ def test_the_rest_of_an_epoch_keeps_only_its_rows_of_the_row_groups(store):
     """One streaming rank continues an epoch one rank of batch 20 began (30 batches: 600 rows done): it streams
     the 403 rows left, each once (memory: tests/test_streaming.py's probe)."""
     spec = _reader(_spec(store, rows=ROWS, batch=20, buffer=50), False)
-    part = Remainder.plan(spec, ROWS, 0, [20, 1, 0, 1], 30, 0, 1)
+    part = Remainder.plan(spec, ROWS, 0, [20, 1, 0, 1, 0], 30, 0, 1)
     assert len(part.rows) == ROWS - 600 and part.steps == 21
     labels = _labels(part.batches(spec, open_shards(spec, 0, 1)[0]))
     assert sorted(labels) == part.rows.tolist()
+
+
+@pytest.mark.parametrize("old_cache, new_cache", [(True, False), (False, True)])
+def test_the_rest_of_an_epoch_of_train_steps_per_epoch_is_the_draws_its_plan_had_left(store, old_cache, new_cache):
+    """train_steps_per_epoch=20 of 32 rows on 2 ranks of ~501 rows: each rank's plan draws 640 rows, some twice.
+    After 6 batches the rest (read by the old ranks' real readers to the end of their plan) is what 3 new ranks
+    train, each draw once, plus at most one draw again per new rank."""
+    old = _reader(_spec(store, rows=ROWS, batch=32, buffer=60, steps=20), old_cache)
+    rest = Counter()
+    for rank in range(2):
+        rest.update(_labels(list(open_shards(old, rank, 2)[0].epoch(1))[6:]))
+    assert max(rest.values()) == 2  # the premise: rows drawn twice in an epoch
+    layout = [32, 2, int(old_cache), 1, 20]
+    assert Counter({i: int(n) for i, n in enumerate(left_rows(old, ROWS, 1, layout, 6)) if n}) == rest
+    new = _reader(dataclasses.replace(old, batch_size=16, train_steps_per_epoch=None), new_cache)
+    trained = Counter()
+    for rank in range(3):
+        part = Remainder.plan(new, ROWS, 1, layout, 6, rank, 3)
+        labels = _labels(part.batches(new, open_shards(new, rank, 3)[0]))
+        assert len(labels) == part.draws == math.ceil(sum(rest.values()) / 3)
+        mine = Counter(part.rows.tolist())
+        assert not mine - Counter(labels) and sum((Counter(labels) - mine).values()) <= 1  # one row again, if short
+        trained.update(labels)
+    assert not rest - trained and sum((trained - rest).values()) <= 3

@@ -163,7 +163,7 @@ spec = TrainSpec(data, b"", store.run("r"), 256, 256, 1, seed=1,
 tracemalloc.start()
 shard = open_shards(spec, 0, 1)[0]
 if sys.argv[2] == "remainder":  # the rest of an epoch 2 streaming ranks had trained 100 batches of 128 each of
-    batches = Remainder.plan(spec, 400_000, 0, [128, 2, 0, 1], 100, 0, 1).batches(spec, shard)
+    batches = Remainder.plan(spec, 400_000, 0, [128, 2, 0, 1, 0], 100, 0, 1).batches(spec, shard)
 else:
     batches = shard.epoch(0)
 for _ in batches:

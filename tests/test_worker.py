@@ -155,14 +155,15 @@ def test_label_shapes_reshape_labels_and_name_a_mismatch():
         to_tensors(batch, bad)
 
 
-@pytest.mark.parametrize("layout, global_steps", [([64, 1, 1, 1], 3 + 2), ([64, 1], 3 + 2), ([32, 1, 1, 1], 3 + 4),
-                                                   ([32, 1, 0, 1], 3 + 4), ([32, 1, 0, 0], 3 + 5), ([32, 1, 1], 3 + 5)])
+@pytest.mark.parametrize("layout, global_steps", [([64, 1, 1, 1, 0], 3 + 2), ([64, 1], 3 + 2), ([32, 1, 1, 1, 0], 3 + 4),
+                                                   ([32, 1, 0, 1, 0], 3 + 4), ([32, 1, 0, 0, 0], 3 + 5),
+                                                   ([32, 1, 1], 3 + 5), ([32, 1, 1, 1, 4], 3 + 1)])
 def test_a_step_checkpoint_resumes_at_its_batch_or_over_the_rows_left(store, digits, caplog, layout, global_steps):
     """300 rows, batch 64, in memory: 5 steps an epoch. A checkpoint 3 steps into epoch 1 of the same layout
     (or of a version that did not record the reader) resumes at batch 3 (2 steps left); one of batch 32, read in
-    memory or streamed, leaves 300 - 96 rows: 4 steps of 64 (estimator.data.remainder); one whose order cannot be
-    replayed (petastorm's, say), or from a version that did not record whether it can, starts the epoch over (5
-    steps), and says so."""
+    memory or streamed, leaves 300 - 96 rows: 4 steps of 64 (estimator.data.remainder); one of epochs of 4 batches
+    (train_steps_per_epoch) leaves 32 draws of its plan: 1 step; one whose order cannot be replayed (petastorm's,
+    say), or from a version that did not record whether it can, starts the epoch over (5 steps), and says so."""
     import dataclasses
     import logging
 

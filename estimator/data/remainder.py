@@ -1,15 +1,16 @@
 """The rest of an epoch that was interrupted under another rank count, batch size or reader: a run checkpointed
 inside an epoch at num_proc=4 continues at num_proc=2 (or back up) over exactly the rows the old ranks had not
 yet trained on in that epoch, each once, dealt anew to the new ranks; the epochs after it are the new world's.
+(An epoch of train_steps_per_epoch batches is not a pass: its rest is the draws the old ranks' plan had left.)
 
 Which rows were done does not need to be stored: both Arrow readers' orders are functions of (seed, epoch, rank),
 the old layout and the Parquet footers, so the checkpoint's position (batches done, batch size, rank count,
-reader) says which global rows the old ranks served. The in-memory reader's order is estimator.data.cached's
-draw_order; the streaming reader's is its own draws replayed over row ids instead of rows (no row is read). The
-rows left are dealt in balanced contiguous slices of their global order, each rank's slice shuffled by
-(seed, epoch, rank, ranks); ranks whose slices are one row shorter draw one row again so that every rank takes
-the same steps (the rule of every epoch). A streaming rank streams its slice (memory stays bounded); an
-in-memory one reads it into memory. torch only."""
+reader, steps per epoch) says which global rows the old ranks served. The in-memory reader's order is
+estimator.data.cached's draw_order; the streaming reader's is its own draws replayed over row ids instead of rows
+(no row is read). The rows left are dealt in balanced contiguous slices of their global order, each rank's slice
+shuffled by (seed, epoch, rank, ranks); ranks whose slices are one row shorter draw one row again so that every
+rank takes the same steps (the rule of every epoch). A streaming rank streams its slice (memory stays bounded);
+an in-memory one reads it into memory. torch only."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,32 +28,46 @@ from estimator.data.shards import Shard, streaming_train_shard
 from estimator.data.streaming import StreamingShard
 
 
-def done_rows(spec, total: int, epoch: int, layout: List[int], steps: int) -> np.ndarray:
-    """Which of the `total` global training rows the ranks of `layout` ([batch_size, ranks, in memory, ...])
-    served in the first `steps` batches of `epoch`: a mask (a byte a row; the ids come a rank or a batch at a
-    time)."""
-    batch_size, world_size, in_memory = (int(v) for v in layout[:3])
-    done = np.zeros(total, dtype=bool)
-    if in_memory:
-        items = plan_steps(total, world_size, batch_size, None)[1]
-        for rank in range(world_size):
-            start, stop = shard_range(total, rank, world_size)
-            order = draw_order(stop - start, items, spec.shuffle, epoch_seed(spec.seed, epoch, rank).entropy)
-            done[start + order[:steps * batch_size]] = True
-    else:
-        old = dataclasses.replace(spec, batch_size=batch_size)
-        for rank in range(world_size):
-            for ids in streaming_train_shard(old, rank, world_size).served(epoch, steps):
-                done[ids] = True
-    return done
+def left_rows(spec, total: int, epoch: int, layout: List[int], steps: int) -> np.ndarray:
+    """How many more times each of the `total` global training rows is trained in `epoch`, which the ranks of
+    `layout` ([batch_size, ranks, in memory, order known, train_steps_per_epoch or 0]) left after `steps`
+    batches: an epoch of whole passes, once for each row they had not served (a byte a row); an epoch of
+    train_steps_per_epoch batches, as often as their plan drew it after those batches (4 bytes a row)."""
+    batch_size, world_size, in_memory, _, per_epoch = (int(v) for v in layout[:5])
+    old = dataclasses.replace(spec, batch_size=batch_size, train_steps_per_epoch=per_epoch or None)
+    left = np.zeros(total, dtype=np.int32) if per_epoch else np.ones(total, dtype=np.uint8)
+    done = steps * batch_size
+    for rank in range(world_size):
+        at = 0
+        for ids in drawn(old, total, epoch, rank, world_size, bool(in_memory), None if per_epoch else steps):
+            if per_epoch:  # the draws after the first `done`
+                np.add.at(left, ids[max(done - at, 0):], 1)
+            else:
+                left[ids] = 0
+            at += len(ids)
+    return left
 
 
-def left_slice(done: np.ndarray, start: int, stop: int, block: int = 1 << 20) -> np.ndarray:
-    """The ids of the rows not done, numbers `start`..`stop` of them in id order (found a block at a time:
-    memory for this slice only)."""
+def drawn(spec, total: int, epoch: int, rank: int, world_size: int, in_memory: bool,
+          steps: Optional[int]) -> Iterator[np.ndarray]:
+    """The global row ids `rank` of `world_size` draws in `epoch` (its first `steps` batches; all of them with
+    None), in order, a batch or the whole epoch at a time, without reading a row."""
+    if not in_memory:
+        return streaming_train_shard(spec, rank, world_size).drawn(epoch, steps)
+    start, stop = shard_range(total, rank, world_size)
+    batches, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch)
+    order = draw_order(stop - start, items, spec.shuffle, epoch_seed(spec.seed, epoch, rank).entropy)
+    return iter([start + order[:(batches if steps is None else steps) * spec.batch_size]])
+
+
+def left_slice(left: np.ndarray, start: int, stop: int, block: int = 1 << 20) -> np.ndarray:
+    """Draws `start`..`stop` of the rows `left` (each id as often as it is left), in id order (found a block at
+    a time: memory for this slice only)."""
     out, seen = [], 0
-    for lo in range(0, len(done), block):
-        ids = lo + np.flatnonzero(~done[lo:lo + block])
+    for lo in range(0, len(left), block):
+        counts = left[lo:lo + block]
+        at = np.flatnonzero(counts)
+        ids = lo + at if left.dtype == np.uint8 else np.repeat(lo + at, counts[at])  # uint8: 0 or 1 each
         take = ids[max(start - seen, 0):max(stop - seen, 0)]
         if len(take):
             out.append(take)
@@ -66,7 +81,7 @@ def left_slice(done: np.ndarray, start: int, stop: int, block: int = 1 << 20) ->
 class Remainder:
     """This rank's part of the rest of an interrupted epoch."""
 
-    rows: np.ndarray  # its global row ids, sorted
+    rows: np.ndarray  # its global row ids, sorted (an id twice: a row drawn twice, train_steps_per_epoch)
     draws: int  # rows every rank trains on: a part one row shorter draws one again
     seed: List[int]  # of the order they are trained in
     batch_size: int
@@ -78,11 +93,11 @@ class Remainder:
     @staticmethod
     def plan(spec, total: int, epoch: int, layout: List[int], old_steps: int, rank: int,
              world_size: int) -> "Remainder":
-        done = done_rows(spec, total, epoch, layout, old_steps)
-        left = total - int(done.sum())
+        counts = left_rows(spec, total, epoch, layout, old_steps)
+        left = int(counts.sum(dtype=np.int64))
         start, stop = shard_range(left, rank, world_size)
         draws = math.ceil(left / world_size)
-        mine = left_slice(done, start, stop) if stop > start else left_slice(done, 0, draws)  # fewer left than ranks
+        mine = left_slice(counts, start, stop) if stop > start else left_slice(counts, 0, draws)  # fewer than ranks
         return Remainder(mine, draws, [*epoch_seed(spec.seed, epoch, rank).entropy, world_size], spec.batch_size)
 
     def batches(self, spec, train: Shard) -> Iterator[Arrays]:
@@ -107,16 +122,15 @@ class Remainder:
 
 
 def known_order(spec) -> bool:
-    """Whether the rows an epoch of this spec served can be replayed: the Arrow readers' epochs of whole passes
-    over materialized data (not petastorm's order, not epochs of train_steps_per_epoch batches, not the direct
-    mode's partitions)."""
-    return spec.train_steps_per_epoch is None and spec.reader.kind == "arrow" and spec.data.local is None
+    """Whether the rows an epoch of this spec draws can be replayed: the Arrow readers' over materialized data
+    (not petastorm's order, not the direct mode's partitions)."""
+    return spec.reader.kind == "arrow" and spec.data.local is None
 
 
 def replayable(spec, layout: list) -> bool:
-    """Whether the rows done under `layout` (a checkpoint's [batch_size, ranks, in memory, order known]) can be
-    known, and this run can train the rest."""
-    return len(layout) == 4 and bool(layout[3]) and known_order(spec)
+    """Whether the rows left under `layout` (a checkpoint's [batch_size, ranks, in memory, order known,
+    train_steps_per_epoch or 0]) can be known, and this run can train them."""
+    return len(layout) == 5 and bool(layout[3]) and known_order(spec)
 
 
 def remainder_for(spec, train: Shard, epoch: int, layout: list, rank: int, world_size: int,

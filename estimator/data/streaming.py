@@ -28,14 +28,15 @@ ROW_ID = "__row_id__"  # the one column of a replayed epoch: global row ids
 
 class StreamingShard:
     """Rows `parts` of the training or validation rows, the first at global row `first`; with `keep` (sorted
-    global row ids), only those of them (the rest of an interrupted epoch, estimator.data.remainder)."""
+    global row ids, an id twice for a row drawn twice), only those of them (the rest of an interrupted epoch,
+    estimator.data.remainder)."""
 
     def __init__(self, spec, parts: Sequence[Span], total: int, rank: int, world_size: int, training: bool,
                  buffer_rows: int, reason: str = "", first: int = 0, keep: Optional[np.ndarray] = None):
         self.spec, self.parts, self.total = spec, list(parts), total
         self.rank, self.world_size, self.training = rank, world_size, training
         self.starts = np.cumsum([first] + [s.rows for s in self.parts])[:-1]  # each part's first global row
-        self.keep = keep
+        self.keep = None if keep is None else kept_times(keep)
         self.rows = sum(s.rows for s in self.parts) if keep is None else len(keep)
         self.buffer_rows, self.reason = buffer_rows, reason
 
@@ -50,12 +51,13 @@ class StreamingShard:
             if step >= skip:
                 yield prepare_arrays(self.spec.data, batch)
 
-    def served(self, epoch: int, steps: int) -> Iterator[np.ndarray]:
-        """The global row ids of this rank's first `steps` batches of `epoch`, batch by batch, without reading a
-        row: the same draws as `epoch`'s, over the row ids in the chunks the reads yield (parquet.span_windows)."""
+    def drawn(self, epoch: int, steps: Optional[int] = None) -> Iterator[np.ndarray]:
+        """The global row ids of this rank's first `steps` batches of `epoch` (None: all), batch by batch, without
+        reading a row: the same draws as `epoch`'s, over the row ids in the chunks the reads yield
+        (parquet.span_windows)."""
         plan = self.plan()
         batches = self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch), ids=True)
-        for _, batch in zip(range(steps), batches):
+        for _, batch in zip(range(plan.steps if steps is None else steps), batches):
             yield batch[ROW_ID]
 
     def batches(self, items: int, batch_size: int, shuffle: bool, rng: Optional[np.random.Generator],
@@ -106,19 +108,28 @@ class StreamingShard:
         pass
 
 
-def kept(chunks: Iterator[Arrays], windows: List[Tuple[int, int]], offset: int, keep: np.ndarray
-         ) -> Iterator[Arrays]:
+def kept_times(keep: np.ndarray) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """Sorted ids with repeats as (distinct ids, times each); None for the times when each comes once."""
+    if len(keep) < 2 or bool((keep[1:] != keep[:-1]).all()):
+        return keep, None
+    return np.unique(keep, return_counts=True)
+
+
+def kept(chunks: Iterator[Arrays], windows: List[Tuple[int, int]], offset: int,
+         keep: Tuple[np.ndarray, Optional[np.ndarray]]) -> Iterator[Arrays]:
     """The rows of `chunks` (one per window, row group offsets + `offset` = global ids) whose ids are in `keep`
-    (sorted); chunks left empty are dropped."""
+    (kept_times), each as many times; chunks left empty are dropped."""
+    ids_kept, times = keep
     try:
         for chunk, (lo, hi) in zip(chunks, windows):
             ids = np.arange(lo + offset, hi + offset)
-            at = np.minimum(np.searchsorted(keep, ids), max(len(keep) - 1, 0))
-            mask = keep[at] == ids if len(keep) else np.zeros(len(ids), dtype=bool)
-            if mask.all():
+            at = np.minimum(np.searchsorted(ids_kept, ids), max(len(ids_kept) - 1, 0))
+            hit = ids_kept[at] == ids if len(ids_kept) else np.zeros(len(ids), dtype=bool)
+            repeat = hit if times is None else np.where(hit, times[at], 0)
+            if (repeat == 1).all():
                 yield chunk
-            elif mask.any():
-                yield {k: v[mask] for k, v in chunk.items()}
+            elif repeat.any():
+                yield {k: np.repeat(v, repeat, axis=0) for k, v in chunk.items()}
     finally:
         close = getattr(chunks, "close", None)
         if close is not None:
