@@ -67,14 +67,15 @@ def left_slice(left: np.ndarray, start: int, stop: int, block: int = 1 << 20) ->
     for lo in range(0, len(left), block):
         counts = left[lo:lo + block]
         at = np.flatnonzero(counts)
-        ids = lo + at if left.dtype == np.uint8 else np.repeat(lo + at, counts[at])  # uint8: 0 or 1 each
+        ids = at if left.dtype == np.uint8 else np.repeat(at, counts[at])  # uint8: 0 or 1 each
+        ids += lo
         take = ids[max(start - seen, 0):max(stop - seen, 0)]
         if len(take):
             out.append(take)
         seen += len(ids)
         if seen >= stop:
             break
-    return np.concatenate(out) if out else np.empty((0,), dtype=np.int64)
+    return np.concatenate(out) if len(out) > 1 else out[0] if out else np.empty((0,), dtype=np.int64)
 
 
 @dataclass(frozen=True)
