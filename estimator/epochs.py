@@ -66,8 +66,9 @@ class Run:
             self.remainder = remainder_for(spec, train, position.epochs, position.layout, ctx.rank, ctx.world_size,
                                            position.step)
             if self.remainder is None:
-                log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with batch_size, ranks, in memory "
-                            "= %s; this run has %s, so the epoch starts over from its first batch", ctx.rank,
+                log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with layout %s (batch_size, ranks, "
+                            "in memory, order known, train_steps_per_epoch); this run has %s and the rows done "
+                            "cannot be known, so the epoch starts over from its first batch", ctx.rank,
                             position.step, position.epochs + 1, position.layout, self.layout())
                 position = Position(position.epochs, global_step=position.global_step)
         callbacks = self.objs.callbacks if ctx.rank == 0 else []

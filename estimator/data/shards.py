@@ -91,9 +91,10 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
 
 def streaming_train_shard(spec: TrainSpec, rank: int, world_size: int) -> StreamingShard:
     """The training shard `rank` of `world_size` streams (materialized data: rows by global order)."""
-    parts = spans(spec.data.train, *shard_range(spec.data.train_rows, rank, world_size))
+    start, stop = shard_range(spec.data.train_rows, rank, world_size)
+    parts = spans(spec.data.train, start, stop)
     return StreamingShard(spec, parts, spec.data.train_rows, rank, world_size, True, shuffle_buffer_rows(spec, parts),
-                          first=shard_range(spec.data.train_rows, rank, world_size)[0])
+                          first=start)
 
 
 def shuffle_buffer_rows(spec: TrainSpec, parts) -> int:
