@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from estimator.failures import FailureKind
+from estimator.numbers import plain
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
 
@@ -44,7 +45,7 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history
              "grad_scaler": scaler.state_dict() if scaler is not None else None,
              "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
              "format": CHECKPOINT_FORMAT}
-    return _cpu_copy(state) if copy else state
+    return _portable(state, copy)
 
 
 def write_checkpoint(store: Any, state: Dict[str, Any], targets: Sequence[str]) -> None:
@@ -63,14 +64,16 @@ def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.op
                                              copy=False), [path, *copies])
 
 
-def _cpu_copy(value: Any) -> Any:
+def _portable(value: Any, copy: bool) -> Any:
+    """`value` with numpy numbers as Python's (a scheduler's lambda or a user's hyperparameter may put them in the
+    optimizer's groups; torch.load(weights_only=True) refuses them) and, with `copy`, tensors copied to the CPU."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True) if copy else value
     if isinstance(value, dict):
-        return type(value)((k, _cpu_copy(v)) for k, v in value.items())
+        return type(value)((k, _portable(v, copy)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return value
+        return type(value)(_portable(v, copy) for v in value)
+    return plain(value)
 
 
 class CheckpointWriteFailed(OSError):
@@ -135,8 +138,19 @@ class CheckpointWriter:
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:
-    """A checkpoint's tensors and plain values only (weights_only=True: no code is unpickled)."""
-    return torch.load(io.BytesIO(store.read_bytes(path)), map_location=device, weights_only=True)
+    """A checkpoint's tensors and plain values only (weights_only=True: no code is unpickled). numpy's scalars are
+    allowed too (data, not code): a run checkpointed by 0.2.0 with a numpy learning rate resumes."""
+    with torch.serialization.safe_globals(_numpy_scalars()):
+        return torch.load(io.BytesIO(store.read_bytes(path)), map_location=device, weights_only=True)
+
+
+def _numpy_scalars() -> List[Any]:
+    """What pickle needs to rebuild a numpy scalar: numpy's `scalar` function, `dtype` and the dtypes' classes."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    kinds = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
+    return [core.multiarray.scalar, np.dtype, *{type(np.dtype(kind)) for kind in kinds}]
 
 
 def position_of(state: Optional[Dict[str, Any]]) -> Position:

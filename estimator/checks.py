@@ -106,6 +106,16 @@ def check_ranks(p: Dict[str, Any], num_proc: int, per_task: int) -> None:
                          "data_mode='materialize' (the default).")
 
 
+def check_dataframe(df: Any) -> None:
+    """fit takes a Spark DataFrame (classic or Connect); a pandas one, a dict or a path is refused with the way."""
+    if hasattr(df, "schema") and hasattr(df, "sparkSession"):
+        return
+    kind = f"{type(df).__module__}.{type(df).__name__}"
+    fix = ("spark.createDataFrame(pdf) makes one of a pandas DataFrame" if kind.startswith("pandas.")
+           else "spark.read.parquet(path) or spark.createDataFrame(rows) makes one")
+    raise TypeError(f"{OWNER}.fit takes a Spark DataFrame; got a {kind}: {fix}.")
+
+
 def check_schema(p: Dict[str, Any], schema: StructType) -> None:
     """Every named column exists and has a type the estimator can train on."""
     available = schema.names

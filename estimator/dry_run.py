@@ -14,7 +14,7 @@ import torch
 from estimator import lightning, steps
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
-from estimator.data.parquet import column_max, read_head
+from estimator.data.parquet import column_max, column_range, read_head
 from estimator.losses import Objective, loss_kind, loss_name
 from estimator.spec import DataSpec, UserObjects
 
@@ -39,6 +39,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     objective = Objective(losses, objs.loss_weights, objs.metrics, data.label_cols,
                           weighted=data.sample_weight_col is not None)
     _, labels, weights = to_tensors(arrays, data)
+    check_binary_labels(losses, labels, data)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -172,6 +173,23 @@ def rows_unlike(outputs: Sequence[torch.Tensor], rows: int) -> int:
         if n not in dims:
             return n
     return rows
+
+
+def check_binary_labels(losses: Sequence[Any], head: Sequence[torch.Tensor], data: DataSpec) -> None:
+    """BCEWithLogitsLoss and BCELoss read a label as the probability of class 1: -1/+1 labels train without an error
+    to a meaningless model (loss below 0). The range of the whole data from the Parquet footers (no pass over the
+    rows); in the direct mode, of the first rows (`head`)."""
+    for fn, label, column in zip(losses, head, data.label_cols):
+        if loss_kind(fn) not in ("logits", "probabilities"):
+            continue
+        found = [column_range(data.source, pieces, column) for pieces in (data.train, data.val) if pieces]
+        ranges = [r for r in found if r is not None] or [(float(label.min()), float(label.max()))]
+        low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        if low < 0 or high > 1:
+            raise ValueError(f"Label column {column!r} holds {low if low < 0 else high:g} (values from {low:g} to "
+                             f"{high:g}), but {loss_name(fn)} needs labels in [0, 1]: 0 or 1 for two classes, or a "
+                             "probability. Map them first (for -1/+1 labels: (label + 1) / 2), or use a loss of your "
+                             "own.")
 
 
 def check_classes(losses: Sequence[Any], outputs: Sequence[torch.Tensor], data: DataSpec) -> None:

@@ -68,6 +68,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         super().__init__(**kwargs)
 
     def _fit(self, df: DataFrame) -> TorchModel:
+        checks.check_dataframe(df)
         p = self._checked()
         checks.check_schema(p, df.schema)
         run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))

@@ -1,12 +1,31 @@
 """The params of TorchEstimator and TorchModel: each declared once, here."""
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from torch import nn
 
 from estimator.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
-                              is_number_list, is_positive, is_run_id, is_seconds, is_shape_list, is_str_list, is_validation, optional)
+                              is_non_negative, is_number_list, is_positive, is_run_id, is_seconds, is_shape_list,
+                              is_str_list, is_validation, optional)
 from store import Store
+
+
+def _loss_class_hint(v: Any) -> str:
+    classes = [f for f in (v if isinstance(v, (list, tuple)) else [v]) if inspect.isclass(f)]
+    return (f"{classes[0].__name__} is a class: pass an instance, {classes[0].__name__}() (with its arguments, if "
+            "any), or the class in loss_constructors to build it on every rank.") if classes else ""
+
+
+def _optimizer_list_hint(v: Any) -> str:
+    if isinstance(v, (list, tuple)) and v and all(isinstance(o, torch.optim.Optimizer) for o in v):
+        return ("The built-in loop steps one optimizer: for several, write your own loop with train_fn and keep "
+                "each extra optimizer with ctx.keep(name, optimizer), which checkpoints and restores it (README "
+                "'Your own training loop').")
+    return ""
+
 
 ESTIMATOR_PARAMS = [
     ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: every task slot, when the "
@@ -19,12 +38,14 @@ ESTIMATOR_PARAMS = [
     ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank; required "
               "unless model is a LightningModule (configure_optimizers)", None,
               optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer built over model.parameters()",
-              json=False),
+              json=False, hint=_optimizer_list_hint),
     ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
               "it", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("loss", "loss callable(output, label), or one per label column; required unless loss_constructors, "
-              "train_step or train_fn is set, or model is a LightningModule", None, optional(is_callable_or_list),
-              "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False),
+              "train_step or train_fn is set, or model is a LightningModule", None,
+              optional(is_callable_or_list(classes=False)),
+              "a callable such as nn.CrossEntropyLoss(), or a list of them (one per label column)", json=False,
+              hint=_loss_class_hint),
     ParamSpec("loss_weights", "weight of each label's loss in the total; default 1/len(label_cols) each", None,
               optional(is_number_list), "a list of numbers >= 0 (one per label column) or None"),
     ParamSpec("metrics", "metrics per epoch: 'accuracy' or callables(output, label) -> number", [],
@@ -66,7 +87,7 @@ ESTIMATOR_PARAMS = [
               "excludes num_proc", None, optional(lambda v: callable(getattr(v, "num_processes", None))),
               "an object with a num_processes() method, such as SparkBackend(num_proc=2), or None", json=False),
     ParamSpec("loss_constructors", "zero-argument functions that build the losses on each rank (instead of loss)",
-              None, optional(is_callable_or_list), "a list of zero-argument callables returning losses, or None",
+              None, optional(is_callable_or_list()), "a list of zero-argument callables returning losses, or None",
               json=False),
     ParamSpec("transformation_fn", "function(pandas.DataFrame) -> pandas.DataFrame applied to every training and "
               "validation batch", None, optional(callable), "a callable or None", json=False),
@@ -116,7 +137,7 @@ ESTIMATOR_PARAMS = [
     ParamSpec("monitor_mode", "'min' or 'max': which way `monitor` improves; default 'max' for names containing "
               "'accuracy', else 'min'", None, lambda v: v in (None, "min", "max"), "'min', 'max' or None"),
     ParamSpec("min_delta", "the smallest change of `monitor` that counts as an improvement for early stopping", 0.0,
-              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
+              is_non_negative, "a number >= 0"),
     ParamSpec("restore_best", "the TorchModel gets the weights of the best epoch by `monitor` (False: the last "
               "epoch's)", False, is_bool, "True or False"),
     ParamSpec("save_top_k", "checkpoints of the best epochs by `monitor` kept in the run folder (runs/<run_id>/best) "

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.ml.param import Param, Params
 
+from estimator.numbers import plain
+
 Check = Callable[[Any], bool]
 
 
@@ -26,6 +28,7 @@ class ParamSpec:
     check: Optional[Check] = None  # True when the value is allowed
     allowed: str = ""  # what the message says is allowed: "an int >= 1"
     json: bool = True  # False: persisted by pickling (modules, callables, stores)
+    hint: Optional[Callable[[Any], str]] = None  # the fix for a common wrong value ('' when it has none)
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -35,6 +38,7 @@ def is_int(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
             return False
         return (lo is None or v >= lo) and (hi is None or v <= hi)
 
+    check.number = int  # type: ignore[attr-defined]  # what the param's converter makes of a number when set
     return check
 
 
@@ -42,11 +46,18 @@ def is_positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
+def is_non_negative(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf")
+
+
+is_positive.number = is_non_negative.number = float  # type: ignore[attr-defined]
 is_seconds = is_positive
 
 
 def optional(check: Check) -> Check:
-    return lambda v: v is None or check(v)
+    wrapped = lambda v: v is None or check(v)  # noqa: E731
+    wrapped.number = getattr(check, "number", None)  # type: ignore[attr-defined]
+    return wrapped
 
 
 def is_instance(*types: type) -> Check:
@@ -75,10 +86,13 @@ def is_shape_list(v: Any) -> bool:
     return True
 
 
-def is_callable_or_list(v: Any) -> bool:
-    if isinstance(v, (list, tuple)):
-        return len(v) > 0 and all(callable(f) for f in v)
-    return callable(v)
+def is_callable_or_list(classes: bool = True) -> Check:
+    """A callable or a non-empty list of them; `classes=False`: no class (`loss=nn.MSELoss` is the class, not a
+    loss: calling it builds one)."""
+    def one(f: Any) -> bool:
+        return callable(f) and (classes or not inspect.isclass(f))
+
+    return lambda v: (len(v) > 0 and all(one(f) for f in v)) if isinstance(v, (list, tuple)) else one(v)
 
 
 def is_metric_list(v: Any) -> bool:
@@ -114,13 +128,34 @@ def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
     """Attach Params, getters and setters for `specs` to `cls` (a pyspark `Params` subclass)."""
     cls._param_specs = {s.name: s for s in specs}  # type: ignore[attr-defined]
     for spec in specs:
-        setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc))
+        setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=_converter(cls, spec)))
         setattr(cls, "get" + _camel(spec.name), _getter(spec.name))
         setattr(cls, "set" + _camel(spec.name), _setter(spec.name))
     params = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default) for s in specs]
     cls.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + params)
     return cls
+
+
+def _converter(cls: type, spec: ParamSpec) -> Callable[[Any], Any]:
+    """What a value set on the param becomes, as pyspark's TypeConverters do (setters, the constructor, copy(extra),
+    a ParamGridBuilder's maps): numpy's numbers become Python's; an int param takes a whole float (5.0 -> 5); a
+    number param refuses what is no number at once (TypeError). Ranges and the rest are checked at fit."""
+    number = getattr(spec.check, "number", None)
+
+    def convert(value: Any) -> Any:
+        if not spec.json:  # modules, optimizers, callables, stores: as given
+            return value
+        value = plain(value)
+        if number is None or value is None or isinstance(value, bool):
+            return value
+        if number is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(param_error(cls.__name__, spec.name, spec.allowed, value))
+        return value
+
+    return convert
 
 
 def _getter(name: str) -> Callable[[Params], Any]:
@@ -166,7 +201,9 @@ class DeclaredParams(Params):
         for name, spec in self._param_specs.items():
             value = self.getOrDefault(getattr(self, name))
             if spec.check is not None and not spec.check(value):
-                raise ValueError(param_error(type(self).__name__, name, spec.allowed, value))
+                hint = spec.hint(value) if spec.hint is not None else ""
+                raise ValueError(param_error(type(self).__name__, name, spec.allowed, value) + (" " + hint if hint
+                                                                                                 else ""))
             values[name] = value
         return values
 

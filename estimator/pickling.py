@@ -20,6 +20,7 @@ import cloudpickle
 import torch
 from torch import nn
 
+from estimator.numbers import plain
 from estimator.spec import UserObjects
 
 # Our own packages are installed on executors wherever the estimator runs.
@@ -36,7 +37,9 @@ def user_objects(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], l
                            optimizer_defaults={}, optimizer_state={}, losses=copy.deepcopy(list(losses)),
                            loss_weights=list(loss_weights), metrics=list(metrics), lightning=True)
     groups = optimizer_groups(optimizer, model)
-    defaults, state = constructor_defaults(optimizer), copy.deepcopy(optimizer.state_dict())
+    # numpy hyperparameters (Adam(lr=np.float64(...))) as Python numbers: checkpoints load with weights_only=True
+    defaults, state = plain(constructor_defaults(optimizer)), copy.deepcopy(optimizer.state_dict())
+    state["param_groups"] = plain(state["param_groups"])
     if lr is not None:
         if "lr" in defaults:
             defaults["lr"] = lr

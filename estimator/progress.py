@@ -88,9 +88,11 @@ class StepBar:
         if state["epoch"] != self.epoch:
             self.close()
             self.epoch = state["epoch"]
-            self.bar = self.tqdm(total=state["steps"], desc=f"epoch {state['epoch']}", unit="batch", file=self.file,
-                                 leave=False, dynamic_ncols=True)
-        self.bar.n = state["step"]
+            # initial: the steps done before the bar opened are not counted as done in no time (tqdm's batch/s)
+            self.bar = self.tqdm(total=state["steps"], initial=state["step"], desc=f"epoch {state['epoch']}",
+                                 unit="batch", file=self.file, leave=False, dynamic_ncols=True)
+        elif state["step"] > self.bar.n:
+            self.bar.update(state["step"] - self.bar.n)  # tqdm's rate: the steps over the time between two reads
         postfix = {"rows/s": f"{state['rows_per_second']:.0f}"}
         if state.get("loss") is not None:
             postfix["loss"] = f"{state['loss']:.4f}"

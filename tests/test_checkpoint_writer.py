@@ -69,3 +69,32 @@ def test_the_state_written_is_a_copy_taken_at_submit():
     for key, value in before.items():
         assert torch.equal(state["model"][key], value)
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], moments)
+
+
+def test_an_optimizer_built_with_numpy_numbers_checkpoints_and_loads(store):
+    """Adam(lr=np.float64(...)) and a scheduler putting numpy numbers in the groups: the checkpoint holds Python
+    numbers and loads with weights_only=True; a checkpoint written with numpy numbers in it (by 0.2.0) loads too."""
+    import io
+
+    import numpy as np
+
+    from estimator.checkpoint import Position, checkpoint_state, load_checkpoint, write_checkpoint
+    from estimator.pickling import user_objects
+    from estimator.worker import build_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=np.float64(0.01), betas=(np.float64(0.9), np.float64(0.99)))
+    objs = user_objects(model, adam, [torch.nn.MSELoss()], [1.0], [])
+    rebuilt = build_optimizer(objs, objs.model)
+    assert type(rebuilt.param_groups[0]["lr"]) is float and type(rebuilt.param_groups[0]["betas"][1]) is float
+    rebuilt.param_groups[0]["lr"] = np.float64(0.005)  # what LambdaLR with a numpy lambda leaves
+    for copy in (True, False):
+        state = checkpoint_state(objs.model, rebuilt, [{"loss": np.float32(0.5)}], Position(1), copy=copy)
+        write_checkpoint(store, state, [store.path("ckpt.pt")])
+        loaded = load_checkpoint(store, store.path("ckpt.pt"))
+        assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.005 and loaded["history"] == [{"loss": 0.5}]
+    old = {"optimizer": {"param_groups": [{"lr": np.float64(0.01)}]}, "epoch": 1}
+    buffer = io.BytesIO()
+    torch.save(old, buffer)
+    store.write_bytes_atomic(store.path("old.pt"), buffer.getvalue())
+    assert load_checkpoint(store, store.path("old.pt"))["optimizer"]["param_groups"][0]["lr"] == 0.01

@@ -135,3 +135,21 @@ def test_functional_losses_take_sample_weights_with_reduction_none():
     loss, _ = objective((p,), (y,), torch.tensor([1.0, 3.0]))
     expected = (-np.log(0.9) * 1 - np.log(0.2) * 3) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_binary_losses_refuse_labels_outside_zero_one_from_the_whole_data(store):
+    """-1/+1 labels with BCEWithLogitsLoss train without an error to a loss below 0 and accuracy 0; the range
+    comes from the Parquet footers, so a -1 in the last row group (not among the dry run's rows) is found."""
+    labels = np.array([1.0] * 30 + [-1.0], dtype=np.float32)
+    data = _data(store, labels)
+    for loss in (nn.BCEWithLogitsLoss(), nn.BCELoss()):
+        with pytest.raises(ValueError, match=r"Label column 'y' holds -1 \(values from -1 to 1\), but "
+                                             rf"{type(loss).__name__} needs labels in \[0, 1\].*\(label \+ 1\) / 2"):
+            dry_run(_objs(nn.Sequential(nn.Linear(4, 1), nn.Sigmoid()), loss), data)
+    ok = _data(store, np.array([0.0, 1.0, 0.25] * 10, dtype=np.float32))  # probabilities are labels too
+    assert dry_run(_objs(nn.Linear(4, 1), nn.BCEWithLogitsLoss()), ok) == [(1,)]
+    # the direct mode has no footers: its first rows are checked
+    direct = DataSpec(store, (), (), ("x",), ("y",))
+    head = {"x": np.zeros((6, 4), np.float32), "y": np.array([0, 2, 1, 0, 1, 0], np.float32)}
+    with pytest.raises(ValueError, match="holds 2 "):
+        dry_run(_objs(nn.Linear(4, 1), nn.BCEWithLogitsLoss()), direct, head)

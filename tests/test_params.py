@@ -130,3 +130,47 @@ def test_what_the_ranks_get_is_named_and_defaulted_as_the_params_are():
         assert f.default == defaults[name], f"{name}: the spec defaults to {f.default!r}, the param to {defaults[name]!r}"
     p = dict(defaults, reader="petastorm", train_reader_num_workers=3, reader_pool_type="process")
     assert ReaderSpec.from_params(p, 512.0) == ReaderSpec("petastorm", 3, None, "process", None, None, None, 512.0)
+
+
+def test_numbers_are_converted_when_set_as_pyspark_does():
+    """numpy's numbers (a ParamGridBuilder over np.logspace) become Python's when set, whatever sets them: the
+    constructor, a setter, copy(extra); an int param takes a whole float; a number param refuses a string at once."""
+    import numpy as np
+
+    est = TorchEstimator(lr=np.float64(0.01), batch_size=np.int64(8), epochs=5.0, loss_weights=np.array([0.5, 0.5]))
+    assert type(est.getLr()) is float and est.getLr() == 0.01
+    assert type(est.getBatchSize()) is int and est.getBatchSize() == 8 and type(est.getEpochs()) is int
+    assert est.getLossWeights() == [0.5, 0.5] and type(est.getLossWeights()[0]) is float
+    grid_value = np.logspace(-3, -1, 3)[1]
+    copied = est.copy({est.lr: grid_value})
+    assert type(copied.getLr()) is float and copied.getLr() == pytest.approx(0.01)
+    assert type(est.setMinDelta(np.float32(0.5)).getMinDelta()) is float
+    with pytest.raises(TypeError, match=r"The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 'x'"):
+        TorchEstimator(batch_size="x")
+    with pytest.raises(TypeError, match=r"The 'lr' parameter of TorchEstimator must be a number > 0 or None"):
+        est.setLr("0.1")
+    assert TorchEstimator(batch_size=5.5).getBatchSize() == 5.5  # not whole: refused at fit, by the range check
+    with pytest.raises(ValueError, match="must be an int >= 1. Got 5.5 instead"):
+        _valid(batch_size=5.5).validated()
+
+
+def test_a_loss_class_and_a_list_of_optimizers_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"Got <class '.*CrossEntropyLoss'> instead. CrossEntropyLoss is a class: "
+                                         r"pass an instance, CrossEntropyLoss\(\)"):
+        _valid(loss=nn.CrossEntropyLoss).validated()
+    with pytest.raises(ValueError, match=r"Got \[CrossEntropyLoss\(\), <class"):
+        _valid(loss=[nn.CrossEntropyLoss(), nn.MSELoss]).validated()
+    _valid(loss=None, loss_constructors=[nn.MSELoss]).validated()  # a class builds a loss: a constructor
+    model = nn.Linear(4, 2)
+    two = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())]
+    with pytest.raises(ValueError, match=r"write your own loop with train_fn and keep each extra optimizer with "
+                                         r"ctx.keep\(name, optimizer\)"):
+        _valid(model=model, optimizer=two).validated()
+
+
+def test_fit_of_a_pandas_frame_says_how_to_make_a_spark_one():
+    import pandas as pd
+
+    with pytest.raises(TypeError, match=r"TorchEstimator.fit takes a Spark DataFrame; got a "
+                                        r"pandas.core.frame.DataFrame: spark.createDataFrame\(pdf\)"):
+        _valid().fit(pd.DataFrame({"x": [1.0], "y": [0.0]}))

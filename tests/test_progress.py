@@ -1,6 +1,7 @@
 """verbose=2's step progress: rank 0's steps.json, and the driver's tqdm bar fed from it (no Spark)."""
 import io
 import json
+import time
 
 import pytest
 import torch
@@ -43,3 +44,18 @@ def test_the_driver_bar_shows_the_running_epoch_and_gives_way_to_the_epoch_line(
     watcher.poll()  # the step state of a reported epoch does not reopen a bar
     assert bar.bar is None
     assert StepBar.open(1) is None and isinstance(StepBar.open(2), StepBar)
+
+
+def test_the_bar_counts_batches_per_second_from_the_reads_it_saw():
+    """A bar opened in the middle of an epoch (step 5000) measures its rate over the steps it saw arrive, not
+    as 5000 steps done in no time (a rate of millions of batches per second)."""
+    pytest.importorskip("tqdm")
+    bar = StepBar(file=io.StringIO())
+    state = {"epoch": 1, "step": 5000, "steps": 10000, "loss": 0.5, "rows_per_second": 1.0}
+    bar.update(state)
+    for step in (5010, 5020, 5030):
+        time.sleep(0.2)
+        bar.update({**state, "step": step})
+    rate = bar.bar.format_dict["rate"]
+    assert bar.bar.n == 5030 and rate is not None and 20 < rate < 100, rate  # 10 steps each 0.2 s: 50 batch/s
+    bar.close()

@@ -195,7 +195,7 @@ def test_streaming_holds_a_bounded_amount_of_memory(store):
 
 
 def test_none_keeps_the_shards_in_memory_only_when_they_fit():
-    assert cache_decision(None, 100, 1000, "test") == (True, "shards ~0 MB fit the budget 0 MB (test)")
+    assert cache_decision(None, 100, 1000, "test") == (True, "train + val shards ~0 MB fit the budget 0 MB (test)")
     keep, why = cache_decision(None, 3 * 2**30, 2**30, "spark.executor.pyspark.memory per task")
     assert not keep and "exceed the budget 1,024 MB (spark.executor.pyspark.memory per task)" in why
     assert cache_decision(False, 1, 10**9, "x")[0] is False and cache_decision(True, 10**12, 1, "x")[0] is True
@@ -204,12 +204,13 @@ def test_none_keeps_the_shards_in_memory_only_when_they_fit():
 def test_a_small_memory_budget_streams_and_says_why(store):
     import dataclasses
 
-    spec = _spec(store, cache=None)
+    spec = _spec(store, cache=None, val_rows=50)
     assert isinstance(open_shards(spec, 0, 2)[0], CachedShard)  # a few KB fit any host
     tight = dataclasses.replace(spec, reader=dataclasses.replace(spec.reader, memory_budget_mb=0.001))
-    train, _ = open_shards(tight, 0, 2)
+    train, val = open_shards(tight, 0, 2)
     assert isinstance(train, StreamingShard)
     assert "exceed the budget" in train.describe() and "spark.executor.pyspark.memory" in train.describe()
+    assert val is not None and "budget" not in val.describe()  # one decision, said once: not the val shard's size
 
 
 def test_the_feed_keeps_a_bounded_queue_ahead_and_stops_early(store):

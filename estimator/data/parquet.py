@@ -163,9 +163,15 @@ def read_head(store: Store, pieces: Sequence[Piece], rows: int, columns: Sequenc
 
 
 def column_max(store: Store, pieces: Sequence[Piece], column: str) -> Optional[float]:
-    """The largest value of a numeric column, from the row groups' footer statistics (no data read); None when
-    a row group has no statistics for it."""
-    fs, best = arrow_filesystem(store), None
+    """The largest value of a numeric column (see column_range)."""
+    found = column_range(store, pieces, column)
+    return None if found is None else found[1]
+
+
+def column_range(store: Store, pieces: Sequence[Piece], column: str) -> Optional[Tuple[float, float]]:
+    """The smallest and largest value of a numeric column, or of an array column's elements, from the row groups'
+    footer statistics (no data read); None when a row group has no statistics for it."""
+    fs, low, high = arrow_filesystem(store), None, None
     by_file: dict = {}
     for piece in pieces:
         by_file.setdefault(piece.path, []).append(piece.row_group)
@@ -173,12 +179,14 @@ def column_max(store: Store, pieces: Sequence[Piece], column: str) -> Optional[f
         with fs.open_input_file(path) as handle:
             meta = pq.ParquetFile(handle).metadata
         paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
-        if column not in paths:  # an array column: its leaf is column.list.element
+        leaf = column if column in paths else f"{column}.list.element"  # an array column: its elements' leaf
+        if leaf not in paths:
             return None
-        index = paths.index(column)
+        index = paths.index(leaf)
         for group in groups:
             stats = meta.row_group(group).column(index).statistics
             if stats is None or not stats.has_min_max:
                 return None
-            best = stats.max if best is None else max(best, stats.max)
-    return None if best is None else float(best)
+            low = stats.min if low is None else min(low, stats.min)
+            high = stats.max if high is None else max(high, stats.max)
+    return None if low is None else (float(low), float(high))

@@ -54,8 +54,8 @@ def cache_decision(setting: Optional[bool], needed: int, budget: int, source: st
     if setting is not None:
         return setting, f"inmemory_cache_all={setting}"
     if needed <= budget:
-        return True, f"shards ~{_mb(needed)} fit the budget {_mb(budget)} ({source})"
-    return False, f"shards ~{_mb(needed)} exceed the budget {_mb(budget)} ({source})"
+        return True, f"train + val shards ~{_mb(needed)} fit the budget {_mb(budget)} ({source})"
+    return False, f"train + val shards ~{_mb(needed)} exceed the budget {_mb(budget)} ({source})"
 
 
 def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int = 1) -> Tuple[Shard, Optional[Shard]]:
@@ -81,10 +81,12 @@ def open_shards(spec: TrainSpec, rank: int, world_size: int, ranks_on_host: int 
 
     def open_one(split: str, training: bool) -> Shard:
         pieces = data.train if training else data.val
+        why_here = why if training else ""  # one decision for both shards: said once, on the training shard's line
         if cached:
-            return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why, totals[split])
+            return CachedShard(spec, pieces, *ranges[split], rank, world_size, training, why_here, totals[split])
         first = ranges[split][0] if data.local is None else 0
-        return StreamingShard(spec, parts[split], totals[split], rank, world_size, training, buffer_rows, why, first)
+        return StreamingShard(spec, parts[split], totals[split], rank, world_size, training, buffer_rows, why_here,
+                              first)
 
     return open_one("train", True), open_one("val", False) if data.val else None
 
