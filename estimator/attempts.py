@@ -16,8 +16,9 @@ from estimator.checkpoint import Position, describe, load_checkpoint, position_o
 from estimator.data.remainder import replayable
 from estimator.data.row_checks import BadRows
 from estimator.failures import FailureKind, NotEnoughSlots, RankFailed
-from estimator.fit_report import watching
+from estimator.fit_report import say, watching
 from estimator.launcher import SparkBarrierLauncher
+from estimator.liveness import wait_for_other_launch
 from estimator.session import default_retries, task_slots
 from estimator.spec import TrainSpec, WorkerResult
 from store import Store
@@ -34,6 +35,8 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
     retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
     launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
     world = run.num_proc
+    # never resume from (or return) a checkpoint another launch is still writing
+    wait_for_other_launch(run.store, spec.run, run.run_id, spec.rendezvous_timeout, lambda line: say(p, line))
     for attempt in range(retries + 1):
         if attempt:  # a lost executor may have taken slots with it
             world = retry_world(spark, run.run_id, run.num_proc, p["min_num_proc"] or run.num_proc, run.per_task,

@@ -206,7 +206,15 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
         model = self._model(p, run, output_shapes)
         json_params = {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}
-        logged = log_to_mlflow(p["mlflow"], json_params, model.getHistory(), model.getBestEpoch(), model.getModel())
+        try:
+            logged = log_to_mlflow(p["mlflow"], json_params, model.getHistory(), model.getBestEpoch(),
+                                   model.getModel())
+        except Exception as exc:  # noqa: BLE001 - tracking never costs the trained model
+            warnings.warn(f"Run {run_id} is trained and its model returned, but logging it to MLflow failed: "
+                          f"{type(exc).__name__}: {str(exc)[:500]}. Its history is on the model (getHistory()); "
+                          "log it yourself, or fit again with the same run_id once MLflow works (nothing is "
+                          "trained again).", RuntimeWarning, stacklevel=3)
+            logged = None
         if logged:
             log.info("Logged run %s to MLflow run %s", run_id, logged)
         if not getattr(store, "save_runs", True):

@@ -21,10 +21,11 @@ class FailureKind(str, enum.Enum):
     WRITE = "write"  # writing a checkpoint to the store
     WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
     DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
+    ENVIRONMENT = "environment"  # the executor's Python lacks a module the ranks import: it recurs
 
     @property
     def retryable(self) -> bool:
-        return self not in (FailureKind.NAN, FailureKind.DATA)
+        return self not in (FailureKind.NAN, FailureKind.DATA, FailureKind.ENVIRONMENT)
 
 
 class RankFailed(RuntimeError):
@@ -70,6 +71,8 @@ def failure_kind(exc: BaseException) -> FailureKind:
             return FailureKind(named)
         if _is_dist_error(current):
             return FailureKind.PEER
+        if isinstance(current, ImportError):
+            return FailureKind.ENVIRONMENT
         current = current.__cause__ or current.__context__
     return FailureKind.USER
 
@@ -79,7 +82,15 @@ def as_rank_failure(rank: int, exc: BaseException) -> RankFailed:
     if isinstance(exc, RankFailed):
         return exc
     summary = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return RankFailed(rank, traceback.format_exc(), summary, failure_kind(exc))
+    kind = failure_kind(exc)
+    if kind is FailureKind.ENVIRONMENT:  # which Python lacks it, where: spark.pyspark.python may not be what ran
+        import socket
+        import sys
+
+        summary += (f" (executor {socket.gethostname()}, Python {sys.executable} {sys.version.split()[0]}). Install "
+                    "it in the executors' Python (README 'On a cluster' lists what they need), or point "
+                    "PYSPARK_PYTHON at a Python that has it.")
+    return RankFailed(rank, traceback.format_exc(), summary, kind)
 
 
 def exception_line(formatted: str) -> str:
@@ -95,6 +106,11 @@ def exception_line(formatted: str) -> str:
 class NotEnoughSlots(RuntimeError):
     """A retry found fewer task slots than the ranks it may run on (min_num_proc), and they did not come back
     within rendezvous_timeout: no barrier stage is launched that Spark could not schedule."""
+
+
+class RunInUse(RuntimeError):
+    """Another launch still trains the run (its heartbeat goes on): a fit does not read, resume or return a
+    checkpoint that another launch is writing."""
 
 
 class RendezvousFailed(RankFailed):

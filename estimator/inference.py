@@ -6,11 +6,11 @@ keyed by the model's content hash, so each Arrow batch costs only the conversion
 """
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import cloudpickle
 import numpy as np
 import pyarrow as pa
 import torch
@@ -48,7 +48,7 @@ class InferenceLayout:
 
 def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
     if (key, device) not in _CACHE:
-        model = cloudpickle.loads(blob).to(device).eval()
+        model = pickle.loads(blob).to(device).eval()
         _CACHE[(key, device)] = model
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

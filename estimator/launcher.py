@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import pickle
+import posixpath
 import re
 import resource
 import shutil
@@ -32,8 +33,9 @@ from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
 from estimator.faults import Fault, from_env, inject
 from estimator.rank_setup import Placement, train_rank
+from estimator.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
 from estimator.rendezvous import all_gather, announce, late_at_barrier
-from estimator.session import job_tag
+from estimator.session import job_tag, tag_canceller
 from estimator.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger("estimator")
@@ -70,9 +72,7 @@ class SparkBarrierLauncher:
         ranks = (source if source is not None else self.spark.range(0, tasks, 1, tasks)).mapInArrow(
             task, RESULT_SCHEMA, barrier=True)
         try:
-            with job_tag(self.spark, f"{self.description} {spec.launch_id}") as cancel, \
-                    FailureWatch(store, spec.run, spec.launch_id, num_proc, cancel):
-                rows = ranks.collect()
+            rows = self._collect(ranks, spec, num_proc)
             failed = [row["rank"] for row in rows if not row["result"]]  # ranks that failed and were stopped
             if failed:
                 raise launch_failure(store, spec.run, spec.launch_id, num_proc, "", per_task) or RankFailed(
@@ -86,7 +86,8 @@ class SparkBarrierLauncher:
             log.debug("Spark's report of the failed training job: %s", exc)  # the Java frames, for DEBUG only
             raise failure from None
         finally:
-            _remove_quietly(store, launch)
+            _remove_quietly(store, launch)  # a task still running finds it gone and ends (LaunchWatch)
+            remove_if_ours(store, spec.run, spec.launch_id)  # rank 0's beat, if a killed task left it
         results = sorted((pickle.loads(row["result"]) for row in rows), key=lambda r: r.rank)
         for r in results:
             if r.assigned_gpu is not None:
@@ -96,6 +97,58 @@ class SparkBarrierLauncher:
                         "device, so gradients were averaged with gloo, through host memory (slower). Give each "
                         "rank a whole GPU for nccl.")
         return results
+
+    def _collect(self, ranks: Any, spec: TrainSpec, num_proc: int) -> List[Any]:
+        """The barrier job's rows, collected on a thread of its own (inheriting the caller's Spark job group and
+        tags), so that Ctrl-C reaches this thread while the job runs rather than inside pyspark's socket read,
+        where pyspark's own handler cannot cancel it: the job is cancelled by its tag, the ranks' tasks end
+        (a checkpoint is written atomically: the last one stays whole), and KeyboardInterrupt goes on up."""
+        from pyspark import InheritableThread
+
+        store, text = spec.data.store, f"{self.description} {spec.launch_id}"
+        box: Dict[str, Any] = {}
+
+        def job() -> None:
+            try:
+                with job_tag(self.spark, text) as cancel, FailureWatch(store, spec.run, spec.launch_id, num_proc,
+                                                                       cancel):
+                    box["rows"] = ranks.collect()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                box["error"] = exc
+
+        thread = InheritableThread(job, session=self.spark, name=f"training-job-{spec.launch_id}", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.2)
+        except KeyboardInterrupt:
+            interrupted(self.spark, text, spec, thread)
+            raise
+        if "error" in box:
+            raise box["error"]
+        return box["rows"]
+
+
+def interrupted(spark: Any, text: str, spec: TrainSpec, job: Any) -> None:
+    """Ctrl-C during a launch: its job cancelled by its tag and its folder removed (every task ends its process
+    within seconds: LaunchWatch), then one line saying how to go on. Returns once rank 0's task has stopped
+    beating, so that a fit right after does not wait for it."""
+    from estimator.fit_report import say_to_user  # the driver's console (not imported by the ranks)
+
+    try:
+        tag_canceller(spark, text)()
+    except Exception:  # noqa: BLE001 - pyspark's own handler may have cancelled it already
+        log.debug("could not cancel the training job by its tag", exc_info=True)
+    job.join(30)
+    store, run_id = spec.data.store, posixpath.basename(spec.run.root.rstrip("/"))
+    _remove_quietly(store, spec.run.launch(spec.launch_id))
+    try:
+        wait_for_other_launch(store, spec.run, run_id, 30.0, lambda line: None)
+    except Exception:  # noqa: BLE001 - the next fit of the run waits for it and says so
+        log.debug("launch %s still beats", spec.launch_id, exc_info=True)
+    (say_to_user if spec.verbose else log.info)(
+        f"Interrupted: the training job of run {run_id!r} was cancelled. To continue from its last checkpoint, "
+        f"fit again with run_id={run_id!r}.")
 
 
 def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str, per_task: int = 1
@@ -165,7 +218,8 @@ def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...
         if spilled is None:
             for _ in batches:
                 pass
-        results = _spark_task(store.read_bytes(run.launch_spec(launch_id)), faults, attempt, per_task, spilled)
+        with LaunchWatch(store, run, launch_id, beats=first == 0):
+            results = _spark_task(store.read_bytes(run.launch_spec(launch_id)), faults, attempt, per_task, spilled)
     except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it is
         failure = as_rank_failure(first, exc)
         if _record_failure(store, run, launch_id, failure):

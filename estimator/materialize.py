@@ -91,6 +91,9 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[str], validation:
     attempt, written, observed = _attempt(plain, store, layout, columns, files if files > 0 else None, drop_nulls)
     try:
         check_observed(observed, columns, drop_nulls)
+        if not observed.get("rows"):
+            raise ValueError("The DataFrame given to fit has no rows: nothing to train on. Check the filters or "
+                             "joins that made it (df.count() says 0).")
     except ValueError:
         store.rm(layout.attempt(attempt))  # never committed, never reused; nothing of the user's is touched
         raise

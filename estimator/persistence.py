@@ -45,9 +45,9 @@ class ParamsWriter(MLWriter):
         model = objects.pop("model", None)
         if isinstance(objects.get("store"), Store):
             objects["store"] = objects["store"].without_credentials()
-        _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values()))
+        _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values(), for_executors=False))
         if model is not None:
-            _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model]))
+            _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model], for_executors=False))
             buffer = io.BytesIO()
             torch.save(model.state_dict(), buffer)
             _write(fs, posixpath.join(root, "weights.pt"), buffer.getvalue())

@@ -16,7 +16,6 @@ import threading
 from types import ModuleType
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set
 
-import cloudpickle
 import torch
 from torch import nn
 
@@ -99,18 +98,26 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
 _BY_VALUE_LOCK = threading.Lock()  # cloudpickle's by-value registry is global: fits in threads take turns
 
 
-def dumps(obj: Any, what: str, roots: Iterable[Any] = ()) -> bytes:
-    """cloudpickle `obj`, pickling driver-only modules of `roots` by value."""
+def dumps(obj: Any, what: str, roots: Iterable[Any] = (), for_executors: bool = True) -> bytes:
+    """cloudpickle `obj`, pickling driver-only modules of `roots` by value. For the executors, with pyspark's own
+    copy of cloudpickle (`pyspark.cloudpickle`, in the pyspark.zip every Python worker has): what is pickled by
+    value then needs nothing installed there but pyspark. `for_executors=False` (a saved model or pipeline, read
+    on a driver): the cloudpickle package, as saves of earlier releases were written."""
+    if for_executors:
+        from pyspark import cloudpickle as pickler
+    else:
+        import cloudpickle as pickler
     with _BY_VALUE_LOCK:
-        return _dumps(obj, what, driver_only_modules(roots))
+        return _dumps(pickler, obj, what, driver_only_modules(roots))
 
 
-def _dumps(obj: Any, what: str, modules: List[ModuleType]) -> bytes:
-    modules = [m for m in modules if m.__name__ not in _registered_by_value()]  # leave the user's registrations
+def _dumps(pickler: ModuleType, obj: Any, what: str, modules: List[ModuleType]) -> bytes:
+    registered = set(getattr(pickler.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ()))
+    modules = [m for m in modules if m.__name__ not in registered]  # leave the user's registrations
     for module in modules:
-        cloudpickle.register_pickle_by_value(module)
+        pickler.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(obj)
+        return pickler.dumps(obj)
     except Exception as exc:  # noqa: BLE001 - any pickling failure gets the same advice
         raise ValueError(
             f"The {what} cannot be sent to the Spark executors: {type(exc).__name__}: {exc}. Objects that "
@@ -118,11 +125,7 @@ def _dumps(obj: Any, what: str, modules: List[ModuleType]) -> bytes:
             "pickled; keep such state out of the model, loss and metrics.") from None
     finally:
         for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def _registered_by_value() -> set:
-    return set(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ()))
+            pickler.unregister_pickle_by_value(module)
 
 
 def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:

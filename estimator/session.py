@@ -123,16 +123,28 @@ def default_retries(spark: Any) -> int:
 @contextlib.contextmanager
 def job_tag(spark: Any, text: str) -> Iterator[Callable[[], None]]:
     """Tag the Spark jobs this thread starts inside (the Spark UI lists them by tag); yields a function that
-    cancels them from any thread. Classic sessions tag through the SparkContext (the session's own addTag is
-    thread-local: another thread's interruptTag finds nothing), Connect sessions through the session."""
-    tag = re.sub(r"[^A-Za-z0-9_.:-]+", "-", text).strip("-")
+    cancels them from any thread (`tag_canceller`). Classic sessions tag through the SparkContext (the session's
+    own addTag is thread-local: another thread's interruptTag finds nothing), Connect sessions through the
+    session."""
+    tag = _tag(text)
     if is_connect(spark):
-        add, remove, cancel = spark.addTag, spark.removeTag, spark.interruptTag
+        add, remove = spark.addTag, spark.removeTag
     else:
-        sc = spark.sparkContext
-        add, remove, cancel = sc.addJobTag, sc.removeJobTag, sc.cancelJobsWithTag
+        add, remove = spark.sparkContext.addJobTag, spark.sparkContext.removeJobTag
     add(tag)
     try:
-        yield lambda: cancel(tag)
+        yield tag_canceller(spark, text)
     finally:
         remove(tag)
+
+
+def tag_canceller(spark: Any, text: str) -> Callable[[], None]:
+    """A function that cancels the jobs `job_tag(spark, text)` tagged, from any thread."""
+    tag = _tag(text)
+    if is_connect(spark):
+        return lambda: spark.interruptTag(tag)
+    return lambda: spark.sparkContext.cancelJobsWithTag(tag)
+
+
+def _tag(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.:-]+", "-", text).strip("-")

@@ -7,13 +7,14 @@ A retry or a refit writes a new event file next to the earlier ones; TensorBoard
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import posixpath
 import shutil
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 log = logging.getLogger("estimator")
 
@@ -69,10 +70,48 @@ class TensorBoardLog:
 
 
 def check_mlflow(setting: Optional[bool]) -> None:
-    """mlflow=True needs the package; said before any Spark job."""
-    if setting and importlib.util.find_spec("mlflow") is None:
-        raise ValueError("The 'mlflow' parameter of TorchEstimator is True but the mlflow package is not installed: "
-                         "pip install mlflow (or mlflow-skinny), or set mlflow=None to log only when it is there.")
+    """Before any Spark job, when the fit would log to MLflow (True, or None with an active run): the package is
+    there and its tracking store answers. A store that cannot be used (an unreachable server, a database URI that
+    mlflow-skinny cannot open, a file store refused without MLFLOW_ALLOW_FILE_STORE) is named with the fix here,
+    rather than after training."""
+    if setting is False:
+        return
+    if importlib.util.find_spec("mlflow") is None:
+        if setting:
+            raise ValueError("The 'mlflow' parameter of TorchEstimator is True but the mlflow package is not "
+                             "installed: pip install mlflow (or mlflow-skinny), or set mlflow=None to log only when "
+                             "it is there.")
+        return
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    if not setting and mlflow.active_run() is None:
+        return
+    uri = mlflow.get_tracking_uri()
+    try:
+        with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10"):  # a dead server: seconds
+            MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:  # noqa: BLE001 - whatever the store raises, the fix is the same
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"mlflow={setting!r}: MLflow's tracking store {uri!r} cannot be used "
+                         f"({type(exc).__name__}: {first}). Point MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) at "
+                         "a tracking server (http://host:5000), at a database URI with the full mlflow package (pip "
+                         "install mlflow), or at a folder with MLFLOW_ALLOW_FILE_STORE=true; or set mlflow=False."
+                         ) from None
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def log_to_mlflow(setting: Optional[bool], params: Dict[str, Any], history: Any, best_epoch: Optional[int],

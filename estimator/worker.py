@@ -6,10 +6,10 @@ process (tests, LocalLauncher). torch only, no pyspark."""
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from typing import Any, Optional, Tuple
 
-import cloudpickle
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -32,7 +32,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                  early: Optional[EarlyRead] = None) -> WorkerResult:
     """Train this rank; `early` holds its shards when the launcher started opening them already."""
     started = time.perf_counter()
-    objs: UserObjects = cloudpickle.loads(spec.payload)
+    objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
     model = objs.model.to(device)
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs)

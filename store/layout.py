@@ -74,6 +74,12 @@ class RunLayout:
     def metadata(self) -> str:
         return posixpath.join(self.root, "metadata.json")
 
+    @property
+    def alive(self) -> str:
+        """Rewritten every few seconds by the task of rank 0 while a launch trains; removed when it ends (or by
+        the driver that cancelled it). A fit of the run waits while it beats (estimator.liveness)."""
+        return posixpath.join(self.root, "alive.json")
+
     def launch(self, launch_id: str) -> str:
         """Per-launch scratch, removed when the launch ends: what the ranks train (the spec), each rank's
         arrival marker (read only when the rendezvous times out), failure record, and the driver's stop marker."""

@@ -165,8 +165,10 @@ def test_arrays_of_different_lengths_are_named(spark, store):
 
 
 def test_empty_dataframe_and_empty_training_split(spark, store):
-    with pytest.raises(ValueError, match="The training split has 0 rows, fewer than num_proc=2"):
+    with pytest.raises(ValueError, match=r"The DataFrame given to fit has no rows: nothing to train on"):
         _est(store).fit(_frame(spark, []))
+    data = store.path("data")
+    assert not store.exists(data) or store.fs.find(data) == []  # no uncommitted copy left in the store
     rows = [([0.1] * 64, i % 10, True) for i in range(20)]  # every row is a validation row
     with pytest.raises(ValueError, match="The training split has 0 rows"):
         _est(store, validation="v").fit(_frame(spark, rows, "features array<float>, label long, v boolean"))

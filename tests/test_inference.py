@@ -32,7 +32,7 @@ def test_outputs_and_argmax_match_a_direct_forward_across_batches():
 def test_model_is_unpickled_once_per_worker(monkeypatch):
     loads = []
     real = cloudpickle.loads
-    monkeypatch.setattr(inference.cloudpickle, "loads", lambda b: loads.append(1) or real(b))
+    monkeypatch.setattr(inference.pickle, "loads", lambda b: loads.append(1) or real(b))
     blob = cloudpickle.dumps(seeded(MLP))
     column = pa.array([[0.0] * 64] * 3, pa.list_(pa.float32()))
     for _ in range(3):

@@ -94,3 +94,47 @@ def test_a_fit_that_loses_a_worker_goes_on_with_the_slots_left(tmp_path):
     assert [row["epoch"] for row in history] == [1, 2, 3, 4, 5, 6]
     assert history[-1]["val_accuracy"] >= 0.85 and history[-1]["loss"] < history[1]["loss"]
     assert not _java_pids(str(tmp_path / "cluster"))
+
+
+BARE_PACKAGES = ["pyarrow", "numpy", "pandas"]  # after torch: exactly README 'On a cluster' lists
+
+
+@pytest.fixture(scope="module")
+def bare_executor_python():
+    """A venv holding exactly what README 'On a cluster' says executors need (torch, then pyarrow, numpy, pandas,
+    pinned by constraints.txt, with what pip installs for them) and nothing of this project: made once in .cache/."""
+    venv = os.path.join(ROOT, ".cache", "bare-executor-venv")
+    python, done = os.path.join(venv, "bin", "python"), os.path.join(venv, "installed")
+    if not os.path.exists(done):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c",
+               os.path.join(ROOT, "constraints.txt")]
+        index = ["--index-url", os.environ["TORCH_INDEX_URL"]] if os.environ.get("TORCH_INDEX_URL") else []
+        subprocess.run(pip + index + ["torch"], check=True, timeout=900)
+        subprocess.run(pip + BARE_PACKAGES, check=True, timeout=900)
+        open(done, "w").close()
+    missing = subprocess.run([python, "-c", "import cloudpickle"], capture_output=True, text=True)
+    assert "No module named 'cloudpickle'" in missing.stderr  # the premise: only the listed packages are there
+    return python
+
+
+def test_executors_with_only_the_listed_packages_fit_transform_and_name_a_missing_module(tmp_path,
+                                                                                        bare_executor_python):
+    """The README's list is true: a fit and a transform on executors whose Python has only it. A model whose code
+    needs a package they lack fails once (an environment failure is not retried), naming the module, the executor
+    and its Python, in a few lines."""
+    import json
+
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "bare_executor_job.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=bare_executor_python))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["executor_python"] == bare_executor_python
+    assert report["val_accuracy"] > 0.8 and report["transform_accuracy"] > 0.8
+    failure = report["failure"]
+    assert failure["kind"] == "environment" and failure["lines"] <= 30, failure
+    assert failure["summary"].startswith("ModuleNotFoundError: No module named 'sklearn' (executor ")
+    assert f"Python {bare_executor_python} " in failure["summary"] and "PYSPARK_PYTHON" in failure["summary"]
+    assert "retrying" not in result.stderr  # one launch: the same module would be missing again
+    assert not _java_pids(str(tmp_path / "cluster"))

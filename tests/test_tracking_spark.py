@@ -1,5 +1,8 @@
 """TensorBoard event files read back with tensorboard's own reader; MLflow runs in a local tracking store."""
+import importlib.util
 import os
+import re
+import time
 
 import numpy as np
 import pytest
@@ -71,3 +74,45 @@ def test_mlflow_run_holds_params_metric_histories_best_epoch_and_the_model(spark
     runs_before = len(client.search_runs([run.info.experiment_id]))
     _estimator(store, epochs=1).fit(df)
     assert len(client.search_runs([run.info.experiment_id])) == runs_before
+
+
+def test_a_tracking_store_that_cannot_be_used_is_named_before_training(spark, store, tmp_path, monkeypatch):
+    """MLflow's defaults with mlflow-skinny (a sqlite URI it cannot open), a file store refused without its
+    variable, and a server that is down: each refused before any Spark job, with the setting and the fix."""
+    mlflow = pytest.importorskip("mlflow")
+    from estimator.cluster import free_port
+
+    df = spark.createDataFrame([([0.0] * 64, 0)], ["features", "label"])
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uris = [f"file://{tmp_path / 'mlruns'}", f"http://127.0.0.1:{free_port()}"]
+    if importlib.util.find_spec("sqlalchemy") is None:  # mlflow-skinny: no database stores
+        uris.append(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for uri in uris:
+        mlflow.set_tracking_uri(uri)
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=rf"mlflow=True: MLflow's tracking store '{re.escape(uri)}' cannot be "
+                                             r"used .* Point MLFLOW_TRACKING_URI .* MLFLOW_ALLOW_FILE_STORE=true; or set "
+                                             r"mlflow=False."):
+            _estimator(store, mlflow=True).fit(df)
+        assert time.monotonic() - started < 30, uri
+    assert not store.exists(store.path("runs")) and not store.exists(store.path("data"))  # no job wrote anything
+    mlflow.set_tracking_uri(None)
+
+
+def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, store, digits, tmp_path,
+                                                                      monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    import mlflow.pytorch
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("the tracking server went away")
+
+    monkeypatch.setattr(mlflow.pytorch, "log_model", refuse)
+    with pytest.warns(RuntimeWarning, match=r"Run .* is trained and its model returned, but logging it to MLflow "
+                                            r"failed: ConnectionError: the tracking server went away"):
+        fitted = _estimator(store, mlflow=True, epochs=1).fit(digits_frame(spark, digits))
+    assert len(fitted.getHistory()) == 1
+    mlflow.set_tracking_uri(None)

@@ -13,10 +13,9 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
-import cloudpickle
 
 from estimator.data.arrays import Arrays, Tensors, to_tensors
-from estimator.data.frames import load_transformation, run_loaded, transform_batch
+from estimator.data.frames import cloudpickle_module, load_transformation, run_loaded, transform_batch
 from estimator.spec import DataSpec
 
 _END = object()
@@ -39,7 +38,7 @@ class Decoders:
                          if self.workers > 1 or processes else None)
         method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
         self._processes = (ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
-                                               initializer=load_transformation, initargs=(cloudpickle.dumps(fn),))
+                                               initializer=load_transformation, initargs=(cloudpickle_module().dumps(fn),))
                            if processes else None)
 
     def submit(self, raw: Arrays, finish: Callable[[Arrays], Tensors]) -> "Future[Tensors]":

@@ -42,15 +42,24 @@ def load_transformation(payload: bytes) -> None:
     """A decoding process's initializer: the cloudpickled transformation_fn, once. A forked process has the
     rank's torch already: one intra-op thread, as torch's DataLoader workers do (no oversubscription, and no
     OpenMP pool of the parent's to inherit)."""
+    import pickle
     import sys
-
-    import cloudpickle
 
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     global _LOADED
-    _LOADED = cloudpickle.loads(payload)
+    _LOADED = pickle.loads(payload)
 
 
 def run_loaded(batch: Arrays) -> Arrays:
     return transform_batch(_LOADED, batch)
+
+
+def cloudpickle_module() -> Any:
+    """The cloudpickle package where it is installed, else pyspark's own copy (in the pyspark.zip of every Python
+    worker): a decoding process's function is pickled and loaded on one executor, by either."""
+    try:
+        import cloudpickle
+    except ImportError:
+        from pyspark import cloudpickle  # type: ignore[no-redef]
+    return cloudpickle
