@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,12 +26,12 @@ from store import Store
 log = logging.getLogger("estimator")
 
 
-def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any, source: Any = None
-                        ) -> List[WorkerResult]:
+def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any, source: Any = None,
+                        on_epoch: Optional[Callable[[Dict[str, float]], None]] = None) -> List[WorkerResult]:
     """Launch the ranks; after a failure launch again from the last checkpoint, up to max_retries
     times (Spark never retries a failed barrier ResultStage itself). Returns [] when the run's
     checkpoint already has every requested epoch. In the direct mode every launch computes `source`. `run`: the
-    fit's RunPlan (estimator.estimator)."""
+    fit's RunPlan (estimator.estimator). `on_epoch`: called with each history row as the driver learns it."""
     retries = p["max_retries"] if p["max_retries"] is not None else default_retries(spark)
     launcher = SparkBarrierLauncher(spark, f"TorchEstimator.fit {run.run_id}")
     world = run.num_proc
@@ -64,7 +64,7 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
                          resume_from=spec.run.checkpoint if done.epochs or done.step else None,
                          batch_size=batch_size)
         try:
-            with watching(p, run.store, spec.run, run.run_id):
+            with watching(p, run.store, spec.run, run.run_id, on_epoch):
                 return launcher.run(launch, world, source, run.per_task)
         except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
             if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 import uuid
@@ -38,7 +39,7 @@ from estimator.session import check_slots, default_num_proc, ranks_per_task
 from estimator.shipping import ship_package
 from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.stopping import Monitor
-from estimator.tracking import check_mlflow, log_to_mlflow
+from estimator.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.worker import build_optimizer
 from store import LocalStore, Store
 
@@ -199,24 +200,25 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if not store.exists(spec.run.metadata):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
                                                                     "run_id": run_id}).encode())
+        facts = model_facts(p["model"], p["optimizer"], run.objs.build_losses(), num_proc,
+                            data.train_rows if source is None else None, data.val_rows if source is None else None)
+        facts["optimizer_lr"] = p["lr"] or facts["optimizer_lr"]
+        tracked = MlflowLog.open(p["mlflow"], {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}, facts)
         launched = time.perf_counter()
-        results = launch_with_retries(p, run, spec, spark, source)
+        try:
+            results = launch_with_retries(p, run, spec, spark, source,
+                                          on_epoch=tracked.epoch if tracked is not None else None)
+        except BaseException:
+            if tracked is not None:
+                tracked.end("KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+            raise
         launch_seconds = time.perf_counter() - launched
         if results:
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
         model = self._model(p, run, output_shapes)
-        json_params = {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}
-        try:
-            logged = log_to_mlflow(p["mlflow"], json_params, model.getHistory(), model.getBestEpoch(),
-                                   model.getModel())
-        except Exception as exc:  # noqa: BLE001 - tracking never costs the trained model
-            warnings.warn(f"Run {run_id} is trained and its model returned, but logging it to MLflow failed: "
-                          f"{type(exc).__name__}: {str(exc)[:500]}. Its history is on the model (getHistory()); "
-                          "log it yourself, or fit again with the same run_id once MLflow works (nothing is "
-                          "trained again).", RuntimeWarning, stacklevel=3)
-            logged = None
-        if logged:
-            log.info("Logged run %s to MLflow run %s", run_id, logged)
+        if tracked is not None:
+            tracked.finish(model.getHistory(), model.getBestEpoch(), model.getModel())
+            log.info("Logged run %s to MLflow run %s", run_id, tracked.run_id)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
         return model

@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from estimator.finite import non_finite_losses
 from estimator.progress import ProgressWatcher, StepBar
@@ -23,14 +23,18 @@ log = logging.getLogger("estimator")
 
 
 @contextlib.contextmanager
-def watching(p: Dict[str, Any], store: Any, layout: Any, run_id: str) -> Iterator[None]:
-    """The live epoch lines while the ranks train, and with verbose=2 a bar of the running epoch's steps."""
+def watching(p: Dict[str, Any], store: Any, layout: Any, run_id: str,
+             on_epoch: Optional[Callable[[Dict[str, float]], None]] = None) -> Iterator[None]:
+    """The live epoch lines while the ranks train, and with verbose=2 a bar of the running epoch's steps;
+    `on_epoch` (MLflow's live metrics) gets each row too."""
     bar = StepBar.open(p["verbose"])
 
     def report(row: Dict[str, float]) -> None:
         if bar is not None:
             bar.close()
         report_epoch(p, run_id, row)
+        if on_epoch is not None:
+            on_epoch(row)
 
     try:
         with ProgressWatcher(store, layout, report, steps=bar.update if bar is not None else None):

@@ -14,6 +14,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import warnings
 from typing import Any, Dict, Iterator, Optional
 
 log = logging.getLogger("estimator")
@@ -114,36 +115,91 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def log_to_mlflow(setting: Optional[bool], params: Dict[str, Any], history: Any, best_epoch: Optional[int],
-                  model: Any) -> Optional[str]:
-    """Into the active MLflow run (mlflow=None: only when mlflow is installed and a run is active; True: a run
-    is started when none is; False: never): the params, every epoch's history row (step = epoch), the best
-    epoch and the trained module. Returns the MLflow run id, or None when nothing was logged."""
-    if setting is False or importlib.util.find_spec("mlflow") is None:
-        return None
-    import mlflow
-    import mlflow.pytorch
-    import torch
+class MlflowLog:
+    """The fit's MLflow run, logged as the fit goes: at `open` (before the ranks launch) the params and what people
+    look for (the model's class and parameter count, the optimizer's class and lr, the loss, the ranks, the rows);
+    each epoch's history row as the driver learns it (step = epoch: a long run is watched in the MLflow UI); at
+    `finish` the rows not logged yet, the best epoch and the trained module. mlflow=None logs only into an active
+    run; True starts one when none is; False never. Tracking never costs a trained model: a failure is a
+    warning, and logging stops for the rest of the fit."""
 
-    active = mlflow.active_run()
-    if active is None and not setting:
-        return None
-    run = active or mlflow.start_run()
-    try:
-        mlflow.log_params({key: _param_text(value) for key, value in params.items() if value is not None})
+    def __init__(self, run: Any, started: bool):
+        self.run, self.started, self.logged, self.failed = run, started, set(), False
+
+    @classmethod
+    def open(cls, setting: Optional[bool], params: Dict[str, Any], about: Dict[str, Any]) -> Optional["MlflowLog"]:
+        if setting is False or importlib.util.find_spec("mlflow") is None:
+            return None
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None and not setting:
+            return None
+        tracked = cls(active or mlflow.start_run(), active is None)
+        tracked._try("its params", lambda: mlflow.log_params(
+            {key: _param_text(value) for key, value in {**params, **about}.items() if value is not None}))
+        return tracked
+
+    @property
+    def run_id(self) -> str:
+        return self.run.info.run_id
+
+    def epoch(self, row: Dict[str, float]) -> None:
+        epoch = int(row["epoch"])
+        if epoch in self.logged or self.failed:
+            return
+        import mlflow
+
+        self._try(f"epoch {epoch}", lambda: mlflow.log_metrics(
+            {key: float(value) for key, value in row.items() if key != "epoch"}, step=epoch,
+            run_id=self.run_id))
+        self.logged.add(epoch)
+
+    def finish(self, history: Any, best_epoch: Optional[int], model: Any) -> None:
+        """The rest, and the run ended if this fit started it."""
+        import mlflow
+        import mlflow.pytorch
+        import torch
+
         for row in history:
-            mlflow.log_metrics({key: float(value) for key, value in row.items() if key != "epoch"},
-                               step=int(row["epoch"]))
+            self.epoch(row)
         if best_epoch is not None:
-            mlflow.log_metric("best_epoch", best_epoch)
+            self._try("the best epoch", lambda: mlflow.log_metric("best_epoch", best_epoch, run_id=self.run_id))
         # pickle: any module (the default 'pt2' traces forward with an example input); the requirement given,
         # so that MLflow does not spend seconds inferring it
-        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
-    finally:
-        if active is None:
-            mlflow.end_run()
-    return run.info.run_id
+        self._try("the model", lambda: mlflow.pytorch.log_model(
+            model, name="model", serialization_format="pickle",
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"]))
+        self.end("FINISHED")
+
+    def end(self, status: str) -> None:
+        if self.started:
+            import mlflow
+
+            self._try("the end of the run", lambda: mlflow.end_run(status=status))
+            self.started = False
+
+    def _try(self, what: str, call: Any) -> None:
+        if self.failed:
+            return
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - tracking never costs the trained model
+            self.failed = True
+            warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {str(exc)[:500]}); the fit goes "
+                          "on and returns its model, and logs nothing more to MLflow. Its history is on the model "
+                          "(getHistory()).", RuntimeWarning, stacklevel=2)
+
+
+def model_facts(model: Any, optimizer: Any, losses: Any, ranks: int, train_rows: int, val_rows: int
+                ) -> Dict[str, Any]:
+    """What people look for in a tracked run besides the params."""
+    return {"model_class": type(model).__name__,
+            "model_parameters": sum(int(t.numel()) for t in model.parameters()),
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_lr": optimizer.param_groups[0].get("lr") if optimizer is not None else None,
+            "loss_class": ", ".join(type(fn).__name__ for fn in losses) or None,
+            "ranks": ranks, "train_rows": train_rows, "val_rows": val_rows}
 
 
 def _param_text(value: Any) -> str:

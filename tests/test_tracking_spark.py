@@ -1,7 +1,9 @@
 """TensorBoard event files read back with tensorboard's own reader; MLflow runs in a local tracking store."""
 import importlib.util
+import json
 import os
 import re
+import threading
 import time
 
 import numpy as np
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
+from estimator.faults import ENV
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 
@@ -54,15 +57,32 @@ def test_mlflow_run_holds_params_metric_histories_best_epoch_and_the_model(spark
     mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
     mlflow.set_experiment("spark-torch-estimator-tests")
     df = digits_frame(spark, digits)
-    with mlflow.start_run() as run:
-        fitted = _estimator(store).fit(df)
     client = MlflowClient()
+    # every epoch of rank 0 takes a second longer: the epochs reach MLflow while the fit runs
+    monkeypatch.setenv(ENV, json.dumps([{"point": "epoch", "rank": 0, "action": "sleep", "seconds": 1.0}]))
+    with mlflow.start_run() as run:
+        seen, done = [], threading.Event()
+
+        def watch():
+            while not done.wait(0.1):
+                seen.append(len(client.get_metric_history(run.info.run_id, "loss")))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        fitted = _estimator(store).fit(df)
+        done.set()
+        watcher.join()
+    assert any(0 < n < 3 for n in seen), seen  # logged live, epoch by epoch, not all at the end
     history = fitted.getHistory()
     for key in ("loss", "val_loss", "val_accuracy"):
         logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert logged == [(i + 1, pytest.approx(row[key])) for i, row in enumerate(history)], key
     data = client.get_run(run.info.run_id).data
     assert data.params["batch_size"] == "64" and data.params["epochs"] == "3"
+    assert data.params["model_class"] == "MLP" and data.params["optimizer_class"] == "SGD"
+    assert data.params["optimizer_lr"] == "0.1" and data.params["loss_class"] == "CrossEntropyLoss"
+    assert data.params["ranks"] == "2" and int(data.params["train_rows"]) > 1000
+    assert data.params["model_parameters"] == str(sum(t.numel() for t in fitted.getModel().parameters()))
     assert data.metrics["best_epoch"] == fitted.getBestEpoch()
     loaded = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     x = torch.tensor(np.asarray(digits[0][:8]), dtype=torch.float32)
@@ -106,13 +126,14 @@ def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, st
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow.set_experiment("tracking-failure")
 
     def refuse(*args, **kwargs):
         raise ConnectionError("the tracking server went away")
 
     monkeypatch.setattr(mlflow.pytorch, "log_model", refuse)
-    with pytest.warns(RuntimeWarning, match=r"Run .* is trained and its model returned, but logging it to MLflow "
-                                            r"failed: ConnectionError: the tracking server went away"):
+    with pytest.warns(RuntimeWarning, match=r"Logging the model to MLflow failed \(ConnectionError: the tracking "
+                                            r"server went away\); the fit goes on and returns its model"):
         fitted = _estimator(store, mlflow=True, epochs=1).fit(digits_frame(spark, digits))
     assert len(fitted.getHistory()) == 1
     mlflow.set_tracking_uri(None)
