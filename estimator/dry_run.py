@@ -9,6 +9,7 @@ import copy
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from estimator import lightning, steps
@@ -127,6 +128,15 @@ def head_arrays(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None
             raise ValueError(f"transformation_fn failed on {len(head[data.columns[0]])} training rows (a pandas "
                              f"DataFrame with columns {list(arrays)}): {type(exc).__name__}: {exc}") from None
     return arrays
+
+
+def feature_sizes(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Optional[List[int]]:
+    """Values per row of each feature column as stored (what transform will be given); None with a
+    transformation_fn (the model sees its output, which transform does not run)."""
+    if objs.transformation_fn is not None:
+        return None
+    head = read_head(data.source, data.train, HEAD_ROWS, data.columns) if head is None else head
+    return [int(np.prod(head[c].shape[1:])) if head[c].ndim > 1 else 1 for c in data.feature_cols]
 
 
 class BroadcastWarning(ValueError):

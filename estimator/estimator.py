@@ -26,7 +26,7 @@ from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.direct import direct_source, head
 from estimator.fit_report import log_fit, report_stop, tensorboard_on
-from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step
+from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.lightning import optimizer_for
 from estimator.losses import loss_kind
 from estimator.materialize import finish, materialize
@@ -177,6 +177,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             check_rows(data, num_proc, p["reader"])
         checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data, first_rows)
+        sizes = feature_sizes(run.objs, data, first_rows)
         step_metrics, val_metrics = (dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()), ()
         has_validation = bool(p["validation"] or data.val)
         if p["train_step"] is not None:  # the history's keys are train_step's: the monitor is one of them
@@ -215,7 +216,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         launch_seconds = time.perf_counter() - launched
         if results:
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
-        model = self._model(p, run, output_shapes)
+        model = self._model(p, run, output_shapes).setFeatureSizes(sizes)
         if tracked is not None:
             tracked.finish(model.getHistory(), model.getBestEpoch(), model.getModel())
             log.info("Logged run %s to MLflow run %s", run_id, tracked.run_id)

@@ -7,6 +7,7 @@ keyed by the model's content hash, so each Arrow batch costs only the conversion
 from __future__ import annotations
 
 import pickle
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -44,6 +45,7 @@ class InferenceLayout:
     batch_size: int
     use_gpu: Optional[bool]
     torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
+    feature_sizes: Optional[Tuple[int, ...]] = None  # values per row the model was trained on; None: not checked
 
 
 def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
@@ -87,6 +89,10 @@ def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Seq
     model = cached_model(key, blob, device)
     arrays = []
     for i, (name, values) in enumerate(zip(layout.feature_cols, columns)):
+        found = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
+        if layout.feature_sizes and len(values) and found != layout.feature_sizes[i]:
+            raise ValueError(f"Column {name!r} has {found} values per row, but the model was trained on "
+                             f"{layout.feature_sizes[i]}: give transform the column as it was at fit.")
         shape = layout.input_shapes[i] if layout.input_shapes else None
         arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
     return predict_numpy(model, arrays, layout.batch_size, device)
@@ -189,9 +195,23 @@ def make_predict(key: str, blob: bytes, layout: InferenceLayout):
     """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
 
     def predict(*columns: pa.Array) -> pa.Array:
-        return predict_arrow(key, blob, layout, *columns)
+        try:
+            return predict_arrow(key, blob, layout, *columns)
+        except Exception as exc:  # noqa: BLE001 - its cause first, without the frames below
+            raise transform_failed(exc) from None
 
     return predict
+
+
+class TransformFailed(RuntimeError):
+    """transform's UDF failed on an executor: the cause (the model's, a column's) in the first line of the Python
+    traceback Spark reports, not under frames of this package or of torch."""
+
+
+def transform_failed(exc: Exception) -> TransformFailed:
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return TransformFailed(f"TorchModel.transform: {type(exc).__name__}: {exc} (at {where.name}, "
+                           f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
 
 
 def make_predict_pandas(key: str, blob: bytes, layout: InferenceLayout):
@@ -200,7 +220,10 @@ def make_predict_pandas(key: str, blob: bytes, layout: InferenceLayout):
 
     def predict(*columns: pd.Series) -> pd.DataFrame:
         values = [np.stack(c.to_numpy()) if c.dtype == object else c.to_numpy() for c in columns]
-        outputs = predict_columns(key, blob, layout, values)
+        try:
+            outputs = predict_columns(key, blob, layout, values)
+        except Exception as exc:  # noqa: BLE001 - as in make_predict
+            raise transform_failed(exc) from None
         frame = pd.DataFrame({name: list(out) if vec else out.reshape(-1).astype(np.float64)
                               for name, vec, out in zip(layout.output_names, layout.output_is_vector, outputs)})
         for name, values in head_columns(layout.head, outputs[0] if outputs else np.empty((0, 1))).items():

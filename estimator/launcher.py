@@ -35,7 +35,7 @@ from estimator.faults import Fault, from_env, inject
 from estimator.rank_setup import Placement, train_rank
 from estimator.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
 from estimator.rendezvous import all_gather, announce, late_at_barrier
-from estimator.session import job_tag, tag_canceller
+from estimator.session import executor_python, job_tag, tag_canceller
 from estimator.spec import TrainSpec, WorkerResult
 
 log = logging.getLogger("estimator")
@@ -80,7 +80,8 @@ class SparkBarrierLauncher:
         except RankFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - a rank's failure arrives wrapped in Spark's error
-            failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc), per_task)
+            failure = launch_failure(store, spec.run, spec.launch_id, num_proc, str(exc), per_task,
+                                     executor_python(self.spark))
             if failure is None:
                 raise
             log.debug("Spark's report of the failed training job: %s", exc)  # the Java frames, for DEBUG only
@@ -151,8 +152,8 @@ def interrupted(spark: Any, text: str, spec: TrainSpec, job: Any) -> None:
         f"fit again with run_id={run_id!r}.")
 
 
-def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str, per_task: int = 1
-                   ) -> Optional[RankFailed]:
+def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: str, per_task: int = 1,
+                   python: str = "") -> Optional[RankFailed]:
     """The cause of a failed launch: the failure records the ranks left in the store (the first that is not
     a peer's echo of another rank's failure), else what Spark's error text tells (a rank's worker died, or
     a record could not be written); None when the failure is not a rank's (e.g. Spark refused the job)."""
@@ -167,7 +168,7 @@ def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: st
     if records:
         records.sort(key=lambda r: (r["kind"] == FailureKind.PEER.value, r["time"]))
         return RankFailed.from_record(records[0])
-    return rank_failure(text, per_task)
+    return rank_failure(text, per_task, python)
 
 
 _RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
@@ -178,11 +179,22 @@ _BARRIER_TASK_FAILED = re.compile(r"barrier task ResultTask\(\d+, (\d+)\) finish
                                   r"([^\n]*)")
 
 
-def rank_failure(text: str, per_task: int = 1) -> Optional[RankFailed]:
-    """From Spark's job-failure text alone: the first rank's own error and Python traceback; or, when a
-    task's process died without one (killed, out of memory, a crash in native code), which rank it was (with
-    several ranks per task: the task's first rank, and the message names them all)."""
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def rank_failure(text: str, per_task: int = 1, python: str = "") -> Optional[RankFailed]:
+    """From Spark's job-failure text alone: the first rank's own error and Python traceback; a module the
+    executors' Python could not import before any of this project's code ran (`python`: which Python that is);
+    or, when a task's process died without one (killed, out of memory, a crash in native code), which rank it was
+    (with several ranks per task: the task's first rank, and the message names them all)."""
     match = _RANK_FAILED.search(text)
+    missing = _NO_MODULE.search(text)
+    if not match and missing:
+        return RankFailed(0, f"ModuleNotFoundError: No module named {missing.group(1)!r} in the executors' Python "
+                             f"({python or 'unknown'}), before the training code ran. Install it there (README 'On a "
+                             "cluster' lists what executors need), or set PYSPARK_PYTHON to a Python that has it "
+                             "before the SparkSession starts (spark.pyspark.python set in a script's builder is not "
+                             "read).", kind=FailureKind.ENVIRONMENT)
     if not match:
         died = _BARRIER_TASK_FAILED.search(text)
         if died is None:

@@ -91,7 +91,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
             head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 else None, batch_size=p["inference_batch_size"],
-            use_gpu=p["use_gpu"], torch_threads=torch_threads)
+            use_gpu=p["use_gpu"], torch_threads=torch_threads,
+            feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]))
 
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()

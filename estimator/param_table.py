@@ -217,6 +217,9 @@ MODEL_PARAMS = [
               "a list of strings or None"),
     ParamSpec("input_shapes", "shape of each feature batch (-1: the batch)", None, optional(is_shape_list),
               "a list of shapes or None"),
+    ParamSpec("feature_sizes", "values per row of each feature column at fit time; transform checks every batch "
+              "against them (None: not checked, as for models saved before 0.3)", None,
+              optional(lambda v: isinstance(v, list) and all(is_int(1)(n) for n in v)), "a list of ints >= 1 or None"),
     ParamSpec("output_shapes", "per-row shape of each model output, measured at fit time", None,
               optional(lambda v: isinstance(v, list)), "a list of shapes"),
     ParamSpec("history", "per-epoch training and validation loss and metrics", [],

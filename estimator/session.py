@@ -148,3 +148,11 @@ def tag_canceller(spark: Any, text: str) -> Callable[[], None]:
 
 def _tag(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]+", "-", text).strip("-")
+
+
+def executor_python(spark: Any) -> str:
+    """The Python the session's executors run, as far as the driver can tell (Spark's default: python3 on the
+    executors' PATH)."""
+    if not is_connect(spark):
+        return str(spark.sparkContext.pythonExec)
+    return conf(spark, "spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON") or "python3 (Spark's default)"

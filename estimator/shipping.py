@@ -12,14 +12,17 @@ import hashlib
 import io
 import logging
 import os
+import shutil
+import sys
 import tempfile
 import threading
+import warnings
 import zipfile
 from typing import Any, Optional, Set
 
 import pyspark
 
-from estimator.session import conf, is_connect
+from estimator.session import conf, executor_python, is_connect
 
 log = logging.getLogger("estimator")
 PACKAGES = ("estimator", "store")
@@ -68,6 +71,23 @@ def _build_zip() -> str:
     return path
 
 
+def check_local_python(spark: Any) -> None:
+    """Local mode runs its Python workers with PYSPARK_PYTHON, by default `python3` on the PATH: a script started
+    as .venv/bin/python without the venv activated gets workers without torch or this project. Said once, before
+    any job, when that Python lies in another folder than the driver's."""
+    python = executor_python(spark)
+    found = shutil.which(python) or python
+    if os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(sys.executable)):
+        return
+    with _lock:
+        if f"local-python:{python}" in _shipped:
+            return
+        _shipped.add(f"local-python:{python}")
+    warnings.warn(f"Spark's Python workers run {python!r} ({found}), not this driver's Python ({sys.executable}): "
+                  "they need torch and this project too. Unless that Python has them, set "
+                  f"PYSPARK_PYTHON={sys.executable} before the SparkSession starts.", UserWarning, stacklevel=4)
+
+
 def needs_shipping(spark: Any) -> bool:
     """Connect sessions always (their server's executors are not the client's Python); classic sessions
     unless their master is local."""
@@ -79,6 +99,7 @@ def needs_shipping(spark: Any) -> bool:
 def ship_package(spark: Any) -> None:
     """Make the executors of `spark` import this driver's `estimator` and `store` (once per session)."""
     if not needs_shipping(spark):
+        check_local_python(spark)
         return
     key = f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
     with _lock:

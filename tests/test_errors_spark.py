@@ -210,3 +210,17 @@ def test_terminate_on_nan_false_trains_on_and_warns_for_each_epoch(spark, store,
     said = [str(w.message) for w in caught if "terminate_on_nan=False keeps training" in str(w.message)]
     assert [re.search(r"epoch (\d)", m).group(1) for m in said] == ["1", "2"], said
     assert all(not math.isfinite(row["loss"]) for row in fitted.getHistory())
+
+
+def test_transform_of_rows_unlike_the_training_rows_names_the_column_and_both_lengths(spark, store, df):
+    """The model keeps each feature column's values per row from fit; transform checks every batch against them,
+    and any failure of its UDF reaches the user with its cause first, not under torch's frames."""
+    model = _est(store).fit(df)
+    assert model.getFeatureSizes() == [64]
+    narrow = _frame(spark, [([0.1] * 60, i % 10) for i in range(20)])
+    with pytest.raises(Exception) as info:
+        model.transform(narrow).collect()
+    text = str(info.value)
+    assert ("TransformFailed: TorchModel.transform: ValueError: Column 'features' has 60 values per row, but the "
+            "model was trained on 64") in text
+    assert len(text.splitlines()) <= 10, text
