@@ -6,7 +6,7 @@ The package imports its submodules lazily: Spark's Python workers import `estima
 from typing import Any as _Any
 
 __version__ = "0.2.0"  # the one place the version is written (setup.cfg reads it)
-__all__ = ["TorchEstimator", "TorchModel", "__version__"]
+__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "__version__"]
 
 
 def __getattr__(name: str) -> _Any:
@@ -18,6 +18,14 @@ def __getattr__(name: str) -> _Any:
         from estimator.model import TorchModel
 
         return TorchModel
+    if name == "TrainContext":  # what train_fn receives (help(TrainContext) lists what it holds)
+        from estimator.train_fn import TrainContext
+
+        return TrainContext
+    if name in ("StepContext", "Batch"):  # what train_step receives
+        from estimator import steps
+
+        return getattr(steps, name)
     raise AttributeError(f"module 'estimator' has no attribute {name!r}")
 
 

@@ -13,6 +13,7 @@ plain module in validation. torch only, no pyspark."""
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -23,14 +24,35 @@ from estimator.losses import summarize_sums
 from estimator.spec import DataSpec
 
 
+class Named:
+    """A misspelt attribute is an AttributeError that lists the names there are (and the closest one)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        known = sorted(n for n in set(dir(type(self))) | set(getattr(self, "__dict__", {}))
+                       | set(getattr(self, "__dataclass_fields__", {})) if not n.startswith("_"))
+        close = difflib.get_close_matches(name, known, n=1)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}."
+                             + (f" Did you mean {close[0]!r}?" if close else "") + f" It has: {', '.join(known)}.")
+
+
 @dataclass(frozen=True)
-class Batch:
+class Batch(Named):
+    """One batch of this rank's rows, on its device, as train_step and train_fn's loops receive it.
+
+    features: the tensors of feature_cols, in their order; labels: those of label_cols (empty without
+    label_cols); weights: sample_weight_col's tensor or None; batch["column"]: any of them by name; rows: the
+    batch's row count."""
+
     features: List[torch.Tensor]
     labels: List[torch.Tensor]
     weights: Optional[torch.Tensor]
     columns: Dict[str, torch.Tensor]
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.columns:
+            raise KeyError(f"The batch has no column {name!r}; it has {', '.join(self.columns)}.")
         return self.columns[name]
 
     @property
@@ -39,7 +61,11 @@ class Batch:
 
 
 @dataclass(frozen=True)
-class StepContext:
+class StepContext(Named):
+    """What train_step(model, batch, ctx) is told about the step: rank and world_size, device, epoch (1-based, as
+    the history's rows), training (False in validation), batch_idx (the batch's index in this epoch on this rank)
+    and global_step (optimizer steps taken so far in the run)."""
+
     rank: int
     world_size: int
     device: torch.device

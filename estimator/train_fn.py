@@ -25,10 +25,16 @@ from estimator.data.shards import Shard
 from estimator.epochs import call_callbacks
 from estimator.faults import inject
 from estimator.loop import reduce_sums
-from estimator.steps import Batch, as_batch
+from estimator.steps import Batch, Named, as_batch
 
 
-class TrainContext:
+class TrainContext(Named):
+    """What train_fn(ctx) runs on, on every rank. Attributes: rank, world_size, device; model (the
+    DistributedDataParallel-wrapped module: call it), module (the plain one), optimizer; epochs, start_epoch, epoch
+    (0-based); history (the rows so far), rows (training rows taken this epoch), should_stop. Methods:
+    epochs_to_run(), train_batches(), val_batches() (Batch objects), autocast(), keep(name, obj) (checkpointed
+    with the model), report(metrics, rows=None) once per epoch (README 'Your own training loop')."""
+
     def __init__(self, run: Any, train: Shard, val: Optional[Shard], callbacks: Sequence[Any]):
         self._run, self._train, self._val, self._callbacks = run, train, val, callbacks
         self.rank, self.world_size = run.ctx.rank, run.ctx.world_size
