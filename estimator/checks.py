@@ -23,6 +23,10 @@ def check_params(p: Dict[str, Any]) -> None:
     if p["train_fn"] is not None and p["train_step"] is not None:
         raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
                          "its own step.")
+    if not p["label_cols"] and own is None and not is_lightning_module(p["model"]):
+        raise ValueError(param_error(OWNER, "label_cols", "a non-empty list of distinct column names with the built-in "
+                                     "loop (loss=...); only a LightningModule, train_step or train_fn, which compute "
+                                     "their own loss, train without labels", None))
     if own is None and is_lightning_module(p["model"]):
         check_lightning(p)
     elif p["optimizer"] is None:
@@ -81,7 +85,7 @@ def check_lightning(p: Dict[str, Any]) -> None:
     name = type(p["model"]).__name__
     why = {"optimizer": "its configure_optimizers() builds the optimizer on every rank",
            "lr": "the learning rate is configure_optimizers()'s: vary a hyperparameter of the module instead",
-           "loss": "training_step computes the loss", "loss_constructors": "training_step computes the loss",
+           "loss_constructors": "training_step computes the loss",
            "metrics": "self.log in training_step and validation_step names the history's metrics",
            "compile": "not supported with a LightningModule yet (its training_step is called, not forward)"}
     for param, reason in why.items():

@@ -28,6 +28,11 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     arrays = head_arrays(objs, data, head)
     rows = len(arrays[data.columns[0]])
     model = copy.deepcopy(objs.model).eval()
+    if objs.lightning:
+        try:
+            model = lightning.for_inference(model)
+        except ValueError:
+            return []  # it trains; transform says what it needs
     outputs = forward(model, data, arrays, rows)
     if objs.train_step is not None or objs.train_fn is not None or objs.lightning:  # they compute their own loss
         return [tuple(o.shape[1:]) for o in outputs]
@@ -170,7 +175,7 @@ def check_outputs(raw: Any, label_cols: Sequence[str]) -> Tuple[torch.Tensor, ..
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"The model's forward() returned a {type(out).__name__} as output {i}; outputs must be "
                              f"tensors (one per label column of {list(label_cols)}).")
-    if len(outputs) != len(label_cols):
+    if label_cols and len(outputs) != len(label_cols):  # without labels: the outputs are transform's columns
         raise ValueError(f"The model returned {len(outputs)} outputs but there are {len(label_cols)} label "
                          f"columns {list(label_cols)}; return one output per label column (a tuple for several).")
     return outputs

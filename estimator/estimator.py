@@ -109,6 +109,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     # -- steps ---------------------------------------------------------------------------------
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
+        p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
         checks.check_params(p)
         check_mlflow(p["mlflow"])
         for name, why in checks.ignored_params(p):
@@ -131,7 +132,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
-        weights = list(p["loss_weights"] or [1.0 / len(p["label_cols"])] * len(p["label_cols"]))
+        labels = len(p["label_cols"])
+        weights = list(p["loss_weights"] or [1.0 / max(labels, 1)] * labels)
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)

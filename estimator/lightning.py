@@ -9,7 +9,7 @@ loop gives every level (loss, train_step, train_fn, LightningModule) the same mi
 rows, retries, early stopping, best checkpoints, TensorBoard and MLflow.
 
 What the module sees: `batch` is the tuple of the rank's tensors in the order feature_cols, label_cols (then the
-sample_weight_col), on the device, so `x, y = batch` works; `self.log(name, value)` and `self.log_dict` record a
+sample_weight_col), on the device, so `x, y = batch` works (one column alone, with no label_cols, is that tensor); `self.log(name, value)` and `self.log_dict` record a
 batch's number, and each becomes a history key: its mean over the rows of the batches that logged it, over all
 ranks (reduce_fx 'mean'; on_step, on_epoch, prog_bar, sync_dist and batch_size are not needed for that and are
 ignored). `self.trainer` is a stand-in with the epoch, step and rank attributes (StandInTrainer); other
@@ -49,12 +49,38 @@ def hooks_not_called(model: Any) -> List[str]:
     """The hooks `model` overrides that this loop does not call (a warning names them on the driver)."""
     base = lightning_base(model)
     names = [n for n in dir(base) if n.startswith("on_") or n in OTHER_HOOKS]
-    return sorted(n for n in names if callable(getattr(base, n, None)) and getattr(type(model), n) is not getattr(base, n))
+    used = {"predict_step"} if not overrides(model, "forward") else set()  # transform's, without forward()
+    return sorted(n for n in names if callable(getattr(base, n, None)) and getattr(type(model), n) is not getattr(base, n)
+                  and n not in used)
 
 
 def overrides(model: Any, name: str) -> bool:
     base = lightning_base(model)
     return base is not None and getattr(type(model), name, None) is not getattr(base, name, None)
+
+
+class PredictStep(nn.Module):
+    """What transform runs for a LightningModule without forward(): its predict_step over the batch of feature
+    columns (one column: that tensor; several: their tuple), batch_idx 0."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *features: torch.Tensor) -> Any:
+        return call_hook(self.module, "predict_step", features[0] if len(features) == 1 else tuple(features), 0)
+
+
+def for_inference(model: nn.Module) -> nn.Module:
+    """The module transform calls: the model; a LightningModule without forward() through its predict_step; one
+    with neither is refused by name (it trains all the same: a Trainer needs no forward either)."""
+    if not is_lightning_module(model) or overrides(model, "forward"):
+        return model
+    if overrides(model, "predict_step"):
+        return PredictStep(model)
+    raise ValueError(f"{type(model).__name__} has no forward() and no predict_step(): TorchModel.transform calls one "
+                     "of them on the feature columns. Define forward(x) (what a prediction is), or "
+                     "predict_step(batch, batch_idx).")
 
 
 class StandInTrainer:
@@ -144,9 +170,12 @@ class LightningSteps(nn.Module):
         return call_hook(self.module, "training_step", batch, batch_idx)
 
 
-def lightning_batch(tensors: Tensors) -> Tuple[torch.Tensor, ...]:
+def lightning_batch(tensors: Tensors) -> Any:
+    """The tuple of the batch's tensors; one column alone (one feature, no labels) is that tensor, as a
+    DataLoader over a dataset of tensors gives it (BoringModel's `self(batch)`)."""
     features, labels, weights = tensors
-    return tuple(features) + tuple(labels) + ((weights,) if weights is not None else ())
+    batch = tuple(features) + tuple(labels) + ((weights,) if weights is not None else ())
+    return batch[0] if len(batch) == 1 else batch
 
 
 def step_loss(result: Any) -> torch.Tensor:

@@ -26,6 +26,7 @@ from estimator.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD,
 from estimator.params import DeclaredParams, declare
 from estimator.param_table import MODEL_PARAMS
 from estimator.persistence import Persistable
+from estimator.lightning import for_inference
 from estimator.pickling import dumps
 from estimator.session import task_gpus
 from estimator.shipping import ship_package
@@ -50,7 +51,14 @@ class TorchModel(DeclaredParams, Model, Persistable):
         super().__init__(**kwargs)
 
     def getOutputColumns(self) -> List[str]:
-        return list(self.getOutputCols() or [f"{c}__output" for c in self.getLabelCols()])
+        """output_cols, else `<label>__output` per label column; a model trained without labels: `output` (or
+        `output_0`, `output_1`... for several outputs)."""
+        if self.getOutputCols():
+            return list(self.getOutputCols())
+        if self.getLabelCols():
+            return [f"{c}__output" for c in self.getLabelCols()]
+        count = len(self.getOutputShapes() or [[1]])
+        return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
     def getFeatureColumns(self) -> List[str]:
         return list(self.getFeatureCols())
@@ -76,8 +84,9 @@ class TorchModel(DeclaredParams, Model, Persistable):
         return added
 
     def _layout(self, p: Dict[str, Any], torch_threads: Optional[int] = None) -> InferenceLayout:
+        for_inference(p["model"])  # a LightningModule with neither forward() nor predict_step() is refused here
         outputs = self.getOutputColumns()
-        if len(outputs) != len(p["label_cols"]):
+        if p["label_cols"] and len(outputs) != len(p["label_cols"]):
             raise ValueError(f"The 'output_cols' parameter of TorchModel must list {len(p['label_cols'])} names, "
                              f"one per label column {p['label_cols']}. Got {outputs} instead.")
         shapes = p["output_shapes"] if p["output_shapes"] is not None else self._probe_output_shapes(p)
@@ -90,7 +99,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             feature_cols=tuple(p["feature_cols"]),
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
-            head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 else None, batch_size=p["inference_batch_size"],
+            head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 and p["label_cols"] else None, batch_size=p["inference_batch_size"],
             use_gpu=p["use_gpu"], torch_threads=torch_threads,
             feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]))
 
@@ -160,7 +169,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
     def _model_blob(self) -> bytes:
         model = self.getModel()
-        return dumps(model.cpu().eval(), "model", roots=[model])
+        return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 
 
 

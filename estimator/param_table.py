@@ -52,8 +52,9 @@ ESTIMATOR_PARAMS = [
               is_metric_list, "a list of 'accuracy' or callables(output, label)", json=False),
     ParamSpec("feature_cols", "columns passed to model.forward(), in order", None, is_str_list(),
               "a non-empty list of distinct column names"),
-    ParamSpec("label_cols", "label columns, one per model output", None, is_str_list(),
-              "a non-empty list of distinct column names"),
+    ParamSpec("label_cols", "label columns, one per model output; optional when the loop computes its own loss "
+              "(a LightningModule, train_step or train_fn: self-supervised models, autoencoders)", None,
+              optional(is_str_list()), "a non-empty list of distinct column names, or None"),
     ParamSpec("input_shapes", "shape of each feature batch, e.g. [[-1, 1, 28, 28]] (-1: the batch; without -1, a shape "
               "holding a row's values is per row, as in Horovod); default: as stored", None,
               optional(is_shape_list), "a list of shapes like [[-1, 1, 28, 28]] or None"),
@@ -201,8 +202,8 @@ MODEL_PARAMS = [
               optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer or None", json=False),
     ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),
               "a non-empty list of column names"),
-    ParamSpec("label_cols", "the label columns the model was trained on (one per output)", None, is_str_list(),
-              "a non-empty list of column names"),
+    ParamSpec("label_cols", "the label columns the model was trained on (one per output; none for a model trained "
+              "without labels)", None, is_str_list(nonempty=False), "a list of column names"),
     ParamSpec("output_cols", "names of the output columns; default '<label>__output'", None,
               optional(is_str_list()), "a list of column names (one per label column) or None"),
     ParamSpec("prediction_col", "the predicted class (classification) or value (one regression output per row) "

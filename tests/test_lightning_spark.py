@@ -77,7 +77,7 @@ def _est(store, model=None, **kw):
 def test_a_lightning_module_trains_digits_transforms_and_saves_and_loads_in_a_pipeline(spark, store, digits,
                                                                                        tmp_path):
     train, test = digits_frame(spark, digits).randomSplit([0.8, 0.2], seed=3)
-    fitted = Pipeline(stages=[_est(store)]).fit(train)
+    fitted = Pipeline(stages=[_est(store, loss=nn.CrossEntropyLoss())]).fit(train)  # loss: what outputs are
     model = fitted.stages[-1]
     history = model.getHistory()
     assert set(history[-1]) == {"epoch", "loss", "accuracy", "epoch_seen", "val_loss", "val_accuracy", "data_wait"}
@@ -87,6 +87,10 @@ def test_a_lightning_module_trains_digits_transforms_and_saves_and_loads_in_a_pi
     evaluator = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy")
     accuracy = evaluator.evaluate(fitted.transform(test))  # forward(x) on the executors
     assert accuracy >= 0.90
+    # loss=CrossEntropyLoss() said the outputs are class scores: probability (softmax), so logLoss works
+    log_loss = MulticlassClassificationEvaluator(labelCol="label", metricName="logLoss").evaluate(
+        fitted.transform(test))
+    assert 0 < log_loss < 0.5
     path = str(tmp_path / "pipeline")
     fitted.write().overwrite().save(path)
     reloaded = PipelineModel.load(path)
@@ -170,7 +174,6 @@ def test_params_a_lightning_module_brings_itself_are_refused_before_any_job_and_
     df = digits_frame(spark, digits)
     module = LitBuiltIn()
     for extra, match in [(dict(optimizer=torch.optim.SGD(module.parameters(), lr=0.1)), "takes no optimizer"),
-                         (dict(loss=nn.CrossEntropyLoss()), "takes no loss .*training_step computes the loss"),
                          (dict(lr=0.1), "takes no lr .*configure_optimizers")]:
         def fit():
             with pytest.raises(ValueError, match=match):
@@ -180,3 +183,46 @@ def test_params_a_lightning_module_brings_itself_are_refused_before_any_job_and_
     with pytest.warns(UserWarning, match="not these hooks it overrides: on_train_epoch_end"):
         history = _est(store, model=OtherHooks(), epochs=1).fit(df).getHistory()
     assert len(history) == 1
+
+
+class StepsOnly(L.LightningModule):  # no forward(), as lightning.pytorch.demos' LightningLSTM: a Trainer needs none
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WithPredictStep(StepsOnly):
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch)
+
+
+def test_lightnings_own_demo_modules_train_unmodified(spark, store, digits):
+    """BoringModel: one feature column, no label_cols, the batch is that tensor; transform gives `output` (no
+    prediction columns without labels). A module without forward() trains; transform uses its predict_step, and
+    one with neither is refused by name."""
+    import numpy as np
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    rng = np.random.default_rng(0)
+    df = spark.createDataFrame([(rng.standard_normal(32).astype(np.float32).tolist(),) for _ in range(200)],
+                               "x array<float>")
+    torch.manual_seed(0)
+    boring = TorchEstimator(num_proc=2, store=store, model=BoringModel(), feature_cols=["x"], batch_size=16,
+                            epochs=2).fit(df)
+    assert [row["epoch"] for row in boring.getHistory()] == [1, 2] and boring.getLabelCols() == []
+    out = boring.transform(df)
+    assert out.columns == ["x", "output"] and len(out.first()["output"]) == 2
+    digits = digits_frame(spark, digits).limit(300)
+    predicted = _est(store, model=WithPredictStep(), epochs=1, validation=None).fit(digits).transform(digits)
+    assert "prediction" in predicted.columns and len(predicted.first()["label__output"]) == 10
+    steps_only = _est(store, model=StepsOnly(), epochs=1, validation=None).fit(digits)  # trains without forward
+    with pytest.raises(ValueError, match=r"StepsOnly has no forward\(\) and no predict_step\(\): "
+                                         r"TorchModel.transform calls one of them"):
+        steps_only.transform(digits)
