@@ -174,3 +174,11 @@ def test_fit_of_a_pandas_frame_says_how_to_make_a_spark_one():
     with pytest.raises(TypeError, match=r"TorchEstimator.fit takes a Spark DataFrame; got a "
                                         r"pandas.core.frame.DataFrame: spark.createDataFrame\(pdf\)"):
         _valid().fit(pd.DataFrame({"x": [1.0], "y": [0.0]}))
+
+
+def test_label_cols_are_optional_only_for_loops_that_compute_their_own_loss():
+    with pytest.raises(ValueError, match=r"The 'label_cols' parameter of TorchEstimator must be a non-empty list of "
+                                         r"distinct column names with the built-in loop \(loss=...\)"):
+        _valid(label_cols=None)._checked()
+    assert _valid(label_cols=None, loss=None, train_step=lambda model, batch, ctx: model(batch.features[0]).sum()
+                  )._checked()["label_cols"] == []
