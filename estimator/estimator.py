@@ -24,6 +24,7 @@ from estimator.attempts import launch_with_retries
 from estimator.compression import compression_name
 from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
+from estimator.data.plan import plan_steps
 from estimator.direct import direct_source, head
 from estimator.fit_report import log_fit, report_stop, tensorboard_on
 from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
@@ -42,6 +43,7 @@ from estimator.stopping import Monitor
 from estimator.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.worker import build_optimizer
 from store import LocalStore, Store
+from store.runs import enforce_runs
 
 log = logging.getLogger("estimator")
 SPLIT_SEED = 0  # the validation split's seed when random_seed is not given
@@ -177,6 +179,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         num_proc, store, run_id = run.num_proc, run.store, run.run_id
         if source is None:
             check_rows(data, num_proc, p["reader"])
+            if p["drop_last"]:  # refuses shards smaller than a batch now, not on the ranks
+                plan_steps(data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], True)
         checked = time.perf_counter()
         output_shapes = dry_run(run.objs, data, first_rows)
         sizes = feature_sizes(run.objs, data, first_rows)
@@ -224,6 +228,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             log.info("Logged run %s to MLflow run %s", run_id, tracked.run_id)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)
+        try:
+            enforce_runs(store, keep={store.run(run_id).root})
+        except Exception as exc:  # noqa: BLE001 - the budget is housekeeping: never costs the trained model
+            log.warning("Store budget: could not check the run folders: %s", exc)
         return model
 
     def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:

@@ -73,6 +73,10 @@ ESTIMATOR_PARAMS = [
     ParamSpec("validation_steps_per_epoch", "validation batches per epoch; default: all validation rows", None,
               optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("shuffle", "shuffle each rank's rows every epoch", True, is_bool, "True or False"),
+    ParamSpec("drop_last", "every training batch full, on every rank, every epoch (models with state across "
+              "batches, BatchNorm on tiny batches): the rows that would make a smaller last batch are not trained "
+              "that epoch (other rows each epoch when shuffled); validation sees every row", False, is_bool,
+              "True or False"),
     ParamSpec("random_seed", "seed of the split, shuffling and dropout; default: the shuffles are drawn at fit time and "
               "the split is fixed (so refits reuse one materialized copy of the data)", None,
               optional(is_int(0)), "an int >= 0 or None"),

@@ -95,6 +95,7 @@ class TrainSpec:
     train_steps_per_epoch: Optional[int] = None
     validation_steps_per_epoch: Optional[int] = None
     shuffle: bool = True
+    drop_last: bool = False  # training batches full only (estimator.data.plan)
     seed: int = 0
     use_gpu: Optional[bool] = None
     verbose: int = 1

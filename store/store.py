@@ -22,6 +22,8 @@ _AUTHORITY_SCHEMES = ("hdfs", "viewfs", "webhdfs", "swebhdfs")
 _RENAME_KEEPS_TARGET = ("webhdfs", "swebhdfs")
 DEFAULT_MAX_DATA_BYTES = 50 * 2**30  # materialized data kept in a store (the copies running fits use stay)
 DEFAULT_MAX_DATA_AGE = 14 * 86400.0  # seconds a materialized copy is kept after a fit last used it
+DEFAULT_MAX_RUN_BYTES = 20 * 2**30  # run folders (checkpoints, logs) kept in a store, least recently modified go
+DEFAULT_MAX_RUN_AGE = 30 * 86400.0  # seconds a run folder is kept after it last changed
 
 
 class Store:
@@ -33,6 +35,8 @@ class Store:
 
     max_data_bytes: Optional[int] = DEFAULT_MAX_DATA_BYTES  # class defaults: stores pickled before these existed
     max_data_age: Optional[float] = DEFAULT_MAX_DATA_AGE
+    max_run_bytes: Optional[int] = DEFAULT_MAX_RUN_BYTES
+    max_run_age: Optional[float] = DEFAULT_MAX_RUN_AGE
     url_prefixes: Tuple[str, ...] = ()  # a subclass naming prefixes is what `Store.create` makes for such URLs
     _by_prefix: List[type] = []  # those subclasses (store.horovod's), as they are defined
 
@@ -44,7 +48,9 @@ class Store:
     def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None, save_runs: bool = True,
                  checkpoint_filename: str = "checkpoint.pt", probe_timeout: float = 30.0,
                  max_data_bytes: Optional[int] = DEFAULT_MAX_DATA_BYTES,
-                 max_data_age: Optional[float] = DEFAULT_MAX_DATA_AGE):
+                 max_data_age: Optional[float] = DEFAULT_MAX_DATA_AGE,
+                 max_run_bytes: Optional[int] = DEFAULT_MAX_RUN_BYTES,
+                 max_run_age: Optional[float] = DEFAULT_MAX_RUN_AGE):
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"Store prefix must be a non-empty URL or path. Got {prefix!r} instead.")
         if "/" in checkpoint_filename or not checkpoint_filename:
@@ -56,12 +62,16 @@ class Store:
         if not isinstance(probe_timeout, (int, float)) or isinstance(probe_timeout, bool) or probe_timeout <= 0:
             raise ValueError(f"probe_timeout must be a number of seconds > 0. Got {probe_timeout!r} instead.")
         self.probe_timeout = float(probe_timeout)  # seconds the reachability probe before a fit may take
-        for name, value in (("max_data_bytes", max_data_bytes), ("max_data_age", max_data_age)):
+        for name, value in (("max_data_bytes", max_data_bytes), ("max_data_age", max_data_age),
+                            ("max_run_bytes", max_run_bytes), ("max_run_age", max_run_age)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a number > 0, or None for no limit. Got {value!r} instead.")
         # Materialized data above this size, or unused this long (seconds), is removed, least recently used
         # first, after every fit that materializes (store.budget); None: no limit.
         self.max_data_bytes, self.max_data_age = max_data_bytes, max_data_age
+        # Run folders over this size together, or unchanged this long, are removed, least recently modified first,
+        # after every fit (store.runs): never the fit's own run, nor one being trained; None: no limit.
+        self.max_run_bytes, self.max_run_age = max_run_bytes, max_run_age
         self._fs: Optional[fsspec.AbstractFileSystem] = None
         self._root: Optional[str] = None
 

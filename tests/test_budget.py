@@ -1,5 +1,6 @@
 """The store's budget for materialized data (store.budget), on memory:// and local stores: no Spark."""
 import json
+import posixpath
 
 import pytest
 
@@ -72,3 +73,36 @@ def test_budget_values_are_checked():
     with pytest.raises(ValueError, match=r"max_data_bytes must be a number > 0, or None for no limit. Got -1"):
         Store.create("/tmp/x", max_data_bytes=-1)
     assert Store.create("/tmp/x").max_data_bytes == 50 * 2**30 and Store.create("/tmp/x").max_data_age == 14 * 86400
+
+
+def _run(store, run_id, nbytes, modified, alive=None):
+    import os
+
+    layout = store.run(run_id)
+    store.write_bytes_atomic(layout.checkpoint, b"x" * nbytes)
+    os.utime(layout.checkpoint, (modified, modified))
+    if alive is not None:
+        store.write_bytes_atomic(layout.alive, b"{}")
+        os.utime(layout.alive, (alive, alive))
+
+
+def test_run_folders_are_kept_within_the_budget_oldest_first_never_the_own_or_a_live_one(tmp_path):
+    import time
+
+    from store.runs import enforce_runs, run_folders
+
+    now = time.time()
+    store = Store.create(str(tmp_path / "store"), max_run_bytes=3100, max_run_age=10 * 86400)
+    _run(store, "ancient", 100, now - 20 * 86400)  # older than max_run_age
+    _run(store, "old", 1000, now - 5 * 86400)
+    _run(store, "live", 1000, now - 4 * 86400, alive=now - 5)  # a launch beats it: kept
+    _run(store, "mine", 1000, now - 3 * 86400)  # the fit's own: kept
+    _run(store, "new", 1000, now - 60)
+    assert {posixpath.basename(r.path): r.nbytes for r in run_folders(store, now)}["old"] == 1000
+    removed = enforce_runs(store, keep={store.run("mine").root}, now=now)
+    assert sorted(posixpath.basename(r.path) for r in removed) == ["ancient", "old"]  # 4,102 -> 3,002 bytes
+    # within 3,100 now: the newest stays
+    assert sorted(posixpath.basename(r.path) for r in run_folders(store, now)) == ["live", "mine", "new"]
+    assert enforce_runs(Store.create(str(tmp_path / "store"), max_run_bytes=None, max_run_age=None)) == []
+    with pytest.raises(ValueError, match="max_run_bytes must be a number > 0, or None"):
+        Store.create(str(tmp_path / "x"), max_run_bytes=0)

@@ -292,3 +292,25 @@ def test_an_early_read_opens_the_same_streaming_shards(store):
     direct_train, direct_val = open_shards(spec, 1, 2)
     assert _labels(train, 0) == _labels(direct_train, 0) and _labels(val, 0) == _labels(direct_val, 0)
     assert sorted(r for b in _labels(val, 0) for r in b) == list(range(28, 55))  # validation: its rows, once
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_drop_last_gives_full_batches_on_every_rank_every_epoch(store, cache):
+    """1003 rows over 2 ranks in batches of 32: 16 batches of 32 each (the 502nd row's partial batch is not
+    drawn), on the rank of 502 rows and the rank of 501 alike; other rows are left out each epoch."""
+    import dataclasses
+
+    spec = dataclasses.replace(_spec(store, cache=cache), drop_last=True)
+    seen = []
+    for rank in (0, 1):
+        shard, _ = open_shards(spec, rank, 2)
+        for epoch in (0, 1):
+            sizes = [len(b["label"]) for b in shard.epoch(epoch)]
+            assert sizes == [32] * 15, (rank, epoch, sizes)  # ceil(1003 / 2) = 502 rows: 15 full batches
+            seen.append(set(np.concatenate(_labels(shard, epoch)).tolist()))
+    assert seen[0] != seen[1]  # shuffled: other rows left out in epoch 2
+    plain = open_shards(dataclasses.replace(spec, drop_last=False), 0, 2)[0]
+    assert [len(b["label"]) for b in plain.epoch(0)][-1] == 502 - 15 * 32  # without: a last batch of 22
+    with pytest.raises(ValueError, match=r"drop_last=True: each rank's shard has at most 502 training rows, fewer "
+                                         r"than batch_size=600"):
+        open_shards(dataclasses.replace(spec, batch_size=600), 0, 2)[0].plan()

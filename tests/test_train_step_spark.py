@@ -81,3 +81,18 @@ def test_what_a_step_returns_is_checked_before_the_ranks_start(spark, store, dig
     with pytest.raises(ValueError, match=r"'monitor' parameter of TorchEstimator must be a key of the history this "
                                          r"fit writes: 'loss', 'ce', 'penalty', 'accuracy', 'val_loss'"):
         _est(store, train_step=two_terms, monitor="val_f1").fit(df)
+
+
+def full_batches(model, batch, ctx):
+    loss = F.cross_entropy(model(batch.features[0]), batch.labels[0])
+    return {"loss": loss, "full": float(batch.rows == 32) if ctx.training else 1.0}
+
+
+def test_drop_last_trains_on_full_batches_only(spark, store, digits):
+    """train_step sees each batch's rows: with drop_last every training batch on both ranks holds batch_size rows
+    (the share of full batches is exactly 1 in every epoch); without, the last one is smaller."""
+    df = digits_frame(spark, digits)
+    dropped = _est(store, train_step=full_batches, drop_last=True, epochs=2).fit(df).getHistory()
+    assert [row["full"] for row in dropped] == [1.0, 1.0]
+    kept = _est(store, train_step=full_batches, epochs=1).fit(df).getHistory()
+    assert kept[0]["full"] < 1.0

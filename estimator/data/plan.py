@@ -16,19 +16,27 @@ class EpochPlan:
     shuffle: bool
 
 
-def plan_steps(total_rows: int, world_size: int, batch_size: int,
-               steps_per_epoch: Optional[int]) -> Tuple[int, int]:
-    """(steps, row draws per rank) so that every rank takes the same number of equal batches."""
+def plan_steps(total_rows: int, world_size: int, batch_size: int, steps_per_epoch: Optional[int],
+               drop_last: bool = False) -> Tuple[int, int]:
+    """(steps, row draws per rank) so that every rank takes the same number of equal batches; with `drop_last`
+    every batch is full (the largest shard's last partial batch is not drawn)."""
     largest = math.ceil(total_rows / world_size)
     if steps_per_epoch is not None:
         return steps_per_epoch, steps_per_epoch * batch_size
+    if drop_last:
+        if largest < batch_size:
+            raise ValueError(f"drop_last=True: each rank's shard has at most {largest} training rows, fewer than "
+                             f"batch_size={batch_size}, so no batch would be full. Lower batch_size or num_proc, or "
+                             "set drop_last=False.")
+        steps = largest // batch_size
+        return steps, steps * batch_size
     return math.ceil(largest / batch_size), largest
 
 
 def plan_epoch(spec, total: int, rows: int, world_size: int, training: bool) -> EpochPlan:
     """Training: every rank the same steps over `total` rows; validation: each rank its own rows once."""
     if training:
-        steps, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch)
+        steps, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch, spec.drop_last)
         return EpochPlan(spec.batch_size, steps, items, spec.shuffle)
     steps = math.ceil(rows / spec.val_batch_size)
     if spec.validation_steps_per_epoch is not None:

@@ -55,7 +55,7 @@ def drawn(spec, total: int, epoch: int, rank: int, world_size: int, in_memory: b
     if not in_memory:
         return streaming_train_shard(spec, rank, world_size).drawn(epoch, steps)
     start, stop = shard_range(total, rank, world_size)
-    batches, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch)
+    batches, items = plan_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch, spec.drop_last)
     order = draw_order(stop - start, items, spec.shuffle, epoch_seed(spec.seed, epoch, rank).entropy)
     return iter([start + order[:(batches if steps is None else steps) * spec.batch_size]])
 
@@ -98,6 +98,8 @@ class Remainder:
         left = int(counts.sum(dtype=np.int64))
         start, stop = shard_range(left, rank, world_size)
         draws = math.ceil(left / world_size)
+        if spec.drop_last:  # full batches only: the rest's last partial batch is not trained
+            draws -= draws % spec.batch_size
         mine = left_slice(counts, start, stop) if stop > start else left_slice(counts, 0, draws)  # fewer than ranks
         return Remainder(mine, draws, [*epoch_seed(spec.seed, epoch, rank).entropy, world_size], spec.batch_size)
 
