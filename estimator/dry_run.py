@@ -69,15 +69,15 @@ def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -
 
 
 def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has_validation: bool,
-                  epochs: int) -> Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]:
+                  epochs: int, stepping: Optional[int]) -> Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]:
     """A LightningModule's configure_optimizers, training_step (and validation_step when there is validation
     data) on a few training rows: the keys training_step and validation_step log, and the scheduler's monitor."""
     arrays = head_arrays(objs, data, head)
     rows = len(arrays[data.columns[0]])
     module = copy.deepcopy(objs.model)
-    trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, epochs))
+    trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, epochs, stepping))
     try:
-        _, scheduler, monitor = lightning.optimizers_of(module)
+        _, scheduler, monitor, _ = lightning.optimizers_of(module)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's hook

@@ -50,6 +50,7 @@ class Run:
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
         self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
         self.scheduler_monitor: Optional[str] = None  # the history key a ReduceLROnPlateau steps on
+        self.scheduler_interval = "epoch"  # 'step': the loop steps it after every optimizer step (after_step)
         self.cached, self.in_remainder = False, False  # the training shard is in memory; training the rest of an epoch
         self.remainder: Optional[Remainder] = None  # the rest of the epoch the checkpoint stands in, other layout
         self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes
@@ -151,7 +152,7 @@ class Run:
         self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed
         if self.tensorboard is not None:
             self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler_interval == "epoch":
             step_scheduler(self.scheduler, row, self.scheduler_monitor)
         if self.ctx.rank == 0:
             self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)

@@ -24,7 +24,7 @@ from estimator.attempts import launch_with_retries
 from estimator.compression import compression_name
 from estimator.checkpoint import load_checkpoint
 from estimator.data.parquet import list_pieces, parquet_columns
-from estimator.data.plan import plan_steps
+from estimator.data.plan import optimizer_steps, plan_steps
 from estimator.direct import direct_source, head
 from estimator.fit_report import log_fit, report_stop, tensorboard_on
 from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
@@ -188,9 +188,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         has_validation = bool(p["validation"] or data.val)
         if p["train_step"] is not None:  # the history's keys are train_step's: the monitor is one of them
             run = replace(run, monitor=checks.monitor_for(p, ["loss", *step_metrics], has_validation))
+        stepping = None if source is not None else optimizer_steps(  # the direct mode's rows: on the ranks
+            data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], p["drop_last"],
+            p["backward_passes_per_step"], p["epochs"])
         if run.objs.lightning:  # the keys are what its steps log
             step_metrics, val_metrics, scheduler_monitor = dry_lightning(run.objs, data, first_rows, has_validation,
-                                                                         p["epochs"])
+                                                                         p["epochs"], stepping)
             run = replace(run, monitor=checks.lightning_monitor(p, step_metrics, val_metrics, scheduler_monitor,
                                                                  has_validation))
         dry_run_seconds = time.perf_counter() - checked
@@ -222,7 +225,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         launch_seconds = time.perf_counter() - launched
         if results:
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
-        model = self._model(p, run, output_shapes).setFeatureSizes(sizes)
+        model = self._model(p, run, output_shapes, stepping or 1).setFeatureSizes(sizes)
         if tracked is not None:
             tracked.finish(model.getHistory(), model.getBestEpoch(), model.getModel())
             log.info("Logged run %s to MLflow run %s", run_id, tracked.run_id)
@@ -234,7 +237,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             log.warning("Store budget: could not check the run folders: %s", exc)
         return model
 
-    def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple]) -> TorchModel:
+    def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple], stepping: int) -> TorchModel:
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
         restore_best, of its best epoch's checkpoint (the history stays whole)."""
         objs, store, run_id, layout = run.objs, run.store, run.run_id, run.store.run(run.run_id)
@@ -251,7 +254,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         trained = copy.deepcopy(p["model"]).cpu()
         trained.load_state_dict(checkpoint["model"])
         trained.eval()
-        optimizer = optimizer_for(trained, p["epochs"]) if objs.lightning else build_optimizer(objs, trained)
+        optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
         optimizer.load_state_dict(checkpoint["optimizer"])
         return TorchModel(model=trained, optimizer=optimizer, feature_cols=list(p["feature_cols"]),
                           label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import numbers
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,17 +88,32 @@ class StandInTrainer:
     """`self.trainer` for a module trained here: the epoch (0-based, as Lightning counts), the optimizer steps so
     far, the ranks and the run's epochs. Anything else a Trainer has is refused by name."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, max_epochs: int):
+    def __init__(self, rank: int, world_size: int, local_rank: int, max_epochs: int,
+                 estimated_stepping_batches: Optional[int] = None):
         self.global_rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.is_global_zero, self.max_epochs = rank == 0, max_epochs
         self.current_epoch = self.global_step = 0
         self.training, self.validating, self.sanity_checking = True, False, False
         self.testing = self.predicting = False
         self.logger, self.loggers, self.progress_bar_callback = None, [], None
+        if estimated_stepping_batches is not None:  # the run's optimizer steps (OneCycleLR's total_steps)
+            self.estimated_stepping_batches = estimated_stepping_batches
+        # what self.optimizers() and self.lr_schedulers() read, once configure_optimizers() has run (`optimized`)
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.strategy = SimpleNamespace(_lightning_optimizers=self.optimizers)
+        self.lr_scheduler_configs: List[Any] = []
+
+    def optimized(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self.optimizers[:] = [optimizer]
+        self.lr_scheduler_configs[:] = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "estimated_stepping_batches":
+            raise AttributeError("self.trainer.estimated_stepping_batches is not known on the driver with "
+                                 "data_mode='direct' (the ranks count their rows): use data_mode='materialize', or "
+                                 "set train_steps_per_epoch.")
         raise AttributeError(f"self.trainer.{name}: a LightningModule trained by TorchEstimator runs in the "
                              "estimator's loop, not in a Lightning Trainer; self.trainer has "
                              f"{', '.join(sorted(vars(self)))}. Use a train_fn for a loop of your own.")
@@ -243,9 +259,9 @@ class LightningObjective:
         return row
 
 
-def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str]]:
-    """configure_optimizers' optimizer, its epoch scheduler (or None) and the scheduler's monitor (or None), from
-    the forms Lightning accepts with one optimizer; the rest refused by name."""
+def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str], str]:
+    """configure_optimizers' optimizer, its scheduler (or None), the scheduler's monitor (or None) and interval
+    ('epoch' or 'step'), from the forms Lightning accepts with one optimizer; the rest refused by name."""
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"{type(module).__name__} sets automatic_optimization = False (manual optimization): "
                          "TorchEstimator runs backward and the optimizer step itself. Write the loop as a train_fn "
@@ -258,27 +274,37 @@ def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Option
                          "scheduler). For several optimizers, write the loop as a train_fn.")
     if len(schedulers) > 1:
         raise ValueError(f"{type(module).__name__}.configure_optimizers() returned {len(schedulers)} schedulers: "
-                         "one is supported (stepped once per epoch).")
-    if not schedulers:
-        return optimizers[0], None, None
-    config = schedulers[0] if isinstance(schedulers[0], dict) else {"scheduler": schedulers[0]}
+                         "one is supported.")
+    scheduler, monitor, interval = scheduler_config(schedulers[0], f"{type(module).__name__}.configure_optimizers()"
+                                                    ) if schedulers else (None, None, "epoch")
+    trainer = getattr(module, "_trainer", None)
+    if isinstance(trainer, StandInTrainer):
+        trainer.optimized(optimizers[0], scheduler)
+    return optimizers[0], scheduler, monitor, interval
+
+
+def scheduler_config(config: Any, where: str) -> Tuple[Any, Optional[str], str]:
+    """(scheduler, monitor, interval) from a scheduler or Lightning's dict form ({'scheduler': ...,
+    'interval': 'epoch' or 'step', 'monitor': ...}); `where` names what returned it in the errors."""
+    config = config if isinstance(config, dict) else {"scheduler": config}
     interval, frequency = config.get("interval", "epoch"), config.get("frequency", 1)
-    if interval != "epoch" or frequency != 1:
-        raise ValueError(f"{type(module).__name__}.configure_optimizers(): the scheduler's interval={interval!r}, "
-                         f"frequency={frequency!r}; TorchEstimator steps schedulers once per epoch (interval='epoch', "
-                         "frequency=1). Step it in a train_fn for other intervals.")
+    if interval not in ("epoch", "step") or frequency != 1:
+        raise ValueError(f"{where}: the scheduler's interval={interval!r}, frequency={frequency!r}; TorchEstimator "
+                         "steps a scheduler once per epoch (interval='epoch') or after every optimizer step "
+                         "(interval='step'), frequency=1. Step it in a train_fn for other schedules.")
     scheduler, monitor = config.get("scheduler"), config.get("monitor")
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not monitor:
-        raise ValueError(f"{type(module).__name__}.configure_optimizers() returned ReduceLROnPlateau without "
-                         "'monitor': return {'optimizer': ..., 'lr_scheduler': {'scheduler': ..., 'monitor': "
-                         "'val_loss'}} naming a logged key, as Lightning requires.")
-    return optimizers[0], scheduler, monitor
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and (not monitor or interval == "step"):
+        raise ValueError(f"{where} returned ReduceLROnPlateau without 'monitor' or with interval='step': return "
+                         "{'scheduler': ..., 'monitor': 'val_loss'} naming a history key, stepped per epoch, as "
+                         "Lightning requires.")
+    return scheduler, monitor, interval
 
 
-def optimizer_for(module: nn.Module, max_epochs: int) -> torch.optim.Optimizer:
+def optimizer_for(module: nn.Module, max_epochs: int, stepping: int) -> torch.optim.Optimizer:
     """configure_optimizers()' optimizer for a module off the ranks (the driver's TorchModel), with a stand-in
-    trainer for the call only (configure_optimizers may read self.trainer.max_epochs)."""
-    attach(module, StandInTrainer(0, 1, 0, max_epochs))
+    trainer for the call only (configure_optimizers may read self.trainer.max_epochs or
+    estimated_stepping_batches: `stepping`)."""
+    attach(module, StandInTrainer(0, 1, 0, max_epochs, estimated_stepping_batches=stepping))
     try:
         return optimizers_of(module)[0]
     finally:

@@ -45,6 +45,7 @@ class TrainLoop:
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "16-mixed" else None
         self.global_step = 0  # optimizer steps over the whole run (carried over a resume)
         self.on_step: Optional[Callable[[int, torch.Tensor], None]] = None  # rank 0's TensorBoard step loss
+        self.after_step: Optional[Callable[[], None]] = None  # a per-step scheduler's step()
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
         self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
 
@@ -76,6 +77,8 @@ class TrainLoop:
                 self.steps_report.batch(epoch, step + 1, sums)
             if stepping:
                 self.step()
+                if self.after_step is not None:
+                    self.after_step()
                 self.global_step += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.on_step is not None:

@@ -182,7 +182,9 @@ ESTIMATOR_PARAMS = [
               "on, with a warning for each such epoch (Horovod's default was False)", True, is_bool,
               "True or False"),
     ParamSpec("lr_scheduler_fn", "function(optimizer) -> a torch.optim.lr_scheduler scheduler, built on every rank "
-              "and stepped once per epoch (ReduceLROnPlateau with val_loss, else loss); checkpointed and resumed",
+              "and stepped once per epoch (ReduceLROnPlateau with val_loss, else loss), or Lightning's dict "
+              "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
+              "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
     ParamSpec("drop_nulls", "skip rows with a null (or an array holding a null) in any feature, label or weight "
               "column; default False: such rows are an error naming the column and count", False, is_bool,

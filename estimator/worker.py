@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from estimator import lightning
 from estimator.checkpoint import load_checkpoint, position_of
+from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
 from estimator.distributed import RankContext
 from estimator.epochs import Run
@@ -35,9 +36,10 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
     model = objs.model.to(device)
-    trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs)
+    trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
+                                                               run_optimizer_steps(spec, ctx.world_size))
                                ) if objs.lightning else None
-    optimizer, scheduler, scheduler_monitor = optimization(objs, model)
+    optimizer, scheduler, scheduler_monitor, interval = optimization(objs, model)
     state = load_checkpoint(spec.data.store, spec.resume_from, device) if spec.resume_from else None
     if state is not None:  # a retry or a refit of this run_id: continue where the checkpoint stands
         model.load_state_dict(state["model"])
@@ -59,7 +61,9 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         allreduce = "shared memory" if comm is not None else (
             f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt, trainer)
-        run.scheduler_monitor = scheduler_monitor
+        run.scheduler_monitor, run.scheduler_interval = scheduler_monitor, interval
+        if scheduler is not None and interval == "step":  # OneCycleLR and the like: after every optimizer step
+            run.loop.after_step = scheduler.step
         if state is not None and state.get("grad_scaler") and run.loop.scaler is not None:
             run.loop.scaler.load_state_dict(state["grad_scaler"])
         run.restored_extra = dict(state.get("extra") or {}) if state is not None else {}
@@ -87,16 +91,25 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def optimization(objs: UserObjects, model: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str]]:
-    """The optimizer, the learning-rate scheduler (or None) and what a ReduceLROnPlateau steps on (None: val_loss,
-    else loss): a LightningModule's configure_optimizers(), or the user's optimizer and lr_scheduler_fn."""
+def optimization(objs: UserObjects, model: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str], str]:
+    """The optimizer, the learning-rate scheduler (or None), what a ReduceLROnPlateau steps on (None: val_loss,
+    else loss) and when the scheduler steps ('epoch', or 'step': after every optimizer step): a LightningModule's
+    configure_optimizers(), or the user's optimizer and lr_scheduler_fn (a scheduler, or Lightning's dict form
+    {'scheduler': ..., 'interval': 'step'})."""
     if objs.lightning:
-        optimizer, scheduler, monitor = lightning.optimizers_of(model)
+        optimizer, scheduler, monitor, interval = lightning.optimizers_of(model)
     else:
-        optimizer, scheduler, monitor = build_optimizer(objs, model), None, None
+        optimizer, scheduler, monitor, interval = build_optimizer(objs, model), None, None, "epoch"
     if scheduler is None and objs.lr_scheduler_fn is not None:
-        scheduler = objs.lr_scheduler_fn(optimizer)
-    return optimizer, scheduler, monitor
+        scheduler, monitor, interval = lightning.scheduler_config(objs.lr_scheduler_fn(optimizer), "lr_scheduler_fn")
+    return optimizer, scheduler, monitor, interval
+
+
+def run_optimizer_steps(spec: TrainSpec, world_size: int) -> int:
+    """The run's optimizer steps, as the driver counted them (the direct mode: over the largest shard)."""
+    total = spec.data.train_rows if spec.data.local is None else spec.data.largest_shard * world_size
+    return optimizer_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch, spec.drop_last,
+                           spec.backward_passes_per_step, spec.epochs)
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

@@ -47,17 +47,24 @@ def sgd(m):
     (lambda m: {"optimizer": (o := sgd(m)), "lr_scheduler": torch.optim.lr_scheduler.StepLR(o, 1)}, True, None),
     (lambda m: [{"optimizer": (o := sgd(m)), "lr_scheduler": {
         "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(o), "monitor": "val_ce"}}], True, "val_ce"),
+    (lambda m: {"optimizer": (o := sgd(m)), "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.1, total_steps=m.trainer.estimated_stepping_batches), "interval": "step"}}, True, None),
 ])
 def test_configure_optimizers_forms_with_one_optimizer_are_taken(configure, scheduled, monitor):
-    optimizer, scheduler, named = lightning.optimizers_of(Lit(configure))
+    module = Lit(configure)
+    trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, 3, estimated_stepping_batches=30))
+    optimizer, scheduler, named, interval = lightning.optimizers_of(module)
     assert isinstance(optimizer, torch.optim.SGD) and (scheduler is not None) == scheduled and named == monitor
+    assert interval == ("step" if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) else "epoch")
+    assert module.optimizers() is optimizer and module.lr_schedulers() is scheduler  # Lightning's own accessors
+    assert trainer.optimizers == [optimizer]
 
 
 @pytest.mark.parametrize("configure, match", [
     (lambda m: None, r"returned None: TorchEstimator trains a LightningModule with exactly one"),
     (lambda m: (sgd(m), sgd(m)), r"a tuple of 2 \(SGD, SGD\)"),
     (lambda m: {"optimizer": (o := sgd(m)), "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1),
-                                                            "interval": "step"}}, r"interval='step'"),
+                                                            "interval": "step", "frequency": 2}}, r"frequency=2"),
     (lambda m: {"optimizer": (o := sgd(m)), "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(o)},
      r"ReduceLROnPlateau without 'monitor'"),
 ])

@@ -226,3 +226,38 @@ def test_lightnings_own_demo_modules_train_unmodified(spark, store, digits):
     with pytest.raises(ValueError, match=r"StepsOnly has no forward\(\) and no predict_step\(\): "
                                          r"TorchModel.transform calls one of them"):
         steps_only.transform(digits)
+
+
+class OneCycle(LitBuiltIn):
+    """The Lightning docs' idiom: OneCycleLR over self.trainer.estimated_stepping_batches, stepped every step,
+    with self.optimizers() and self.lr_schedulers() read in training_step."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        assert self.lr_schedulers() is not None
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5,
+                                                    total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+def test_a_per_step_one_cycle_schedule_runs_its_whole_cycle(spark, store, digits):
+    """2 ranks, 3 epochs, accumulation of 2, drop_last: estimated_stepping_batches counts the run's optimizer steps
+    exactly (1797 rows: 899 a rank, 28 full batches of 32, 14 steps an epoch, 42 in all; OneCycleLR refuses a step
+    past its total), the rate rises then falls, and ends where OneCycleLR stepped 42 times ends (per epoch it
+    would have stepped 3 times: near max_lr / 25)."""
+    df = digits_frame(spark, digits)
+    model = _est(store, model=seeded_lit(OneCycle), epochs=3, backward_passes_per_step=2, drop_last=True,
+                 validation=None).fit(df)
+    rates = [row["lr"] for row in model.getHistory()]
+    assert rates[0] < rates[1] and rates[2] < rates[1]  # each epoch's mean rate: up, then down
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.5, total_steps=42)
+    for _ in range(42):
+        sgd.step()
+        cycle.step()
+    assert model.getOptimizer().param_groups[0]["lr"] == pytest.approx(sgd.param_groups[0]["lr"], rel=1e-6)
+    assert model.getHistory()[-1]["accuracy"] > 0.8

@@ -33,6 +33,16 @@ def plan_steps(total_rows: int, world_size: int, batch_size: int, steps_per_epoc
     return math.ceil(largest / batch_size), largest
 
 
+def optimizer_steps(total_rows: int, world_size: int, batch_size: int, steps_per_epoch: Optional[int],
+                    drop_last: bool, every: int, epochs: int) -> int:
+    """The run's optimizer steps (Lightning's estimated_stepping_batches, OneCycleLR's total_steps): each epoch's
+    batches over `every` (backward_passes_per_step; a partial accumulation steps at the epoch's end), times
+    `epochs`. The same on every rank, and on the driver (a retry on fewer ranks keeps the global batch: the same
+    steps)."""
+    steps, _ = plan_steps(total_rows, world_size, batch_size, steps_per_epoch, drop_last)
+    return math.ceil(steps / every) * epochs
+
+
 def plan_epoch(spec, total: int, rows: int, world_size: int, training: bool) -> EpochPlan:
     """Training: every rank the same steps over `total` rows; validation: each rank its own rows once."""
     if training:
