@@ -173,18 +173,21 @@ class MlflowLog:
         self.end("FINISHED")
 
     def end(self, status: str) -> None:
+        """The run ended if this fit started it: also after a failure to log (no run is left active)."""
         if self.started:
             import mlflow
 
-            self._try("the end of the run", lambda: mlflow.end_run(status=status))
             self.started = False
+            self._try("the end of the run", lambda: mlflow.end_run(status=status), always=True)
 
-    def _try(self, what: str, call: Any) -> None:
-        if self.failed:
+    def _try(self, what: str, call: Any, always: bool = False) -> None:
+        if self.failed and not always:
             return
         try:
             call()
         except Exception as exc:  # noqa: BLE001 - tracking never costs the trained model
+            if self.failed:
+                return  # said once
             self.failed = True
             warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {str(exc)[:500]}); the fit goes "
                           "on and returns its model, and logs nothing more to MLflow. Its history is on the model "

@@ -136,4 +136,5 @@ def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, st
                                             r"server went away\); the fit goes on and returns its model"):
         fitted = _estimator(store, mlflow=True, epochs=1).fit(digits_frame(spark, digits))
     assert len(fitted.getHistory()) == 1
+    assert mlflow.active_run() is None  # the run this fit started is ended all the same
     mlflow.set_tracking_uri(None)
