@@ -32,8 +32,8 @@ from estimator.distributed import task_gpus
 from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
 from estimator.faults import Fault, from_env, inject
-from estimator.rank_setup import Placement, train_rank
 from estimator.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
+from estimator.rank_setup import Placement, train_rank
 from estimator.rendezvous import all_gather, announce, late_at_barrier
 from estimator.session import executor_python, job_tag, tag_canceller
 from estimator.spec import TrainSpec, WorkerResult

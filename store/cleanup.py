@@ -48,11 +48,11 @@ def cleanup(store: Any, keep_runs: Optional[int] = None, older_than: Optional[fl
 def _modified(store: Any, path: str) -> float:
     """When anything under `path` last changed (the newest file), in seconds since the epoch."""
     infos: Dict[str, Dict[str, Any]] = store.fs.find(path, detail=True)
-    times = [_mtime(info) for info in infos.values()] or [_mtime(store.fs.info(path))]
+    times = [mtime(info) for info in infos.values()] or [mtime(store.fs.info(path))]
     return max((t for t in times if t is not None), default=time.time())
 
 
-def _mtime(info: Dict[str, Any]) -> Optional[float]:
+def mtime(info: Dict[str, Any]) -> Optional[float]:
     """fsspec backends name it differently: mtime (local), LastModified (s3), last_modified (abfs),
     modificationTime in ms (webhdfs)."""
     for key in ("mtime", "LastModified", "last_modified", "modificationTime", "created"):

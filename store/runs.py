@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, List, Optional
 
 from store.budget import folders
-from store.cleanup import _mtime
+from store.cleanup import mtime
 
 log = logging.getLogger("estimator")
 LIVE_S = 120.0  # a run whose alive.json changed this recently is being trained
@@ -31,7 +31,7 @@ def run_folders(store: Any, now: Optional[float] = None) -> List[RunFolder]:
     found = []
     for path in folders(store, store.path("runs")):
         infos = store.fs.find(path, detail=True)
-        times = {posixpath.basename(name): _mtime(info) for name, info in infos.items()}
+        times = {posixpath.basename(name): mtime(info) for name, info in infos.items()}
         modified = max((t for t in times.values() if t is not None), default=now)
         alive = times.get("alive.json")
         found.append(RunFolder(path, sum(int(info.get("size") or 0) for info in infos.values()), modified,

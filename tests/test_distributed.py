@@ -201,3 +201,20 @@ def test_the_driver_takes_the_failing_ranks_record_not_a_peers_echo(store):
     late = launch_failure(store, run, launch, 2, "")
     assert isinstance(late, RendezvousFailed) and late.kind is FailureKind.RENDEZVOUS
     assert launch_failure(store, store.run("other"), launch, 2, "some other Spark error") is None
+
+
+def test_a_module_the_executors_lack_before_our_code_ran_is_an_environment_failure_naming_their_python():
+    """pyspark's worker failed to unpickle the task (the executors' Python is not the driver's): not retried, and
+    the message names the module and the Python the driver configured for them."""
+    from estimator.failures import FailureKind
+    from estimator.launcher import rank_failure
+
+    text = ("Job aborted due to stage failure: ... org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] "
+            "An exception was thrown from the Python worker: Traceback (most recent call last):\n  File "
+            "\"pyspark/serializers.py\", line 483, in loads\nModuleNotFoundError: No module named 'torch'\n"
+            " SQLSTATE: 38000\n\tat org.apache.spark...")
+    failure = rank_failure(text, 1, "python3")
+    assert failure.kind is FailureKind.ENVIRONMENT and not failure.kind.retryable
+    assert failure.summary.startswith("ModuleNotFoundError: No module named 'torch' in the executors' Python "
+                                      "(python3), before the training code ran")
+    assert "PYSPARK_PYTHON" in failure.summary and "\tat " not in str(failure)
