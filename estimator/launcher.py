@@ -11,6 +11,7 @@ pyspark is imported only inside the barrier task and the launcher's methods.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import pickle
@@ -117,7 +118,11 @@ class SparkBarrierLauncher:
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                 box["error"] = exc
 
-        thread = InheritableThread(job, session=self.spark, name=f"training-job-{spec.launch_id}", daemon=True)
+        # pyspark >= 4 copies a Connect session's tags too (session=); 3.5's takes no session (the tags are added
+        # inside the thread by job_tag either way)
+        session = {"session": self.spark} if "session" in inspect.signature(InheritableThread.__init__).parameters \
+            else {}
+        thread = InheritableThread(job, name=f"training-job-{spec.launch_id}", daemon=True, **session)
         thread.start()
         try:
             while thread.is_alive():
