@@ -148,9 +148,12 @@ def _numpy_scalars() -> List[Any]:
     """What pickle needs to rebuild a numpy scalar: numpy's `scalar` function, `dtype` and the dtypes' classes."""
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    if int(np.__version__.split(".")[0]) >= 2:
+        from numpy._core.multiarray import scalar
+    else:  # numpy 1.26 (the Spark 3.5 stack): its numpy._core is only a shim
+        from numpy.core.multiarray import scalar
     kinds = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
-    return [core.multiarray.scalar, np.dtype, *{type(np.dtype(kind)) for kind in kinds}]
+    return [scalar, np.dtype, *{type(np.dtype(kind)) for kind in kinds}]
 
 
 def position_of(state: Optional[Dict[str, Any]]) -> Position:
