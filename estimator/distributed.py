@@ -100,7 +100,9 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
                       WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.local_rank))
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(ctx.device))
-    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    bound = {"device_id": torch.device(ctx.device)} if ctx.backend == "nccl" else {}  # nccl: the rank's own GPU
+    dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout,
+                            **bound)
     failure: Optional[RankFailed] = None
     result: Optional[T] = None
     try:
