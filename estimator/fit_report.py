@@ -81,8 +81,9 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
             launch_seconds: float, started: float, direct: bool) -> None:
     """Where the ranks ran and read, and the fit's stages in seconds (`fit stages`: the slowest rank's figure
     of each, and materialize's share of the whole fit). `direct`: the ranks computed the DataFrame."""
-    log.info("Trained run %s on %d ranks (%s, gradients averaged by %s) in %.1fs", run_id, len(results),
-             results[0].device, results[0].allreduce, time.perf_counter() - started)
+    averaged = f"gradients averaged by {results[0].allreduce}" if len(results) > 1 else "one rank, nothing averaged"
+    log.info("Trained run %s on %d ranks (%s, %s) in %.1fs", run_id, len(results), results[0].device, averaged,
+             time.perf_counter() - started)
     readers = sorted({r.reader for r in results})
     log.info("Ranks read their data: %s", readers[0] if len(readers) == 1 else "; ".join(
         f"rank {r.rank}: {r.reader}" for r in results))

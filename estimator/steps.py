@@ -8,7 +8,8 @@ batch's mean, averaged over rows exactly as the loss is, over all ranks.
 `batch`: the rank's tensors on its device: `batch.features` and `batch.labels` in the order of feature_cols and
 label_cols, `batch.weights` (sample_weight_col, or None), and `batch["column"]` by name. `ctx`: rank, world_size,
 device, epoch (1-based, as in the history), training, batch_idx (in the epoch) and global_step (optimizer steps so
-far). `model` is the DistributedDataParallel-wrapped module in training (call it, do not reach into it), the
+far). `model` is the DistributedDataParallel-wrapped module in training (one rank: a stand-in with nothing to
+average; call it, do not reach into it), the
 plain module in validation. torch only, no pyspark."""
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Your own training loop: `train_fn=fn`, run on every rank as `fn(ctx)`, over the estimator's machinery.
 
 `ctx` gives the rank (`rank`, `world_size`, `device`), the model (`model`: DistributedDataParallel-wrapped, on the
-device; `module`: the plain one, for validation), the estimator's `optimizer` (restored on a resume), `epochs`
-and `start_epoch` (a retried or refitted run starts at its checkpoint's epoch, model and optimizer restored),
-`epochs_to_run()` (the epochs left, ending early when early stopping says so), the rank's batches of an epoch
-(`train_batches()`, `val_batches()`: estimator.steps.Batch objects on the device, from the same readers as the
-built-in loop, shuffled per epoch alike), `report(metrics)` once per epoch, `should_stop`, `autocast()` and
-`keep(name, obj)` for more stateful objects (a second optimizer...), checkpointed with the model and restored
-on a resume.
+device, or for one rank a stand-in with the same calls: call it, `.module`, `no_sync()`; `module`: the plain one,
+for validation), the estimator's `optimizer` (restored on a resume), `epochs` and `start_epoch` (a retried or
+refitted run starts at its checkpoint's epoch, model and optimizer restored), `epochs_to_run()` (the epochs left,
+ending early when early stopping says so), the rank's batches of an epoch (`train_batches()`, `val_batches()`:
+estimator.steps.Batch objects on the device, from the same readers as the built-in loop, shuffled per epoch alike),
+`report(metrics)` once per epoch, `should_stop`, `autocast()` and `keep(name, obj)` for more stateful objects (a
+second optimizer...), checkpointed with the model and restored on a resume.
 
 `report` makes the epoch's history row on every rank: each number is taken as this rank's mean over the rows it
 trained on this epoch (or over `rows=`), and averaged over all ranks weighted by rows, as the built-in loop's
@@ -30,10 +30,11 @@ from estimator.steps import Batch, Named, as_batch
 
 class TrainContext(Named):
     """What train_fn(ctx) runs on, on every rank. Attributes: rank, world_size, device; model (the
-    DistributedDataParallel-wrapped module: call it), module (the plain one), optimizer; epochs, start_epoch, epoch
-    (0-based); history (the rows so far), rows (training rows taken this epoch), should_stop. Methods:
-    epochs_to_run(), train_batches(), val_batches() (Batch objects), autocast(), keep(name, obj) (checkpointed
-    with the model), report(metrics, rows=None) once per epoch (README 'Your own training loop')."""
+    DistributedDataParallel-wrapped module, or for one rank a stand-in: call it), module (the plain one),
+    optimizer; epochs, start_epoch, epoch (0-based); history (the rows so far), rows (training rows taken this
+    epoch), should_stop. Methods: epochs_to_run(), train_batches(), val_batches() (Batch objects), autocast(),
+    keep(name, obj) (checkpointed with the model), report(metrics, rows=None) once per epoch (README 'Your own
+    training loop')."""
 
     def __init__(self, run: Any, train: Shard, val: Optional[Shard], callbacks: Sequence[Any]):
         self._run, self._train, self._val, self._callbacks = run, train, val, callbacks

@@ -27,5 +27,6 @@ fitted = TorchEstimator(num_proc=1, store=Store.create(store_path), model=model,
 accuracy = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy").evaluate(fitted.transform(df))
 trained = [r for r in records if r.startswith("Trained run")]
 print(json.dumps({"device": "cuda:0" if "(cuda:0," in trained[0] else trained[0],
-                  "allreduce": "nccl" if "averaged by nccl" in trained[0] else trained[0], "accuracy": accuracy}))
+                  "allreduce": "nothing" if "one rank, nothing averaged" in trained[0] else trained[0],
+                  "accuracy": accuracy}))
 spark.stop()
