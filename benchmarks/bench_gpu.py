@@ -8,7 +8,8 @@ Not a test: numbers. `bash .ci/gpu` runs it after the GPU tests; `--device cpu -
   w2:     1M x 64 float32 (MLP 64-128-10, batch 512, SGD), 2 epochs: rows/s and the fraction of the loop spent
           waiting for batches, shard in memory and streamed, against the loop over device tensors.
   images: sklearn's digits as 28x28 PNG bytes (x copies), decoded by transformation_fn (PIL) in the default 2
-          decode threads, against the same pixels pre-decoded (CNN, batch 256), and the device loop.
+          decode threads, in 8 (train_reader_num_workers=8) and in 8 processes (reader_pool_type='process'),
+          against the same pixels pre-decoded (CNN, batch 256), and the device loop.
 """
 from __future__ import annotations
 
@@ -156,6 +157,12 @@ def main(argv=None) -> None:
         results["images"]["PNG, 2 decode threads"] = median_of([
             fit(store, png_pieces, CNN(), 256, epochs, args.device, f"png-{i}", transformation_fn=decode,
                 inmemory_cache_all=True) for i in range(repeat)])
+        results["images"]["PNG, 8 decode threads"] = median_of([
+            fit(store, png_pieces, CNN(), 256, epochs, args.device, f"png8-{i}", transformation_fn=decode,
+                inmemory_cache_all=True, train_workers=8) for i in range(repeat)])
+        results["images"]["PNG, 8 decode processes"] = median_of([
+            fit(store, png_pieces, CNN(), 256, epochs, args.device, f"png8p-{i}", transformation_fn=decode,
+                inmemory_cache_all=True, train_workers=8, pool_type="process") for i in range(repeat)])
         results["images"]["pre-decoded"] = median_of([
             fit(store, array_pieces, CNN(), 256, epochs, args.device, f"arrays-{i}", inmemory_cache_all=True)
             for i in range(repeat)])
@@ -170,6 +177,8 @@ def main(argv=None) -> None:
     print(f"| W2 {rows:,} x 64 | {cell(w['in memory'])} | {cell(w['streaming'])} | {cell(w['device loop'])} |")
     print(f"| images {len(pngs):,} | {cell(i['PNG, 2 decode threads'])} | {cell(i['pre-decoded'])} | "
           f"{cell(i['device loop'])} |")
+    print(f"| images, train_reader_num_workers=8 | {cell(i['PNG, 8 decode threads'])} | | |")
+    print(f"| images, 8 workers, reader_pool_type='process' | {cell(i['PNG, 8 decode processes'])} | | |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
