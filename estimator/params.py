@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -134,6 +135,7 @@ def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
     params = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default) for s in specs]
     cls.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + params)
+    cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + "\n\n" + params_text(specs)  # what help(cls) lists
     return cls
 
 
@@ -220,13 +222,30 @@ def names(specs: Sequence[ParamSpec]) -> List[str]:
 
 
 # -- documentation -------------------------------------------------------------------------------
+def default_text(spec: ParamSpec) -> str:
+    """'required' for a param without a usable default, else the default's repr."""
+    required = spec.default is None and spec.check is not None and not spec.check(None)
+    return "required" if required else repr(spec.default)
+
+
+def params_text(specs: Sequence[ParamSpec]) -> str:
+    """The params as help() shows them under the class's docstring, from the same table as README's."""
+    example = _camel(specs[0].name)
+    lines = [f"Params (keyword arguments; each also has a getter and a setter: get{example}(), set{example}(v)):"]
+    for spec in specs:
+        lines.append(f"    {spec.name}: {default_text(spec)}")
+        lines += textwrap.wrap(f"{spec.doc}. Allowed: {spec.allowed}.", 100, initial_indent=" " * 8,
+                               subsequent_indent=" " * 8, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def markdown_table(specs: Sequence[ParamSpec]) -> str:
     """The params as a Markdown table (README's param tables are this text: `python .ci/readme_params.py`
     rewrites them, and tests/test_readme.py checks they are current)."""
     rows = ["| param | default | allowed | meaning |", "|---|---|---|---|"]
     for spec in specs:
-        required = spec.default is None and spec.check is not None and not spec.check(None)
-        default = "required" if required else f"`{spec.default!r}`"
+        default = default_text(spec)
+        default = default if default == "required" else f"`{default}`"
         cells = [f"`{spec.name}`", default, spec.allowed, spec.doc]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"

@@ -32,6 +32,21 @@ def test_signature_lists_every_param():
         assert est_has_param(name)
 
 
+def test_help_lists_every_param_with_its_default_and_what_it_allows():
+    import pydoc
+
+    from estimator.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS
+
+    for cls, specs in ((TorchEstimator, ESTIMATOR_PARAMS), (TorchModel, MODEL_PARAMS)):
+        shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        for spec in specs:
+            assert f"{spec.name}: " in shown, (cls.__name__, spec.name)
+        flat = " ".join(cls.__doc__.split())
+        assert all(" ".join(spec.allowed.split()) in flat for spec in specs)
+    assert "    batch_size: 32\n" in TorchEstimator.__doc__ and "    model: required\n" in TorchEstimator.__doc__
+    assert TorchEstimator.__doc__.startswith("Distributed PyTorch training as a Spark ML Estimator")
+
+
 def est_has_param(name):
     return TorchEstimator().hasParam(name)
 
