@@ -3,6 +3,7 @@ the learning-rate schedule, TensorBoard, the callbacks and rank 0's checkpoints 
 epochs'). The step-level loop is estimator.loop's. torch only, no pyspark."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
@@ -83,7 +84,8 @@ class Run:
             if self.objs.train_fn is not None:  # the user's own loop over the same batches, history and checkpoints
                 from estimator.train_fn import TrainContext
 
-                TrainContext(self, train, val, callbacks).run(self.objs.train_fn)
+                TrainContext(self, train, val, functools.partial(call_callbacks, callbacks, "on_epoch_end")).run(
+                    self.objs.train_fn)
             else:
                 self.epochs(train, val, position, callbacks)
             self.writer.wait()  # the last checkpoint is in the store before the driver reads it

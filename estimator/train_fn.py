@@ -17,12 +17,11 @@ built-in loop's: a train_fn resumes at its last reported epoch. torch only, no p
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
 from estimator.data.shards import Shard
-from estimator.epochs import call_callbacks
 from estimator.faults import inject
 from estimator.loop import reduce_sums
 from estimator.steps import Batch, Named, as_batch
@@ -36,8 +35,9 @@ class TrainContext(Named):
     keep(name, obj) (checkpointed with the model), report(metrics, rows=None) once per epoch (README 'Your own
     training loop')."""
 
-    def __init__(self, run: Any, train: Shard, val: Optional[Shard], callbacks: Sequence[Any]):
-        self._run, self._train, self._val, self._callbacks = run, train, val, callbacks
+    def __init__(self, run: Any, train: Shard, val: Optional[Shard], on_epoch_end: Callable[[int, dict], None]):
+        """`run`: the rank's estimator.epochs.Run; `on_epoch_end(epoch, row)`: the callbacks' hook, after report."""
+        self._run, self._train, self._val, self._on_epoch_end = run, train, val, on_epoch_end
         self.rank, self.world_size = run.ctx.rank, run.ctx.world_size
         self.device = run.device
         self.model, self.module, self.optimizer = run.ddp, run.model, run.optimizer
@@ -139,7 +139,7 @@ class TrainContext(Named):
             raise ValueError(f"monitor={run.spec.monitor.key!r} is not among the numbers train_fn reports "
                              f"({keys}): report it, or set monitor to one of them.")
         run.record(self.epoch, row, total / max(reduced[-1] / self.world_size, 1e-9))
-        call_callbacks(self._callbacks, "on_epoch_end", self.epoch, dict(row))
+        self._on_epoch_end(self.epoch, dict(row))
         return row
 
     def run(self, fn: Callable[["TrainContext"], Any]) -> None:

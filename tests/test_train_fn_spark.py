@@ -43,6 +43,17 @@ def two_optimizers(ctx):
                     "val_accuracy": (val_correct / max(val_rows, 1), val_rows)})
 
 
+class EpochEnds:
+    """A callback that appends each epoch's end to a file (local mode: the executors share this disk)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs):
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"epoch": epoch, "loss": logs["loss"]}) + "\n")
+
+
 def _est(store, **kw):
     model = seeded(MLP)
     params = dict(num_proc=2, store=store, model=model, feature_cols=["features"], label_cols=["label"],
@@ -53,11 +64,15 @@ def _est(store, **kw):
 
 
 def test_a_train_fn_with_two_optimizers_trains_digits_and_resumes_a_killed_rank_exactly(spark, store, digits,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, tmp_path):
     df = digits_frame(spark, digits)
-    straight = _est(store, run_id="straight").fit(df)
+    ends = tmp_path / "epoch_ends.jsonl"
+    straight = _est(store, run_id="straight", callbacks=[EpochEnds(str(ends))]).fit(df)
     history = straight.getHistory()
     assert [row["epoch"] for row in history] == [1, 2, 3, 4, 5]
+    records = [json.loads(line) for line in ends.read_text().splitlines()]  # each report ends an epoch, rank 0
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["loss"] for r in records] == pytest.approx([row["loss"] for row in history])
     assert history[-1]["val_accuracy"] >= 0.90 and set(history[-1]) == {"epoch", "loss", "accuracy", "val_accuracy"}
     monkeypatch.setenv(FAULTS, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 40,
                                             "attempt": 0}]))  # in epoch 2 (23 batches an epoch)

@@ -1,0 +1,111 @@
+"""The import rules of DESIGN.md, read from the code (every import statement, also those inside functions):
+no import circle among the modules of estimator/ and store/; store/ imports nothing of estimator/; what runs on
+the executors (a rank, from estimator.rank_setup; transform's batches, from estimator.inference) never imports
+pyspark's driver API (pyspark.sql, pyspark.ml). A package's face (its __init__, which only hands names on) is no
+edge: `import estimator` for its __file__ ties a module to no other."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("estimator", "store")
+EXECUTOR_ENTRIES = ("estimator.rank_setup", "estimator.inference")
+DRIVER_API = ("pyspark.sql", "pyspark.ml")
+
+
+def _modules():
+    found = {}
+    for package in PACKAGES:
+        for folder, dirs, names in os.walk(os.path.join(ROOT, package)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in names:
+                if name.endswith(".py"):
+                    dotted = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
+                    found[dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted] = os.path.join(
+                        folder, name)
+    return found
+
+
+MODULES = _modules()
+
+
+def _imported(path):
+    """Every module name an import statement of the file names (`from a import b`: a.b when that is a module)."""
+    names = set()
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES}
+            names |= subs | ({node.module} if len(subs) < len(node.names) else set())
+    return names
+
+
+IMPORTS = {m: _imported(p) for m, p in MODULES.items()}
+EDGES = {m: {i for i in names if i in MODULES and i != m and i not in PACKAGES} for m, names in IMPORTS.items()}
+
+
+def _circles(edges):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def _reached(start):
+    seen, todo = set(), [start]
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo += EDGES[v]
+    return seen
+
+
+def test_the_rules_are_read_from_the_code():
+    assert len(MODULES) > 50 and "estimator.data.streaming" in MODULES and "store.store" in MODULES
+    assert "estimator.worker" in EDGES["estimator.rank_setup"]  # `from estimator.worker import train_worker`
+    assert "estimator.lightning" in EDGES["estimator.worker"]  # `from estimator import lightning`
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle():
+    assert _circles(EDGES) == []
+
+
+def test_the_store_knows_nothing_of_the_estimator():
+    assert {m: sorted(i for i in IMPORTS[m] if i.split(".")[0] == "estimator")
+            for m in MODULES if m.startswith("store")} == {m: [] for m in MODULES if m.startswith("store")}
+
+
+def test_what_runs_on_the_executors_never_imports_the_driver_api():
+    for entry in EXECUTOR_ENTRIES:
+        reached = _reached(entry)
+        assert len(reached) > 3
+        offending = {m: sorted(i for i in IMPORTS[m] if i.startswith(DRIVER_API)) for m in reached}
+        assert {m: names for m, names in offending.items() if names} == {}, entry
