@@ -340,3 +340,25 @@ def test_one_rank_trains_through_a_stand_in_with_ddps_calls_and_the_same_numbers
     (result,) = LocalLauncher().run(make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1),
                                               train_rows=320, val_rows=64, epochs=1, batch=64), 1)
     assert result.allreduce == SOLO
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_lr_scheduler_fn_in_lightnings_dict_form_steps_per_step_or_per_epoch(store, digits, interval):
+    """lr_scheduler_fn may return a scheduler (stepped per epoch) or {'scheduler': ..., 'interval': 'step'}
+    (stepped after every optimizer step): 320 rows of batch 64 are 5 steps an epoch, 10 in 2 epochs."""
+    import dataclasses
+    import pickle
+
+    from estimator.pickling import dumps
+
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.1), train_rows=320,
+                     val_rows=64, epochs=2, batch=64)
+    objs = pickle.loads(spec.payload)
+    halving = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)  # noqa: E731
+    objs.lr_scheduler_fn = (lambda opt: {"scheduler": halving(opt), "interval": "step"}) if interval == "step" \
+        else halving
+    (result,) = LocalLauncher().run(dataclasses.replace(spec, payload=dumps(objs, "model", roots=[objs.model])), 1)
+    assert result.optimizer_steps == 10
+    steps = 10 if interval == "step" else 2
+    assert _checkpoint(store)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** steps)
