@@ -25,7 +25,7 @@ from estimator.lightning import LightningObjective
 from estimator.losses import Objective
 from estimator.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.steps import StepObjective
-from estimator.tracking import TensorBoardLog
+from estimator.tensorboard import TensorBoardLog
 
 log = logging.getLogger("estimator")
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
+from estimator.console import say_to_user
 from estimator.finite import non_finite_losses
 from estimator.progress import ProgressWatcher, StepBar
 from estimator.spec import DataSpec, WorkerResult
 from estimator.stopping import Monitor
-from estimator.tracking import tensorboard_available
+from estimator.tensorboard import tensorboard_available
 from estimator.epochs import format_metrics
 
 log = logging.getLogger("estimator")
@@ -106,13 +106,6 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
 
 
 _TENSORBOARD_OFF_SAID = []
-
-
-def say_to_user(line: str) -> None:
-    """Printed to stderr, where a notebook or a terminal shows it whatever logging is set up (and logged at
-    DEBUG). Callers say nothing at verbose=0."""
-    print(line, file=sys.stderr, flush=True)
-    log.debug(line)
 
 
 def tensorboard_on(verbose: int) -> bool:

@@ -139,7 +139,7 @@ def interrupted(spark: Any, text: str, spec: TrainSpec, job: Any) -> None:
     """Ctrl-C during a launch: its job cancelled by its tag and its folder removed (every task ends its process
     within seconds: LaunchWatch), then one line saying how to go on. Returns once rank 0's task has stopped
     beating, so that a fit right after does not wait for it."""
-    from estimator.fit_report import say_to_user  # the driver's console (not imported by the ranks)
+    from estimator.console import say_to_user  # the driver's console (not imported by the ranks)
 
     try:
         tag_canceller(spark, text)()
