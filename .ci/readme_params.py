@@ -1,4 +1,4 @@
-"""Rewrite README.md's param tables from the param table (estimator/param_table.py), where each param is
+"""Rewrite README.md's param tables from the param table (estimator/core/param_table.py), where each param is
 declared once: `python .ci/readme_params.py` (tests/test_readme.py fails while they differ)."""
 import os
 import re
@@ -7,8 +7,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from estimator.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS, TRAINING_PARAMS  # noqa: E402
-from estimator.params import markdown_table  # noqa: E402
+from estimator.core.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS, TRAINING_PARAMS  # noqa: E402
+from estimator.core.params import markdown_table  # noqa: E402
 
 TABLES = {"TorchEstimator": ESTIMATOR_PARAMS, "TorchModel": [s for s in MODEL_PARAMS if s not in TRAINING_PARAMS]}
 

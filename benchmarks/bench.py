@@ -342,8 +342,8 @@ def main(argv=None):
         results["transform_50k"] = transform_vs_forward(fitted, test, repeat)
         test.unpersist()
 
+    from estimator.core.spec import DataSpec
     from estimator.data.parquet import list_pieces
-    from estimator.spec import DataSpec
 
     markers = [m for m in store.find(store.path("data"), suffix="_COMMITTED.json")
                if json.loads(store.read_bytes(m))["train_rows"] == 20000]

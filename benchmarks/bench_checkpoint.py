@@ -52,7 +52,7 @@ def main() -> None:
     from torch import nn
 
     from estimator import TorchEstimator
-    from estimator.faults import ENV
+    from estimator.core.faults import ENV
     from store import Store
 
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")

@@ -83,9 +83,9 @@ def write(store, folder, columns, files):
 
 
 def fit(store, pieces, model, batch, epochs, device, run, transformation_fn=None, **reader):
-    from estimator.local_launcher import LocalLauncher
-    from estimator.pickling import dumps, user_objects
-    from estimator.spec import DataSpec, ReaderSpec, TrainSpec
+    from estimator.core.pickling import dumps, user_objects
+    from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
+    from estimator.launch.local import LocalLauncher
 
     data = DataSpec(store, pieces, (), ("image",) if transformation_fn else ("features",), ("label",))
     objs = user_objects(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), [nn.CrossEntropyLoss()],

@@ -54,7 +54,7 @@ def timed(action):
 
 
 def measure(spark, df, repeat, workdir):
-    from estimator.materialize import finish, materialize
+    from estimator.fit.materialize import finish, materialize
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
     from store import Store
@@ -79,7 +79,7 @@ def measure(spark, df, repeat, workdir):
 
 def twenty_transforms(model, source, workdir):
     """20 data steps, each on a new transform of the same PipelineModel: seconds each, copies and bytes left."""
-    from estimator.materialize import finish, materialize
+    from estimator.fit.materialize import finish, materialize
     from store import Store
 
     store = Store.create(os.path.join(workdir, "store-20"))

@@ -36,9 +36,9 @@ def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
     from estimator.data.parquet import list_pieces
     from estimator.data.remainder import Remainder
-    from estimator.spec import DataSpec, ReaderSpec, TrainSpec
     from store import Store
 
     results = []

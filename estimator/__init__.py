@@ -1,11 +1,11 @@
 """Distributed PyTorch training as a Spark ML Estimator.
 
-The package imports its submodules lazily: Spark's Python workers import `estimator.inference` or
-`estimator.launcher` to run a task, and should not pay for pyspark.ml (about a second) to do so.
+The package imports its submodules lazily: Spark's Python workers import `estimator.predict.inference` or
+`estimator.launch.spark` to run a task, and should not pay for pyspark.ml (about a second) to do so.
 """
 from typing import Any as _Any
 
-__version__ = "0.2.0"  # the one place the version is written (setup.cfg reads it)
+__version__ = "0.3.0.dev0"  # the one place the version is written (setup.cfg reads it)
 __all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "__version__"]
 
 
@@ -19,11 +19,11 @@ def __getattr__(name: str) -> _Any:
 
         return TorchModel
     if name == "TrainContext":  # what train_fn receives (help(TrainContext) lists what it holds)
-        from estimator.train_fn import TrainContext
+        from estimator.train.train_fn import TrainContext
 
         return TrainContext
     if name in ("StepContext", "Batch"):  # what train_step receives
-        from estimator import steps
+        from estimator.train import steps
 
         return getattr(steps, name)
     raise AttributeError(f"module 'estimator' has no attribute {name!r}")

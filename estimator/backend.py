@@ -31,7 +31,7 @@ class SparkBackend:
         spark = SparkSession.getActiveSession()
         if spark is None:
             raise RuntimeError("SparkBackend(num_proc=None) needs an active SparkSession to count task slots.")
-        from estimator.session import default_num_proc
+        from estimator.launch.session import default_num_proc
 
         return default_num_proc(spark)
 

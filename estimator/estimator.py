@@ -19,29 +19,29 @@ from typing import Any, Dict, List, Optional, Tuple
 from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
 
-from estimator import checks
-from estimator.attempts import launch_with_retries
 from estimator.compression import compression_name
-from estimator.checkpoint import load_checkpoint
+from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
+from estimator.core.params import DeclaredParams, declare
+from estimator.core.pickling import dumps, user_objects
+from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
+from estimator.core.stopping import Monitor
 from estimator.data.parquet import list_pieces, parquet_columns
 from estimator.data.plan import optimizer_steps, plan_steps
-from estimator.direct import direct_source, head
-from estimator.fit_report import log_fit, report_stop, tensorboard_on
-from estimator.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
-from estimator.lightning import optimizer_for
-from estimator.losses import loss_kind
-from estimator.materialize import finish, materialize
+from estimator.fit import checks
+from estimator.fit.attempts import launch_with_retries
+from estimator.fit.direct import direct_source, head
+from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
+from estimator.fit.materialize import finish, materialize
+from estimator.fit.report import log_fit, report_stop, tensorboard_on
+from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
+from estimator.launch.session import check_slots, default_num_proc, ranks_per_task
+from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
-from estimator.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
-from estimator.params import DeclaredParams, declare
-from estimator.persistence import Persistable
-from estimator.pickling import dumps, user_objects
-from estimator.session import check_slots, default_num_proc, ranks_per_task
-from estimator.shipping import ship_package
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
-from estimator.stopping import Monitor
-from estimator.tracking import MlflowLog, check_mlflow, model_facts
-from estimator.worker import build_optimizer
+from estimator.predict.persistence import Persistable
+from estimator.train.checkpoint import load_checkpoint
+from estimator.train.lightning import optimizer_for
+from estimator.train.losses import loss_kind
+from estimator.train.worker import build_optimizer
 from store import LocalStore, Store
 from store.runs import enforce_runs
 
@@ -182,7 +182,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
                first_rows: Optional[Dict[str, Any]] = None) -> TorchModel:
-        """`source` and `first_rows`: the direct mode's input DataFrame (estimator.direct) and its first rows."""
+        """`source` and `first_rows`: the direct mode's input DataFrame (estimator.fit.direct) and its first rows."""
         started = time.perf_counter()
         num_proc, store, run_id = run.num_proc, run.store, run.run_id
         if source is None:

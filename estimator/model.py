@@ -20,16 +20,16 @@ from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import ArrayType, BinaryType, DataType, DoubleType, FloatType, StructField, StructType
 from torch import nn
 
+from estimator.core.param_table import MODEL_PARAMS
+from estimator.core.params import DeclaredParams, declare
+from estimator.core.pickling import dumps
 from estimator.data.arrays import reshape
-from estimator.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
+from estimator.launch.session import task_gpus
+from estimator.launch.shipping import ship_package
+from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
-from estimator.params import DeclaredParams, declare
-from estimator.param_table import MODEL_PARAMS
-from estimator.persistence import Persistable
-from estimator.lightning import for_inference
-from estimator.pickling import dumps
-from estimator.session import task_gpus
-from estimator.shipping import ship_package
+from estimator.predict.persistence import Persistable
+from estimator.train.lightning import for_inference
 
 log = logging.getLogger("estimator")
 

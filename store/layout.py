@@ -77,7 +77,7 @@ class RunLayout:
     @property
     def alive(self) -> str:
         """Rewritten every few seconds by the task of rank 0 while a launch trains; removed when it ends (or by
-        the driver that cancelled it). A fit of the run waits while it beats (estimator.liveness)."""
+        the driver that cancelled it). A fit of the run waits while it beats (estimator.launch.liveness)."""
         return posixpath.join(self.root, "alive.json")
 
     def launch(self, launch_id: str) -> str:
@@ -95,7 +95,7 @@ class RunLayout:
         return posixpath.join(self.launch(launch_id), f"failed-{rank}.json")
 
     def stop(self, launch_id: str) -> str:
-        """Written by the driver when a rank failed: the failed ranks end their tasks (estimator.failure_watch)."""
+        """Written by the driver when a rank failed: the failed ranks end their tasks (launch.failure_watch)."""
         return posixpath.join(self.launch(launch_id), "stop")
 
     @property

@@ -69,9 +69,9 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
+    from estimator.core.pickling import dumps, user_objects
+    from estimator.core.spec import DataSpec, TrainSpec
     from estimator.data.parquet import list_pieces
-    from estimator.pickling import dumps, user_objects
-    from estimator.spec import DataSpec, TrainSpec
 
     X, y = digits
     store.makedirs(store.path("train"))

@@ -1,15 +1,19 @@
-"""The import rules of DESIGN.md, read from the code (every import statement, also those inside functions):
-no import circle among the modules of estimator/ and store/; store/ imports nothing of estimator/; what runs on
-the executors (a rank, from estimator.rank_setup; transform's batches, from estimator.inference) never imports
-pyspark's driver API (pyspark.sql, pyspark.ml). A package's face (its __init__, which only hands names on) is no
-edge: `import estimator` for its __file__ ties a module to no other."""
+"""The house's import rules (DESIGN.md), read from the code: every import statement, also those inside functions.
+
+Modules: no import circle among those of estimator/ and store/; store/ imports nothing of estimator/; what runs
+on the executors (a rank, from estimator.launch.rank_setup; transform's batches, from
+estimator.predict.inference) never imports pyspark's driver API (pyspark.sql, pyspark.ml).
+Folders, from the ground up: core -> data -> train -> launch -> predict -> fit (a folder imports only those
+below it), with the user-facing modules at the top of estimator/ (at most 10). A package's face (its __init__,
+which only hands names on) is no edge: `import estimator` for its __file__ ties a module to no other."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("estimator", "store")
-EXECUTOR_ENTRIES = ("estimator.rank_setup", "estimator.inference")
+EXECUTOR_ENTRIES = ("estimator.launch.rank_setup", "estimator.predict.inference")
 DRIVER_API = ("pyspark.sql", "pyspark.ml")
+FLOORS = ("core", "data", "train", "launch", "predict", "fit")  # each folder imports only those before it
 
 
 def _modules():
@@ -89,8 +93,8 @@ def _reached(start):
 
 def test_the_rules_are_read_from_the_code():
     assert len(MODULES) > 50 and "estimator.data.streaming" in MODULES and "store.store" in MODULES
-    assert "estimator.worker" in EDGES["estimator.rank_setup"]  # `from estimator.worker import train_worker`
-    assert "estimator.lightning" in EDGES["estimator.worker"]  # `from estimator import lightning`
+    assert "estimator.train.worker" in EDGES["estimator.launch.rank_setup"]  # from estimator.train.worker import ...
+    assert "estimator.train.lightning" in EDGES["estimator.train.worker"]  # `from estimator import lightning`
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -109,3 +113,22 @@ def test_what_runs_on_the_executors_never_imports_the_driver_api():
         assert len(reached) > 3
         offending = {m: sorted(i for i in IMPORTS[m] if i.startswith(DRIVER_API)) for m in reached}
         assert {m: names for m, names in offending.items() if names} == {}, entry
+
+
+def _folder(module):
+    parts = module.split(".")
+    return parts[1] if parts[0] == "estimator" and len(parts) > 2 else None
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    upward = sorted((m, i) for m, names in EDGES.items() for i in names
+                    if _folder(m) in FLOORS and _folder(i) in FLOORS
+                    and FLOORS.index(_folder(i)) > FLOORS.index(_folder(m)))
+    assert upward == []
+    assert {_folder(m) for m in MODULES} - {None} == set(FLOORS)  # a new folder takes its place in FLOORS
+
+
+def test_the_top_of_the_package_holds_at_most_ten_modules():
+    top = sorted(m for m in MODULES if m.startswith("estimator.") and m.count(".") == 1
+                 and not os.path.isdir(os.path.join(ROOT, *m.split("."))))
+    assert len(top) <= 10, top

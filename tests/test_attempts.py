@@ -1,11 +1,11 @@
-"""How many ranks a retry runs after a lost executor took task slots with it (estimator.attempts.retry_world),
+"""How many ranks a retry runs after a lost executor took task slots with it (estimator.fit.attempts.retry_world),
 without Spark: the slots are what task_slots would answer."""
 import logging
 
 import pytest
 
-from estimator import attempts
 from estimator.failures import NotEnoughSlots
+from estimator.fit import attempts
 
 
 def world(monkeypatch, slots, num_proc, min_num_proc, per_task=1, batch_size=32, timeout=0.0):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from estimator.checkpoint import CheckpointWriteFailed, CheckpointWriter, Position, checkpoint_state
 from estimator.failures import FailureKind, failure_kind
+from estimator.train.checkpoint import CheckpointWriteFailed, CheckpointWriter, Position, checkpoint_state
 
 
 def test_submit_returns_while_the_write_is_still_going():
@@ -78,9 +78,9 @@ def test_an_optimizer_built_with_numpy_numbers_checkpoints_and_loads(store):
 
     import numpy as np
 
-    from estimator.checkpoint import Position, checkpoint_state, load_checkpoint, write_checkpoint
-    from estimator.pickling import user_objects
-    from estimator.worker import build_optimizer
+    from estimator.core.pickling import user_objects
+    from estimator.train.checkpoint import Position, checkpoint_state, load_checkpoint, write_checkpoint
+    from estimator.train.worker import build_optimizer
 
     model = torch.nn.Linear(3, 2)
     adam = torch.optim.Adam(model.parameters(), lr=np.float64(0.01), betas=(np.float64(0.9), np.float64(0.99)))

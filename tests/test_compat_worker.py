@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from estimator.failures import RankFailed
-from estimator.local_launcher import LocalLauncher
+from estimator.launch.local import LocalLauncher
 from helpers import MLP, make_spec, seeded
 
 

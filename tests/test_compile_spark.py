@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.checks import check_compile
+from estimator.fit.checks import check_compile
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.faults import ENV
+from estimator.core.faults import ENV
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame
 

@@ -1,6 +1,6 @@
 import pytest
 
-from estimator.distributed import RankContext, choose_device
+from estimator.train.distributed import RankContext, choose_device
 
 
 def test_cpu_unless_every_rank_has_a_gpu():
@@ -31,8 +31,8 @@ def test_check_in_names_the_rank_that_did_not_arrive():
 
     from torch.distributed import TCPStore
 
-    from estimator.rendezvous import check_in
     from estimator.failures import RendezvousFailed
+    from estimator.launch.rendezvous import check_in
 
     hosts = ["hostA", "hostB", "hostC"]
     server = TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -55,7 +55,7 @@ def test_check_in_passes_when_everyone_arrives():
 
     from torch.distributed import TCPStore
 
-    from estimator.rendezvous import check_in
+    from estimator.launch.rendezvous import check_in
 
     server = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     client = TCPStore("127.0.0.1", server.port, 2, is_master=False, timeout=timedelta(seconds=10))
@@ -113,7 +113,7 @@ def test_a_rank_failure_reads_as_the_rank_and_its_own_exception_then_its_traceba
 @pytest.mark.parametrize("kind", ["RankFailed", "RendezvousFailed"])
 def test_the_driver_rebuilds_the_rank_failure_from_sparks_text_without_java_frames(kind):
     import estimator.failures as failures
-    from estimator.launcher import rank_failure
+    from estimator.launch.spark import rank_failure
 
     formatted, summary = _raised_in_user_code()
     rebuilt = rank_failure(_spark_text(getattr(failures, kind)(1, formatted, summary)))
@@ -124,7 +124,7 @@ def test_the_driver_rebuilds_the_rank_failure_from_sparks_text_without_java_fram
 
 
 def test_a_one_line_rank_failure_keeps_sparks_sqlstate_out():
-    from estimator.launcher import rank_failure
+    from estimator.launch.spark import rank_failure
 
     text = ("Job aborted.\norg.apache.spark.api.python.PythonException: Traceback (most recent call last):\n  File "
             "\"x.py\", line 1, in f\nestimator.distributed.RankFailed: rank 0: use_gpu=True but ranks [0, 1] see no "
@@ -134,7 +134,7 @@ def test_a_one_line_rank_failure_keeps_sparks_sqlstate_out():
 
 
 def test_a_rank_whose_worker_died_is_named_from_sparks_text():
-    from estimator.launcher import rank_failure
+    from estimator.launch.spark import rank_failure
 
     text = ("Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. Most recent "
             "failure reason: Stage failed because barrier task ResultTask(5, 0) finished unsuccessfully.\n"
@@ -160,8 +160,8 @@ def test_failure_kinds_come_from_the_exception_types_not_their_text():
 
     from estimator.data.parquet import ReadFailed
     from estimator.failures import FailureKind, RankFailed, RendezvousFailed, failure_kind
-    from estimator.host_allreduce import PeerFailed
-    from estimator.finite import NonFiniteLoss
+    from estimator.train.finite import NonFiniteLoss
+    from estimator.train.host_allreduce import PeerFailed
 
     assert failure_kind(NonFiniteLoss("Loss is nan")) is FailureKind.NAN
     assert not FailureKind.NAN.retryable
@@ -182,8 +182,8 @@ def test_the_driver_takes_the_failing_ranks_record_not_a_peers_echo(store):
     import time
 
     from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
-    from estimator.host_allreduce import PeerFailed
-    from estimator.launcher import launch_failure
+    from estimator.launch.spark import launch_failure
+    from estimator.train.host_allreduce import PeerFailed
 
     run, launch = store.run("r"), "abc"
     echo = as_rank_failure(0, _raise(PeerFailed("rank 1 failed during training")))
@@ -207,7 +207,7 @@ def test_a_module_the_executors_lack_before_our_code_ran_is_an_environment_failu
     """pyspark's worker failed to unpickle the task (the executors' Python is not the driver's): not retried, and
     the message names the module and the Python the driver configured for them."""
     from estimator.failures import FailureKind
-    from estimator.launcher import rank_failure
+    from estimator.launch.spark import rank_failure
 
     text = ("Job aborted due to stage failure: ... org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] "
             "An exception was thrown from the Python worker: Traceback (most recent call last):\n  File "

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from estimator.core.pickling import user_objects
+from estimator.core.spec import DataSpec
 from estimator.data.parquet import list_pieces
-from estimator.dry_run import dry_run
-from estimator.losses import Objective
-from estimator.pickling import user_objects
-from estimator.spec import DataSpec
+from estimator.fit.dry_run import dry_run
+from estimator.train.losses import Objective
 
 
 def _data(store, labels, width=4, label_width=None):

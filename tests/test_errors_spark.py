@@ -185,8 +185,8 @@ def test_a_loss_that_turns_nan_fails_the_fit_and_keeps_the_good_checkpoint(spark
     """By default (terminate_on_nan=True). A fit of lr=1e20 diverges (inf, then NaN) and fails with the typed
     failure. Epoch 1 of run 'r' trains well; its refit's epoch 2 has a loss that is NaN: the fit fails, and the
     run's checkpoint still holds epoch 1's finite weights."""
-    from estimator.checkpoint import load_checkpoint
     from estimator.failures import FailureKind, RankFailed
+    from estimator.train.checkpoint import load_checkpoint
 
     with pytest.raises(RankFailed) as info:
         _est(store, epochs=2, lr=1e20).fit(df)

@@ -2,7 +2,7 @@
 import json
 import time
 
-from estimator.failure_watch import FailureWatch, stopped_by_driver
+from estimator.launch.failure_watch import FailureWatch, stopped_by_driver
 
 
 def _record(store, run, rank, kind):

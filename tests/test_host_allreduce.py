@@ -1,4 +1,4 @@
-"""Gradient averaging through shared memory (estimator.host_allreduce), in real spawned processes."""
+"""Gradient averaging through shared memory (estimator.train.host_allreduce), in real spawned processes."""
 import glob
 import multiprocessing
 import os
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator import host_allreduce
 from estimator.failures import RankFailed
-from estimator.local_launcher import LocalLauncher
+from estimator.launch.local import LocalLauncher
+from estimator.train import host_allreduce
 from helpers import MLP, make_spec, seeded, metrics
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

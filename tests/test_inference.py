@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from estimator import inference
-from estimator.inference import InferenceLayout, arrow_type, predict_arrow
+from estimator.predict import inference
+from estimator.predict.inference import InferenceLayout, arrow_type, predict_arrow
 from helpers import MLP, TwoOutputs, seeded
 
 
@@ -79,7 +79,7 @@ def test_spark_workers_import_inference_without_pyspark_ml():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import sys, estimator.inference, estimator.launcher; "
+    code = ("import sys, estimator.predict.inference, estimator.launch.spark; "
             "print(sorted(m for m in sys.modules if m == 'pyspark.ml' or m == 'estimator.estimator'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=root))
@@ -87,8 +87,8 @@ def test_spark_workers_import_inference_without_pyspark_ml():
 
 
 def test_prediction_columns_follow_what_the_loss_says_the_output_is():
-    from estimator.inference import PREDICTION_FIELD as P, PROBABILITY_FIELD as PR, RAW_FIELD as R
-    from estimator.inference import head_columns, head_of
+    from estimator.predict.inference import PREDICTION_FIELD as P, PROBABILITY_FIELD as PR, RAW_FIELD as R
+    from estimator.predict.inference import head_columns, head_of
 
     assert [head_of(k, s) for k, s in [("class_index", (3,)), ("unknown", (3,)), ("logits", (1,)),
                                        ("probabilities", ()), ("regression", (1,)), ("unknown", ()),
@@ -111,8 +111,8 @@ def test_prediction_columns_follow_what_the_loss_says_the_output_is():
 
 def test_rows_with_non_finite_scores_have_no_predicted_class():
     """NaN scores would argmax to class 0, which an evaluator counts as an answer: the prediction is NaN."""
-    from estimator.inference import PREDICTION_FIELD as P
-    from estimator.inference import head_columns
+    from estimator.predict.inference import PREDICTION_FIELD as P
+    from estimator.predict.inference import head_columns
 
     scores = np.array([[1.0, 3.0, 0.0], [np.nan, np.nan, np.nan], [0.0, np.inf, 1.0]])
     for head in ("softmax", "scores"):

@@ -1,12 +1,12 @@
-"""estimator.lightning without Spark: the forms of configure_optimizers taken and refused, self.log's capture,
+"""estimator.train.lightning without Spark: the forms of configure_optimizers taken and refused, self.log's capture,
 the stand-in trainer, the hooks named as not called, and the sums a LightningObjective reduces."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from estimator import lightning
-from estimator.steps import StepContext
+from estimator.train import lightning
+from estimator.train.steps import StepContext
 
 L = pytest.importorskip("lightning")
 

@@ -1,11 +1,11 @@
-"""A launch's heartbeat and its watch (estimator.liveness), on a real store, with short intervals (no Spark)."""
+"""A launch's heartbeat and its watch (estimator.launch.liveness), on a real store, with short intervals (no Spark)."""
 import threading
 import time
 
 import pytest
 
 from estimator.failures import RunInUse
-from estimator.liveness import LaunchWatch, read_beat, wait_for_other_launch
+from estimator.launch.liveness import LaunchWatch, read_beat, wait_for_other_launch
 
 
 def _launch(store, run, launch_id):

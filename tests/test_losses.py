@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from estimator.losses import Objective, adapt_target
+from estimator.train.losses import Objective, adapt_target
 
 
 def test_float_class_labels_are_cast_for_class_index_losses():

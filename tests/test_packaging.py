@@ -77,8 +77,8 @@ def test_the_wheel_metadata(built):
 def test_the_zip_shipped_to_executors_holds_the_packages_without_the_driver_only_helpers():
     import zipfile
 
-    from estimator.shipping import package_zip
+    from estimator.launch.shipping import package_zip
 
     names = zipfile.ZipFile(package_zip()).namelist()
-    assert {"estimator/launcher.py", "estimator/rank_setup.py", "estimator/data/feed.py", "store/store.py"} <= set(names)
+    assert {"estimator/launch/spark.py", "estimator/launch/rank_setup.py", "estimator/data/feed.py", "store/store.py"} <= set(names)
     assert "estimator/cluster.py" not in names  # local Spark servers for examples and tests: the driver's only

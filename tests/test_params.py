@@ -35,7 +35,7 @@ def test_signature_lists_every_param():
 def test_help_lists_every_param_with_its_default_and_what_it_allows():
     import pydoc
 
-    from estimator.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS
+    from estimator.core.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS
 
     for cls, specs in ((TorchEstimator, ESTIMATOR_PARAMS), (TorchModel, MODEL_PARAMS)):
         shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)
@@ -109,7 +109,7 @@ def test_params_the_reader_does_not_use_are_named_with_why():
     from torch import nn
 
     from estimator import TorchEstimator
-    from estimator.checks import ignored_params
+    from estimator.fit.checks import ignored_params
 
     def ignored(**kw):
         model = nn.Linear(2, 2)
@@ -130,8 +130,8 @@ def test_what_the_ranks_get_is_named_and_defaulted_as_the_params_are():
     LocalLauncher) trains as a fit with default params does."""
     import dataclasses
 
-    from estimator.param_table import ESTIMATOR_PARAMS
-    from estimator.spec import READER_PARAMS, ReaderSpec, TrainSpec
+    from estimator.core.param_table import ESTIMATOR_PARAMS
+    from estimator.core.spec import READER_PARAMS, ReaderSpec, TrainSpec
 
     defaults = {spec.name: spec.default for spec in ESTIMATOR_PARAMS}
     named = {f.name: f for f in dataclasses.fields(TrainSpec) if f.name in defaults}

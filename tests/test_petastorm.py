@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from estimator.local_launcher import LocalLauncher
-from estimator.spec import ReaderSpec
+from estimator.core.spec import ReaderSpec
+from estimator.launch.local import LocalLauncher
 from helpers import MLP, make_spec, seeded
 
 PETASTORM_STACK = int(pyarrow.__version__.split(".")[0]) < 15
@@ -67,7 +67,7 @@ def test_petastorm_applies_the_transformation_fn(store, digits):
         frame["label"] = 0
         return frame
 
-    from estimator.pickling import dumps, user_objects
+    from estimator.core.pickling import dumps, user_objects
 
     spec = _spec(store, digits, ReaderSpec("petastorm", 1, 1, "thread"), train_rows=600)
     objs = user_objects(seeded(MLP), torch.optim.Adam(seeded(MLP).parameters(), lr=0.05), [nn.CrossEntropyLoss()],

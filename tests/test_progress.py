@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from estimator.local_launcher import LocalLauncher
-from estimator.progress import ProgressWatcher, StepBar
-from estimator.loop import StepReport
+from estimator.fit.progress import ProgressWatcher, StepBar
+from estimator.launch.local import LocalLauncher
+from estimator.train.loop import StepReport
 from helpers import MLP, make_spec, seeded
 
 

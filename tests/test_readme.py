@@ -19,7 +19,7 @@ def test_the_param_tables_are_generated_from_the_param_table():
         sys.path.pop(0)
     text = readme()
     assert readme_params.render(text) == text, "README's param tables are stale: run python .ci/readme_params.py"
-    from estimator.param_table import ESTIMATOR_PARAMS
+    from estimator.core.param_table import ESTIMATOR_PARAMS
 
     for spec in ESTIMATOR_PARAMS:  # every param is in the table, with its doc
         assert f"| `{spec.name}` |" in text and spec.doc.replace("|", "\\|") in text

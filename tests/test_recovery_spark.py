@@ -1,5 +1,5 @@
 """Failures and recovery with real Spark: a Python worker killed mid-training (os._exit, injected through
-estimator.faults) is relaunched from the last checkpoint, and the run ends as an uninterrupted one would;
+estimator.core.faults) is relaunched from the last checkpoint, and the run ends as an uninterrupted one would;
 retries are bounded; a refit of the same run_id continues where it stopped."""
 import io
 import json
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
+from estimator.core.faults import ENV
 from estimator.failures import FailureKind, RankFailed
-from estimator.faults import ENV
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by
 

@@ -78,7 +78,7 @@ def test_a_pipeline_holding_an_estimator_saved_by_0_2_0_loads_with_its_objects(s
 
 
 def test_a_checkpoint_written_by_0_2_0_loads_and_holds_the_saved_models_weights(saved, tmp_path):
-    from estimator.checkpoint import load_checkpoint
+    from estimator.train.checkpoint import load_checkpoint
     from store import Store
 
     store = Store.create(str(tmp_path / "store"))

@@ -1,5 +1,5 @@
 """Rendezvous: a rank that does not arrive is named, within the rendezvous timeout, and the Spark
-session stays usable. Ranks are delayed with the failure-injection hook (estimator.faults)."""
+session stays usable. Ranks are delayed with the failure-injection hook (estimator.core.faults)."""
 import json
 import time
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
+from estimator.core.faults import ENV
 from estimator.failures import RendezvousFailed
-from estimator.faults import ENV
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 

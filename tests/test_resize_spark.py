@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from estimator import TorchEstimator
+from estimator.core.faults import ENV
 from estimator.failures import RankFailed
-from estimator.faults import ENV
 from helpers import MLP, seeded
 
 pytestmark = pytest.mark.spark

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.materialize import finish, materialize
+from estimator.fit.materialize import finish, materialize
 from helpers import MLP, seeded
 from store import Store
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from estimator import TorchEstimator
-from estimator.checks import metric_names, monitor_for
-from estimator.stopping import Monitor, default_mode
+from estimator.core.stopping import Monitor, default_mode
+from estimator.fit.checks import metric_names, monitor_for
 
 
 def rows(key, values):

@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
 from estimator.data.arrays import column_to_numpy, to_tensors
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed
 from estimator.data.parquet import list_pieces, spans
 from estimator.data.shards import EarlyRead, cache_decision, open_shards
 from estimator.data.streaming import StreamingShard, shuffled
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec
 
 
 def _write(store, name, ids, group_rows, width=3):
@@ -150,12 +150,12 @@ def test_a_row_stays_in_the_shuffle_buffer_for_a_geometric_number_of_exchanges()
 MEMORY_PROBE = """
 import sys, tracemalloc
 import pyarrow as pa
+from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
 from estimator.data.cached import CachedShard
 from estimator.data.parquet import list_pieces
-from estimator.data.shards import open_shards
-from estimator.spec import DataSpec, ReaderSpec, TrainSpec
-from store import Store
 from estimator.data.remainder import Remainder
+from estimator.data.shards import open_shards
+from store import Store
 store, cache = Store.create(sys.argv[1]), sys.argv[2] == "cached"
 data = DataSpec(store, list_pieces(store, store.path("train")), (), ("features",), ("label",))
 spec = TrainSpec(data, b"", store.run("r"), 256, 256, 1, seed=1,

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from estimator.distributed import RankContext, plan_devices, shared_gpus
 from estimator.failures import FailureKind, RankFailed
-from estimator.session import default_num_proc, ranks_per_task
-from estimator.task_ranks import run_ranks
+from estimator.launch.session import default_num_proc, ranks_per_task
+from estimator.launch.task_ranks import run_ranks
+from estimator.train.distributed import RankContext, plan_devices, shared_gpus
 
 
 class FakeSpark:
@@ -103,7 +103,7 @@ def fail_then_hang(rank):
 
 def test_use_gpu_true_without_cuda_in_local_processes_names_no_spark_setting(store, digits):
     """LocalLauncher's ranks were not placed by Spark: the error says what is missing, not Spark's addresses."""
-    from estimator.local_launcher import LocalLauncher
+    from estimator.launch.local import LocalLauncher
     from helpers import MLP, make_spec, seeded
 
     if torch.cuda.is_available():

@@ -7,12 +7,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.failures import RankFailed
-from estimator.local_launcher import LocalLauncher
-from estimator.pickling import user_objects
-from estimator.faults import Fault, InjectedFault
+from estimator.core.faults import Fault, InjectedFault
+from estimator.core.pickling import user_objects
 from estimator.data.shards import EarlyRead, open_shards
-from estimator.worker import build_optimizer
+from estimator.failures import RankFailed
+from estimator.launch.local import LocalLauncher
+from estimator.train.worker import build_optimizer
 from helpers import MLP, make_spec, seeded
 
 
@@ -143,7 +143,7 @@ def test_train_steps_per_epoch_sets_the_optimizer_steps(store, digits):
 
 
 def test_label_shapes_reshape_labels_and_name_a_mismatch():
-    from estimator.spec import DataSpec
+    from estimator.core.spec import DataSpec
     from estimator.data.arrays import to_tensors
 
     data = DataSpec(None, (), (), ("x",), ("y",), label_shapes=((-1, 2, 2),))
@@ -167,7 +167,7 @@ def test_a_step_checkpoint_resumes_at_its_batch_or_over_the_rows_left(store, dig
     import dataclasses
     import logging
 
-    from estimator.checkpoint import Position, save_checkpoint
+    from estimator.train.checkpoint import Position, save_checkpoint
 
     model = seeded(MLP)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -236,8 +236,8 @@ def test_a_resumed_16_mixed_run_continues_the_grad_scalers_scale(store, digits, 
     65536 and a fresh growth count would not grow it at all."""
     import dataclasses
 
-    from estimator import loop
-    from estimator.checkpoint import Position, load_checkpoint, save_checkpoint
+    from estimator.train import loop
+    from estimator.train.checkpoint import Position, load_checkpoint, save_checkpoint
 
     monkeypatch.setattr(loop, "SCALED_DEVICES", ("cuda", "cpu"))
     model = seeded(MLP)
@@ -276,8 +276,8 @@ def test_a_nan_loss_fails_the_rank_before_its_weights_are_checkpointed(store, di
     """terminate_on_nan is on by default. Epoch 1 is good and checkpointed; epoch 2's loss turns NaN at its 3rd
     step: the rank fails with NonFiniteLoss naming epoch 2, step 3 and the rank, and the checkpoint still holds
     epoch 1's (finite) weights. Deferred (GPUs: no host wait per step) finds the same step at the epoch's end."""
-    from estimator import finite
     from estimator.failures import FailureKind
+    from estimator.train import finite
 
     if deferred:
         monkeypatch.setattr(finite, "DEFERRED_CHECK_DEVICES", ("cuda", "cpu"))
@@ -327,7 +327,7 @@ def test_terminate_on_nan_false_trains_on(store, digits):
 def test_one_rank_trains_through_a_stand_in_with_ddps_calls_and_the_same_numbers(store, digits):
     """One rank has no gradients to average: it trains through `Solo`, not DistributedDataParallel (whose hooks
     cost 27% of a small model's steps on an H100), with the calls a train_step or train_fn makes of DDP."""
-    from estimator.worker import SOLO, Solo, wrap
+    from estimator.train.worker import SOLO, Solo, wrap
 
     module = seeded(MLP)
     solo = wrap(module, torch.device("cpu"), 1)
@@ -349,7 +349,7 @@ def test_lr_scheduler_fn_in_lightnings_dict_form_steps_per_step_or_per_epoch(sto
     import dataclasses
     import pickle
 
-    from estimator.pickling import dumps
+    from estimator.core.pickling import dumps
 
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.1), train_rows=320,

@@ -18,5 +18,5 @@ def test_transform_after_fit_runs_in_the_ranks_python_workers(tmp_path):
                                                         PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     workers = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])["workers"]
-    # each entry: "<pid> <whether estimator.launcher, which only the training ranks import, was loaded>"
+    # each entry: "<pid> <whether estimator.launch.spark, which only the training ranks import, was loaded>"
     assert len(workers) >= 1 and all(w.endswith(" True") for w in workers), workers

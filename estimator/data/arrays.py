@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from estimator.core.spec import DataSpec
 from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F401 - re-exported
-from estimator.spec import DataSpec
 
 Arrays = Dict[str, np.ndarray]
 Tensors = Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]

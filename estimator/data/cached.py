@@ -6,10 +6,10 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from estimator.core.spec import total_rows
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import read_rows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
-from estimator.spec import total_rows
 
 
 class ShardBatches:

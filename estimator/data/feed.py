@@ -14,9 +14,9 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Optional
 
 
+from estimator.core.spec import DataSpec
 from estimator.data.arrays import Arrays, Tensors, to_tensors
 from estimator.data.frames import cloudpickle_module, load_transformation, run_loaded, transform_batch
-from estimator.spec import DataSpec
 
 _END = object()
 

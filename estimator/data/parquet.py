@@ -15,9 +15,9 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from estimator.core.spec import Piece
 from estimator.data.arrays import Arrays, table_to_arrays
 from estimator.failures import FailureKind
-from estimator.spec import Piece
 from store import Store
 
 READ_BUFFER = 1 << 20  # bytes pyarrow buffers per column while it decodes a row group piece by piece

@@ -13,11 +13,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from estimator.core.spec import Piece, TrainSpec, total_rows
 from estimator.data.arrays import prepare_arrays
 from estimator.data.cached import ShardBatches
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
 from estimator.data.streaming import in_order, rows_in
-from estimator.spec import Piece, TrainSpec, total_rows
 
 PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
 

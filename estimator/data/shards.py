@@ -13,13 +13,13 @@ import threading
 import time
 from typing import Any, Dict, Iterator, Optional, Protocol, Tuple
 
+from estimator.core.faults import Fault, inject
+from estimator.core.spec import TrainSpec
 from estimator.data.arrays import Arrays
 from estimator.data.cached import CachedShard
 from estimator.data.parquet import estimated_bytes, shard_range, spans
 from estimator.data.plan import EpochPlan
 from estimator.data.streaming import StreamingShard
-from estimator.faults import Fault, inject
-from estimator.spec import TrainSpec
 
 HOST_MEMORY_SHARE = 0.25  # of the host's memory, shared by the ranks on it, without spark.executor.pyspark.memory
 CACHE_OVERHEAD = 2  # reading into memory holds Arrow's table and the numpy arrays at once

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from estimator.core.spec import DataSpec
 from estimator.data.parquet import pieces_of_files
 from estimator.data.row_checks import BadRows, batch_counts, check_observed, merged
-from estimator.spec import DataSpec
 from store import LocalStore
 
 SPLIT_COLUMN = "__is_val"  # the split tag the driver adds (true: a validation row); written by materialize too

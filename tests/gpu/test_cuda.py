@@ -3,7 +3,7 @@ Skipped where torch sees no CUDA device (CI, and every machine this project has 
 
 No Spark is needed: the ranks run through LocalLauncher, the same per-rank code (device, process group,
 reader, feed, loop, checkpoint) that Spark's barrier tasks run; transform's forward passes run through
-estimator.inference as a Spark task runs them. Where pyspark and Java are there too, the last test fits and
+estimator.predict.inference as a Spark task runs them. Where pyspark and Java are there too, the last test fits and
 transforms through Spark with use_gpu=True (a local-cluster executor given GPU 0 by a discovery script)."""
 import dataclasses
 import json
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from estimator.checkpoint import load_checkpoint
 from estimator.data.arrays import tensors_to, to_tensors
-from estimator.local_launcher import LocalLauncher
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import load_checkpoint
 from helpers import MLP, make_spec, seeded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -87,7 +87,7 @@ def test_compile_on_cuda_trains_the_weights_of_an_uncompiled_fit(store, digits):
 def test_transform_forward_passes_on_the_gpu_equal_the_cpu_ones(digits):
     import cloudpickle
 
-    from estimator.inference import predict_numpy
+    from estimator.predict.inference import predict_numpy
 
     model = seeded(MLP).eval()
     blob = cloudpickle.dumps(model)

@@ -44,7 +44,7 @@ except RankFailed as exc:
 
 
 def inference_gpu(ids: pd.Series) -> pd.Series:  # the GPU a transform task would run its forward passes on
-    from estimator.inference import task_gpu
+    from estimator.predict.inference import task_gpu
     return pd.Series([str(task_gpu())] * len(ids))
 
 

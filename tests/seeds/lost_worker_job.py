@@ -34,9 +34,9 @@ def main(folder):
     from torch import nn
 
     from estimator import TorchEstimator
-    from estimator.checkpoint import load_checkpoint
     from estimator.cluster import LocalStandaloneCluster
-    from estimator.faults import ENV
+    from estimator.core.faults import ENV
+    from estimator.train.checkpoint import load_checkpoint
     from gpu_jobs import kept_log_lines
     from store import Store
 

@@ -30,7 +30,7 @@ fitted = TorchEstimator(num_proc=2, store=Store.create(sys.argv[1]), model=model
 def probe(labels: pd.Series) -> pd.Series:  # what the Python worker running this batch had imported
     import os
     import sys as _sys
-    return pd.Series([f"{os.getpid()} {'estimator.launcher' in _sys.modules}"] * len(labels))
+    return pd.Series([f"{os.getpid()} {'estimator.launch.spark' in _sys.modules}"] * len(labels))
 
 
 started = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
-from estimator.stopping import Monitor
+from estimator.core.stopping import Monitor
 from store import RunLayout, Store
 
 Shape = Tuple[int, ...]
@@ -110,7 +110,7 @@ class TrainSpec:
     attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
     resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
     checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)
-    checkpoint_async: bool = True  # rank 0 writes checkpoints from a background thread (estimator.checkpoint)
+    checkpoint_async: bool = True  # rank 0 writes checkpoints from a background thread (estimator.train.checkpoint)
     monitor: Monitor = Monitor("loss")  # the best epoch, the checkpoints kept, early stopping
     save_top_k: int = 1  # checkpoints of the best epochs kept besides the last one
     tensorboard: bool = False  # rank 0 writes event files into the run's logs folder
@@ -118,7 +118,7 @@ class TrainSpec:
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
-    step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's training_step logs
+    step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 
 
@@ -138,9 +138,9 @@ class UserObjects:
     transformation_fn: Any = None
     callbacks: List[Any] = field(default_factory=list)
     lr_scheduler_fn: Any = None
-    train_step: Any = None  # the user's step (estimator.steps): the losses and metrics are then unused
-    train_fn: Any = None  # the user's loop (estimator.train_fn): the losses, metrics and train_step are unused
-    lightning: bool = False  # model is a LightningModule run by the built-in loop (estimator.lightning)
+    train_step: Any = None  # the user's step (estimator.train.steps): the losses and metrics are then unused
+    train_fn: Any = None  # the user's loop (estimator.train.train_fn): the losses, metrics and train_step are unused
+    lightning: bool = False  # model is a LightningModule run by the built-in loop (estimator.train.lightning)
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)
@@ -164,5 +164,5 @@ class WorkerResult:
     read_wait_seconds: float = 0.0  # of `seconds`, the time training waited for those shards
     data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
     train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)
-    checkpoint_wait_seconds: float = 0.0  # of `seconds`, rank 0's waits for checkpoint writes (estimator.checkpoint)
+    checkpoint_wait_seconds: float = 0.0  # of `seconds`, rank 0's waits for checkpoint writes (train.checkpoint)
     spill_seconds: float = 0.0  # direct mode: receiving this rank's rows from Spark and writing them to local disk

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from estimator.data.arrays import Tensors
-from estimator.steps import StepContext
+from estimator.train.steps import StepContext
 
 BASES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 RESERVED = ("epoch", "data_wait")  # history keys the estimator writes itself

@@ -1,6 +1,6 @@
 """MLflow, from the driver: the tracking store is tried before any Spark job, params and facts are logged before
 the launch, each epoch's row as the driver learns it, the model at the end. An optional extra (TensorBoard, on
-rank 0: estimator.tensorboard).
+rank 0: estimator.train.tensorboard).
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, Nume
 import torch
 from torch import nn
 
-from estimator.lightning import is_lightning_module
-from estimator.losses import Objective, check_metrics
-from estimator.params import param_error
-from estimator.stopping import Monitor, default_mode, default_monitor
+from estimator.core.params import param_error
+from estimator.core.stopping import Monitor, default_mode, default_monitor
+from estimator.train.lightning import is_lightning_module
+from estimator.train.losses import Objective, check_metrics
 
 OWNER = "TorchEstimator"
 

@@ -22,7 +22,7 @@ from typing import Any, Optional, Set
 
 import pyspark
 
-from estimator.session import conf, executor_python, is_connect
+from estimator.launch.session import conf, executor_python, is_connect
 
 log = logging.getLogger("estimator")
 PACKAGES = ("estimator", "store")

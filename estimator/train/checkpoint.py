@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from estimator.core.numbers import plain
 from estimator.failures import FailureKind
-from estimator.numbers import plain
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
 

@@ -12,12 +12,12 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from estimator.console import say_to_user
-from estimator.finite import non_finite_losses
-from estimator.progress import ProgressWatcher, StepBar
-from estimator.spec import DataSpec, WorkerResult
-from estimator.stopping import Monitor
-from estimator.tensorboard import tensorboard_available
-from estimator.epochs import format_metrics
+from estimator.core.spec import DataSpec, WorkerResult
+from estimator.core.stopping import Monitor
+from estimator.fit.progress import ProgressWatcher, StepBar
+from estimator.train.epochs import format_metrics
+from estimator.train.finite import non_finite_losses
+from estimator.train.tensorboard import tensorboard_available
 
 log = logging.getLogger("estimator")
 

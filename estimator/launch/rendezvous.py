@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
+from estimator.core.spec import TrainSpec
 from estimator.failures import FailureKind, RendezvousFailed
-from estimator.spec import TrainSpec
 
 log = logging.getLogger("estimator")
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.ml.param import Param, Params
 
-from estimator.numbers import plain
+from estimator.core.numbers import plain
 
 Check = Callable[[Any], bool]
 

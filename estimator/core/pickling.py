@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from estimator.numbers import plain
-from estimator.spec import UserObjects
+from estimator.core.numbers import plain
+from estimator.core.spec import UserObjects
 
 # Our own packages are installed on executors wherever the estimator runs.
 _INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "builtins"}

@@ -1,7 +1,7 @@
 """One rank's training, set up: the user's objects unpickled, the model on the rank's device, the optimizer
 and the learning-rate schedule, the checkpoint restored (a retry or a refit continues where it stands), the
 module compiled and wrapped in DistributedDataParallel with its gradient averaging (nccl, gloo, fp16 or shared
-memory); then the epochs (estimator.epochs). It runs the same inside a Spark barrier task and in a local
+memory); then the epochs (estimator.train.epochs). It runs the same inside a Spark barrier task and in a local
 process (tests, LocalLauncher). torch only, no pyspark."""
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from estimator import lightning
-from estimator.checkpoint import load_checkpoint, position_of
+from estimator.core.faults import Fault
+from estimator.core.pickling import rebuild_optimizer
+from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
-from estimator.distributed import RankContext
-from estimator.epochs import Run
-from estimator.faults import Fault
-from estimator.host_allreduce import HostAllreduce
-from estimator.pickling import rebuild_optimizer
-from estimator.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.train import lightning
+from estimator.train.checkpoint import load_checkpoint, position_of
+from estimator.train.distributed import RankContext
+from estimator.train.epochs import Run
+from estimator.train.host_allreduce import HostAllreduce
 
 log = logging.getLogger("estimator")
 

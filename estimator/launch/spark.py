@@ -1,10 +1,10 @@
 """Launchers start `num_proc` ranks and return each rank's WorkerResult.
 
 - SparkBarrierLauncher (here): barrier tasks of `mapInArrow` (classic and Spark Connect sessions alike), one per
-  rank, or one per N ranks when Spark gives each task N GPUs (estimator.task_ranks); they meet through one
-  `allGather` (estimator.rendezvous), then everything goes through torch.distributed
-  (estimator.rank_setup). A failing rank leaves a typed record in the store.
-- LocalLauncher (estimator.local_launcher): ranks as local processes (or in-process for one rank), the same
+  rank, or one per N ranks when Spark gives each task N GPUs (estimator.launch.task_ranks); they meet through one
+  `allGather` (estimator.launch.rendezvous), then everything goes through torch.distributed
+  (estimator.launch.rank_setup). A failing rank leaves a typed record in the store.
+- LocalLauncher (estimator.launch.local): ranks as local processes (or in-process for one rank), the same
   per-rank code.
 pyspark is imported only inside the barrier task and the launcher's methods.
 """
@@ -27,17 +27,17 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 from torch.distributed import TCPStore
 
+from estimator.core.faults import Fault, from_env, inject
+from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.data.shards import EarlyRead
 from estimator.data.spill import Spilled, local_data, rank_data, spill, spill_root
-from estimator.distributed import task_gpus
-from estimator.failure_watch import FailureWatch, stopped_by_driver
 from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_rank_failure
-from estimator.faults import Fault, from_env, inject
-from estimator.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
-from estimator.rank_setup import Placement, train_rank
-from estimator.rendezvous import all_gather, announce, late_at_barrier
-from estimator.session import executor_python, job_tag, tag_canceller
-from estimator.spec import TrainSpec, WorkerResult
+from estimator.launch.failure_watch import FailureWatch, stopped_by_driver
+from estimator.launch.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
+from estimator.launch.rank_setup import Placement, train_rank
+from estimator.launch.rendezvous import all_gather, announce, late_at_barrier
+from estimator.launch.session import executor_python, job_tag, tag_canceller
+from estimator.train.distributed import task_gpus
 
 log = logging.getLogger("estimator")
 
@@ -61,7 +61,7 @@ class SparkBarrierLauncher:
         self.description = description
 
     def run(self, spec: TrainSpec, num_proc: int, source: Any = None, per_task: int = 1) -> List[WorkerResult]:
-        """`source`: the direct mode's DataFrame in num_proc partitions (estimator.direct); the ranks are the
+        """`source`: the direct mode's DataFrame in num_proc partitions (estimator.fit.direct); the ranks are the
         barrier tasks of its last stage and train on their partitions' rows. `per_task`: ranks per task (one
         per GPU a task is given): num_proc / per_task tasks."""
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
@@ -221,7 +221,7 @@ def _barrier_task(store: Any, run: Any, launch_id: str, faults: Tuple[Fault, ...
                   direct: Optional[Tuple[str, ...]], per_task: int, batches: Iterator[Any]) -> Iterator[Any]:
     """One barrier task of mapInArrow: `per_task` ranks (one per GPU it holds; usually one), their results as
     rows; on failure, a record in the store (what failed, on which rank, and its traceback) for the driver,
-    which stops the job (estimator.failure_watch); the error goes to Spark only when the record could not be
+    which stops the job (estimator.launch.failure_watch); the error goes to Spark only when the record could not be
     written or the driver wrote no stop marker in `wait` s. The input is one row (its partition id numbers the
     task), or in the direct mode the rank's rows: `direct` names the columns spilled to local disk before the
     rendezvous."""
@@ -272,7 +272,7 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
                 spilled: Optional[Spilled] = None) -> List[WorkerResult]:
     """The body of one barrier task: meet through Spark once (rank 0's store port, every task's GPUs), then
     train its ranks: in this process for one rank, in a spawned process per GPU for several
-    (estimator.task_ranks). Each step has the rendezvous timeout (in the direct mode, Spark's barrier waits
+    (estimator.launch.task_ranks). Each step has the rendezvous timeout (in the direct mode, Spark's barrier waits
     that long plus the time this rank took to receive its rows: the peers receive theirs too)."""
     from pyspark import BarrierTaskContext
 
@@ -318,7 +318,7 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
     if per_task == 1:
         results = [train_rank(spec, faults, attempt, first, place, early, server)]
     else:
-        from estimator.task_ranks import run_ranks
+        from estimator.launch.task_ranks import run_ranks
 
         results = run_ranks(train_rank, [(spec, faults, attempt, rank, place) for rank in ranks], list(ranks),
                             lambda failure: _record_failure(spec.data.store, spec.run, spec.launch_id, failure))

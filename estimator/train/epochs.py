@@ -1,6 +1,6 @@
 """One rank's epochs: training and validation over its shards, the history row reduced over all ranks,
 the learning-rate schedule, TensorBoard, the callbacks and rank 0's checkpoints (the last, and the best
-epochs'). The step-level loop is estimator.loop's. torch only, no pyspark."""
+epochs'). The step-level loop is estimator.train.loop's. torch only, no pyspark."""
 from __future__ import annotations
 
 import functools
@@ -13,19 +13,19 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from estimator.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
+from estimator.core.faults import Fault, inject
+from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, feed_workers
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
-from estimator.distributed import RankContext
-from estimator.faults import Fault, inject
-from estimator.loop import TrainLoop, reduce_sums
-from estimator.lightning import LightningObjective
-from estimator.losses import Objective
-from estimator.spec import TrainSpec, UserObjects, WorkerResult
-from estimator.steps import StepObjective
-from estimator.tensorboard import TensorBoardLog
+from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
+from estimator.train.distributed import RankContext
+from estimator.train.lightning import LightningObjective
+from estimator.train.loop import TrainLoop, reduce_sums
+from estimator.train.losses import Objective
+from estimator.train.steps import StepObjective
+from estimator.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("estimator")
 
@@ -82,7 +82,7 @@ class Run:
         self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
             if self.objs.train_fn is not None:  # the user's own loop over the same batches, history and checkpoints
-                from estimator.train_fn import TrainContext
+                from estimator.train.train_fn import TrainContext
 
                 TrainContext(self, train, val, functools.partial(call_callbacks, callbacks, "on_epoch_end")).run(
                     self.objs.train_fn)
@@ -105,7 +105,7 @@ class Run:
                             train_loop_seconds=self.looped, checkpoint_wait_seconds=self.writer.stalled)
 
     def epochs(self, train: Shard, val: Optional[Shard], position: Position, callbacks: Sequence[Any]) -> None:
-        """The built-in loop: the epochs left after `position`, each trained (estimator.loop) and validated."""
+        """The built-in loop: the epochs left after `position`, each trained (estimator.train.loop) and validated."""
         for epoch in range(len(self.history), self.spec.epochs):
             if self.stop_reason(epoch) is not None:
                 break

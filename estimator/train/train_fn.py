@@ -5,9 +5,9 @@ device, or for one rank a stand-in with the same calls: call it, `.module`, `no_
 for validation), the estimator's `optimizer` (restored on a resume), `epochs` and `start_epoch` (a retried or
 refitted run starts at its checkpoint's epoch, model and optimizer restored), `epochs_to_run()` (the epochs left,
 ending early when early stopping says so), the rank's batches of an epoch (`train_batches()`, `val_batches()`:
-estimator.steps.Batch objects on the device, from the same readers as the built-in loop, shuffled per epoch alike),
-`report(metrics)` once per epoch, `should_stop`, `autocast()` and `keep(name, obj)` for more stateful objects (a
-second optimizer...), checkpointed with the model and restored on a resume.
+estimator.train.steps.Batch objects on the device, from the same readers as the built-in loop, shuffled per epoch
+alike), `report(metrics)` once per epoch, `should_stop`, `autocast()` and `keep(name, obj)` for more stateful
+objects (a second optimizer...), checkpointed with the model and restored on a resume.
 
 `report` makes the epoch's history row on every rank: each number is taken as this rank's mean over the rows it
 trained on this epoch (or over `rows=`), and averaged over all ranks weighted by rows, as the built-in loop's
@@ -21,10 +21,10 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from estimator.core.faults import inject
 from estimator.data.shards import Shard
-from estimator.faults import inject
-from estimator.loop import reduce_sums
-from estimator.steps import Batch, Named, as_batch
+from estimator.train.loop import reduce_sums
+from estimator.train.steps import Batch, Named, as_batch
 
 
 class TrainContext(Named):
@@ -36,7 +36,7 @@ class TrainContext(Named):
     training loop')."""
 
     def __init__(self, run: Any, train: Shard, val: Optional[Shard], on_epoch_end: Callable[[int, dict], None]):
-        """`run`: the rank's estimator.epochs.Run; `on_epoch_end(epoch, row)`: the callbacks' hook, after report."""
+        """`run`: the rank's estimator.train.epochs.Run; `on_epoch_end(epoch, row)`: the callbacks' hook."""
         self._run, self._train, self._val, self._on_epoch_end = run, train, val, on_epoch_end
         self.rank, self.world_size = run.ctx.rank, run.ctx.world_size
         self.device = run.device

@@ -12,15 +12,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from estimator.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.data.remainder import replayable
 from estimator.data.row_checks import BadRows
 from estimator.failures import FailureKind, NotEnoughSlots, RankFailed
-from estimator.fit_report import say, watching
-from estimator.launcher import SparkBarrierLauncher
-from estimator.liveness import wait_for_other_launch
-from estimator.session import default_retries, task_slots
-from estimator.spec import TrainSpec, WorkerResult
+from estimator.fit.report import say, watching
+from estimator.launch.liveness import wait_for_other_launch
+from estimator.launch.session import default_retries, task_slots
+from estimator.launch.spark import SparkBarrierLauncher
+from estimator.train.checkpoint import Position, describe, load_checkpoint, position_of
 from store import Store
 
 log = logging.getLogger("estimator")

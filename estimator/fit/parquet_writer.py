@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from pyspark.sql import DataFrame
 
-from estimator.fingerprint import SPLIT_COLUMN as _VAL
+from estimator.fit.fingerprint import SPLIT_COLUMN as _VAL
 from store import Store
 
 

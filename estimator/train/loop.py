@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from estimator.checkpoint import Position
+from estimator.core.faults import Fault, inject
+from estimator.core.spec import TrainSpec
 from estimator.data.arrays import Tensors, tensors_to
 from estimator.data.plan import epoch_seed
-from estimator.distributed import RankContext
-from estimator.faults import Fault, inject
-from estimator.finite import FiniteCheck
-from estimator.losses import Objective
-from estimator.spec import TrainSpec
-from estimator.steps import StepContext, StepObjective
+from estimator.train.checkpoint import Position
+from estimator.train.distributed import RankContext
+from estimator.train.finite import FiniteCheck
+from estimator.train.losses import Objective
+from estimator.train.steps import StepContext, StepObjective
 
 log = logging.getLogger("estimator")
 SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)

@@ -19,7 +19,7 @@ from torch import nn
 
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
-from estimator.distributed import assigned_gpu
+from estimator.train.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
 _CACHE_SIZE = 2
@@ -113,7 +113,7 @@ def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: in
 
 
 def head_of(kind: str, shape: Sequence[int]) -> Optional[str]:
-    """The head of a single output with this per-row shape whose loss is of this kind (estimator.losses)."""
+    """The head of a single output with this per-row shape whose loss is of this kind (estimator.train.losses)."""
     if int(np.prod(shape)) <= 1:
         return {"logits": "logit", "probabilities": "probability", "regression": "value", "unknown": "value"}.get(kind)
     if len(shape) != 1:

@@ -13,13 +13,13 @@ from typing import Optional, Tuple
 import torch
 from torch.distributed import TCPStore
 
+from estimator.core.faults import Fault, inject
+from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.data.shards import EarlyRead
-from estimator.distributed import RankContext, plan_devices, run_rank, shared_gpus
 from estimator.failures import RankFailed
-from estimator.faults import Fault, inject
-from estimator.rendezvous import check_in, connect
-from estimator.spec import TrainSpec, WorkerResult
-from estimator.worker import train_worker
+from estimator.launch.rendezvous import check_in, connect
+from estimator.train.distributed import RankContext, plan_devices, run_rank, shared_gpus
+from estimator.train.worker import train_worker
 
 log = logging.getLogger("estimator")
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from estimator.core.spec import DataSpec
 from estimator.data.arrays import Arrays, Tensors, to_tensors
-from estimator.losses import summarize_sums
-from estimator.spec import DataSpec
+from estimator.train.losses import summarize_sums
 
 
 class Named:

@@ -2,7 +2,7 @@
 
 One Spark job selects the columns (vectors become arrays), tags each row train or val by a seeded hash of its
 values, and writes both splits at once (`partitionBy` on the tag). The same job measures the rows (nulls, array
-lengths) and their content fingerprint (estimator.fingerprint). The write goes to a fresh attempt folder; a
+lengths) and their content fingerprint (estimator.fit.fingerprint). The write goes to a fresh attempt folder; a
 commit marker named by the fingerprint is written last, and only committed attempts are ever read.
 
 Reuse: the same DataFrame again (same plan, deterministic) is known in this process without a job; other
@@ -28,13 +28,13 @@ from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
+from estimator.core.spec import Piece, total_rows
 from estimator.data.parquet import list_pieces, pieces_of_files
 from estimator.data.row_checks import check_observed
-from estimator.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, content_aggregates, fingerprint, plan_key,
+from estimator.fit.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, content_aggregates, fingerprint, plan_key,
                                    reusable_plan, shape_key, tagged)
-from estimator.parquet_writer import write_with_executors
-from estimator.session import job_tag
-from estimator.spec import Piece, total_rows
+from estimator.fit.parquet_writer import write_with_executors
+from estimator.launch.session import job_tag
 from store import Store
 from store.budget import enforce, fingerprints, release, remove, take_lease
 from store.layout import DataLayout
@@ -165,7 +165,7 @@ def _size(store: Store, path: str) -> int:
 
 
 def selected(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int) -> DataFrame:
-    """The columns as written (vectors as float arrays), the split tag and the row hash (estimator.fingerprint)."""
+    """The columns as written (vectors as float arrays), the split tag and the row hash (estimator.fit.fingerprint)."""
     extra = [validation] if isinstance(validation, str) and validation not in columns else []
     return tagged(df.select(*[_as_array(df, c) for c in columns], *extra), columns, validation, seed)
 

@@ -19,8 +19,8 @@ import torch
 from fsspec.core import url_to_fs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
-from estimator.pickling import dumps, rebind_optimizer
-from estimator.session import is_connect
+from estimator.core.pickling import dumps, rebind_optimizer
+from estimator.launch.session import is_connect
 from store import Store
 
 

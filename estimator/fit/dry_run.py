@@ -12,12 +12,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from estimator import lightning, steps
+from estimator.train import lightning
+
+from estimator.core.spec import DataSpec, UserObjects
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
 from estimator.data.parquet import column_max, column_range, read_head
-from estimator.losses import Objective, loss_kind, loss_name
-from estimator.spec import DataSpec, UserObjects
+from estimator.train import steps
+from estimator.train.losses import Objective, loss_kind, loss_name
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
 
@@ -64,7 +66,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
 
 def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Tuple[str, ...]:
     """The train_step on a few training rows, in training and in validation: the names of the numbers it returns
-    besides the loss (estimator.steps)."""
+    besides the loss (estimator.train.steps)."""
     return steps.dry_step(objs.train_step, objs.model, data, head_arrays(objs, data, head))
 
 

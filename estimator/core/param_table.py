@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimator.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
+from estimator.core.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
                               is_non_negative, is_number_list, is_positive, is_run_id, is_seconds, is_shape_list,
                               is_str_list, is_validation, optional)
 from store import Store

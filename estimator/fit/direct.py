@@ -1,5 +1,5 @@
 """The direct mode (data_mode='direct'): no copy of the data in the store. The ranks are the barrier tasks of
-the DataFrame's own last stage: the columns and split tag as materialize selects them (estimator.materialize),
+the DataFrame's own last stage: the columns and split tag as materialize selects them (estimator.fit.materialize),
 spread over num_proc partitions by their row hash (so the same rows go to the same rank every time; the shards
 differ by about the square root of their size), each partition sorted by that hash so that a retry receives its
 rows in the same order and a resume inside an epoch continues exactly. Each rank spills what it receives to
@@ -16,8 +16,8 @@ from pyspark.sql import DataFrame
 
 from estimator.data.arrays import Arrays
 from estimator.data.arrays import table_to_arrays
-from estimator.fingerprint import ROW_HASH, SPLIT_COLUMN
-from estimator.materialize import any_null, null_checks, selected
+from estimator.fit.fingerprint import ROW_HASH, SPLIT_COLUMN
+from estimator.fit.materialize import any_null, null_checks, selected
 
 
 def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,

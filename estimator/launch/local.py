@@ -1,5 +1,5 @@
 """Ranks on this machine, without Spark: in-process for one rank, spawned processes otherwise; the same
-per-rank code as Spark's barrier tasks (estimator.rank_setup)."""
+per-rank code as Spark's barrier tasks (estimator.launch.rank_setup)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -9,9 +9,9 @@ from typing import List, Optional
 import torch
 from torch.distributed import TCPStore
 
+from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.failures import FailureKind, failure_kind
-from estimator.rank_setup import Placement, train_rank
-from estimator.spec import TrainSpec, WorkerResult
+from estimator.launch.rank_setup import Placement, train_rank
 
 
 class LocalLauncher:
