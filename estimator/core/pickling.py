@@ -7,7 +7,6 @@ executors, so their modules are registered for pickling by value for the duratio
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import os
 import site
@@ -104,18 +103,15 @@ def dumps(obj: Any, what: str, roots: Iterable[Any] = (), for_executors: bool = 
     copy of cloudpickle (`pyspark.cloudpickle`, in the pyspark.zip every Python worker has): what is pickled by
     value then needs nothing installed there but pyspark. `for_executors=False` (a saved model or pipeline, read
     on a driver): the cloudpickle package, as saves of earlier releases were written."""
-    pickler = _executor_pickler() if for_executors else importlib.import_module("cloudpickle")
+    if for_executors:
+        try:
+            from pyspark import cloudpickle as pickler
+        except ImportError:  # no pyspark, no executors (LocalLauncher on a GPU host): the package serves
+            import cloudpickle as pickler
+    else:
+        import cloudpickle as pickler
     with _BY_VALUE_LOCK:
         return _dumps(pickler, obj, what, driver_only_modules(roots))
-
-
-def _executor_pickler() -> ModuleType:
-    """pyspark's cloudpickle; without pyspark (ranks started by LocalLauncher, as the GPU suite and the
-    benchmarks do on a host with no Spark) there are no executors, and the cloudpickle package serves."""
-    try:
-        return importlib.import_module("pyspark.cloudpickle")
-    except ImportError:
-        return importlib.import_module("cloudpickle")
 
 
 def _dumps(pickler: ModuleType, obj: Any, what: str, modules: List[ModuleType]) -> bytes:

@@ -51,18 +51,18 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     # A LightningModule's training_step runs inside DDP's forward (LightningSteps), as a module's forward would.
     wrapped = lightning.LightningSteps(model) if objs.lightning else compiled(model, spec.compile)
     ddp = wrap(wrapped, device, ctx.world_size)
-    comm = None
+    comm, allreduce = None, ctx.backend
     if isinstance(ddp, Solo):
-        pass  # one rank: no gradients to average, nor to compress
+        allreduce = SOLO  # one rank: no gradients to average, nor to compress
     elif spec.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif spec.shared_memory_allreduce and device.type == "cpu" and ctx.world_size > 1:
+        allreduce = f"{ctx.backend} fp16"
+    elif spec.shared_memory_allreduce and device.type == "cpu":
         comm = HostAllreduce.connect(ctx.rank, ctx.world_size, gradient_bytes(model), spec.collective_timeout)
         if comm is not None:
             ddp.register_comm_hook(None, comm.hook)
+            allreduce = "shared memory"
     try:
-        allreduce = SOLO if isinstance(ddp, Solo) else "shared memory" if comm is not None else (
-            f"{ctx.backend} fp16" if spec.compression == "fp16" else ctx.backend)
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt, trainer)
         run.scheduler_monitor, run.scheduler_interval = scheduler_monitor, interval
         if scheduler is not None and interval == "step":  # OneCycleLR and the like: after every optimizer step
