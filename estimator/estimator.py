@@ -1,4 +1,4 @@
-"""TorchEstimator: validate -> materialize -> TrainSpec -> launcher.run -> TorchModel."""
+"""TorchEstimator: validate -> materialize -> TrainSpec -> launch with retries -> TorchModel."""
 from __future__ import annotations
 
 import copy

@@ -52,7 +52,7 @@ def test_the_readme_use_snippet_runs_as_shown(tmp_path, session):
     from estimator.cluster import LocalConnectServer
 
     readme = open(os.path.join(ROOT, "README.md")).read()
-    code = re.search(r"^## Use\n+```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    code = re.search(r"^## Use\n+(?:<!--.*?-->\n)?```python\n(.*?)^```", readme, re.S | re.M).group(1)
     code = code.replace('"/tmp/', f'"{tmp_path}/')  # its own folders instead of the machine's /tmp
     server = None
     if session == "connect":

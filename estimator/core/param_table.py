@@ -22,18 +22,19 @@ def _loss_class_hint(v: Any) -> str:
 def _optimizer_list_hint(v: Any) -> str:
     if isinstance(v, (list, tuple)) and v and all(isinstance(o, torch.optim.Optimizer) for o in v):
         return ("The built-in loop steps one optimizer: for several, write your own loop with train_fn and keep "
-                "each extra optimizer with ctx.keep(name, optimizer), which checkpoints and restores it (README "
-                "'Your own training loop').")
+                "each extra optimizer with ctx.keep(name, optimizer), which checkpoints and restores it "
+                "(docs/training.md 'Your own training loop').")
     return ""
 
 
 ESTIMATOR_PARAMS = [
     ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: every task slot, when the "
-              "session can tell (README 'Spark Connect')", None, optional(is_int(1)), "an int >= 1 or None"),
+              "session can tell (docs/connect.md 'Spark Connect and Databricks')", None, optional(is_int(1)),
+              "an int >= 1 or None"),
     ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
               None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
     ParamSpec("model", "the torch.nn.Module to train (fit trains a copy), or a lightning.LightningModule (its hooks "
-              "run in the estimator's loop: README 'LightningModule')", None, is_instance(nn.Module),
+              "run in the estimator's loop: docs/training.md 'LightningModule')", None, is_instance(nn.Module),
               "a torch.nn.Module", json=False),
     ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank; required "
               "unless model is a LightningModule (configure_optimizers)", None,
@@ -99,12 +100,12 @@ ESTIMATOR_PARAMS = [
     ParamSpec("train_step", "your training step: function(model, batch, ctx) -> the loss (a scalar tensor) or a dict "
               "with 'loss' and other numbers (history keys); the estimator does backward, precision, clipping, "
               "the optimizer step, validation (the same function, ctx.training False) and checkpoints. loss is then "
-              "optional: given, it only says what transform's outputs are (README 'Your own training step')", None,
-              optional(callable), "a callable(model, batch, ctx) or None", json=False),
+              "optional: given, it only says what transform's outputs are (docs/training.md 'Your own training "
+              "step')", None, optional(callable), "a callable(model, batch, ctx) or None", json=False),
     ParamSpec("train_fn", "your whole training loop: function(ctx) run on every rank, over the estimator's data, "
               "model, optimizer, checkpoints and history (ctx.epochs_to_run(), ctx.train_batches(), ctx.report(...); "
-              "README 'Your own training loop'); loss is then optional, as with train_step", None, optional(callable),
-              "a callable(ctx) or None", json=False),
+              "docs/training.md 'Your own training loop'); loss is then optional, as with train_step", None,
+              optional(callable), "a callable(ctx) or None", json=False),
     ParamSpec("reader", "how ranks read their shards: 'arrow' (pyarrow, in memory or streaming) or 'petastorm'",
               "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),
@@ -122,7 +123,7 @@ ESTIMATOR_PARAMS = [
               "threads or CUDA)", None,
               lambda v: v in (None, "fork", "spawn", "forkserver"), "'fork', 'spawn', 'forkserver' or None"),
     ParamSpec("inmemory_cache_all", "True: keep each rank's shard in memory; False: stream it from the store every "
-              "epoch; None: in memory when it fits the rank's memory budget (README 'Reading data')", None,
+              "epoch; None: in memory when it fits the rank's memory budget (docs/data.md 'Reading data')", None,
               optional(is_bool), "True, False or None"),
     ParamSpec("shuffle_buffer_size", "rows of the streaming reader's shuffle buffer (default: as many as fit 64 MB, "
               "1,000-100,000)", None,
@@ -164,7 +165,7 @@ ESTIMATOR_PARAMS = [
               "never", None, optional(is_bool), "True, False or None"),
     ParamSpec("data_mode", "'materialize': the rows are written to the store as Parquet once and reused by later fits "
               "on the same rows; 'direct': no copy, the ranks take their rows from the DataFrame's own Spark stage "
-              "and keep them on local disk for the fit (README 'Materialized or direct')", "materialize",
+              "and keep them on local disk for the fit (docs/data.md 'Materialized or direct')", "materialize",
               lambda v: v in ("materialize", "direct"), "'materialize' or 'direct'"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),
@@ -192,7 +193,7 @@ ESTIMATOR_PARAMS = [
     ParamSpec("max_retries", "times a failed training launch is retried from the last checkpoint; default: "
               "spark.task.maxFailures - 1 (0 in local[N] mode)", None, optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("min_num_proc", "the fewest ranks a retry may go on with when a lost executor took task slots with it "
-              "(the global batch kept: README 'Failures and recovery'); default num_proc: a retry waits "
+              "(the global batch kept: docs/failures.md 'A lost executor'); default num_proc: a retry waits "
               "rendezvous_timeout for the slots, then fails", None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("rendezvous_timeout", "seconds for all ranks to meet before training; a late rank is named in the "
               "error", 120.0, is_seconds, "a number of seconds > 0"),

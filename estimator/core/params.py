@@ -229,7 +229,7 @@ def default_text(spec: ParamSpec) -> str:
 
 
 def params_text(specs: Sequence[ParamSpec]) -> str:
-    """The params as help() shows them under the class's docstring, from the same table as README's."""
+    """The params as help() shows them under the class's docstring, from the same table as the param reference's."""
     example = _camel(specs[0].name)
     lines = [f"Params (keyword arguments; each also has a getter and a setter: get{example}(), set{example}(v)):"]
     for spec in specs:
@@ -240,8 +240,8 @@ def params_text(specs: Sequence[ParamSpec]) -> str:
 
 
 def markdown_table(specs: Sequence[ParamSpec]) -> str:
-    """The params as a Markdown table (README's param tables are this text: `python .ci/readme_params.py`
-    rewrites them, and tests/test_readme.py checks they are current)."""
+    """The params as a Markdown table: the param reference's tables (docs/params.md) are this text, inserted by
+    .ci/docs_hooks.py when the site is built."""
     rows = ["| param | default | allowed | meaning |", "|---|---|---|---|"]
     for spec in specs:
         default = default_text(spec)

@@ -265,7 +265,7 @@ def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Option
     if not getattr(module, "automatic_optimization", True):
         raise ValueError(f"{type(module).__name__} sets automatic_optimization = False (manual optimization): "
                          "TorchEstimator runs backward and the optimizer step itself. Write the loop as a train_fn "
-                         "(README 'Your own training loop'), which takes several optimizers.")
+                         "(docs/training.md 'Your own training loop'), which takes several optimizers.")
     got = module.configure_optimizers()
     optimizers, schedulers = _forms(got)
     if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):

@@ -32,8 +32,8 @@ class TrainContext(Named):
     DistributedDataParallel-wrapped module, or for one rank a stand-in: call it), module (the plain one),
     optimizer; epochs, start_epoch, epoch (0-based); history (the rows so far), rows (training rows taken this
     epoch), should_stop. Methods: epochs_to_run(), train_batches(), val_batches() (Batch objects), autocast(),
-    keep(name, obj) (checkpointed with the model), report(metrics, rows=None) once per epoch (README 'Your own
-    training loop')."""
+    keep(name, obj) (checkpointed with the model), report(metrics, rows=None) once per epoch (docs/training.md
+    'Your own training loop')."""
 
     def __init__(self, run: Any, train: Shard, val: Optional[Shard], on_epoch_end: Callable[[int, dict], None]):
         """`run`: the rank's estimator.train.epochs.Run; `on_epoch_end(epoch, row)`: the callbacks' hook."""
