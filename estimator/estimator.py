@@ -32,6 +32,7 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
+from estimator.fit.recipes import check_optimizer, model_of
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.launch.session import check_slots, default_num_proc, ranks_per_task
@@ -120,7 +121,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
+        p["model"], p["model_factory"] = model_of(p["model"])  # a factory is called here once, then on each rank
         checks.check_params(p)
+        check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
         for name, why in checks.ignored_params(p):
             warnings.warn(f"TorchEstimator ignores {name}={p[name]!r}: {why}", UserWarning, stacklevel=4)
@@ -144,7 +147,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             if p["loss_constructors"] is not None else []
         labels = len(p["label_cols"])
         weights = list(p["loss_weights"] or [1.0 / max(labels, 1)] * labels)
-        objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"])
+        objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"],
+                            model_factory=p["model_factory"])
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
         else:  # train_step's keys are known after its dry run
@@ -155,8 +159,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         objs.train_step, objs.train_fn = p["train_step"], p["train_fn"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
-                        roots=[objs.model, *losses, *constructors, *p["metrics"], p["transformation_fn"],
-                               p["train_step"], p["train_fn"], *p["callbacks"], p["lr_scheduler_fn"]])
+                        roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
+                               *p["metrics"], p["transformation_fn"], p["train_step"], p["train_fn"], *p["callbacks"],
+                               p["lr_scheduler_fn"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)

@@ -2,6 +2,8 @@
 installed), so every model here also exercises pickling of driver-only classes by value."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,6 +56,16 @@ class TwoOutputs(nn.Module):
         return self.classes(h), self.big(h)
 
 
+def pretrained_mlp(path, hidden=32):
+    """A "pretrained" MLP: built, then its weights loaded from `path` (as from_pretrained does); each call appends
+    the calling process's id to `path + '.calls'`."""
+    with open(path + ".calls", "a") as calls:
+        calls.write(f"{os.getpid()}\n")
+    model = MLP(64, hidden, 10)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model
+
+
 def write_parquet(path: str, features: np.ndarray, labels: np.ndarray, rows_per_group: int) -> None:
     table = pa.table({"features": pa.array(list(features)), "label": pa.array(labels)})
     pq.write_table(table, path, row_group_size=rows_per_group)
@@ -65,7 +77,7 @@ def seeded(model_cls, *args, seed: int = 0):
 
 
 def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None,
-              **spec_fields):
+              model_factory=None, **spec_fields):
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
@@ -80,9 +92,10 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
                     ("features",), ("label",))
-    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"])
-    return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, 50, epochs, seed=3,
-                     **spec_fields)
+    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"],
+                        model_factory=model_factory)
+    return TrainSpec(data, dumps(objs, "model", roots=[model_factory or model]), store.run(run), batch, 50, epochs,
+                     seed=3, **spec_fields)
 
 
 TIMING_KEYS = ("data_wait",)  # history keys that measure time, not the model: they differ between equal runs

@@ -109,10 +109,10 @@ def test_the_python_blocks_of_each_page_run_in_order(page, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
                             cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr[-4000:]
-    if page == "docs/training.md":  # four fits of digits: the built-in loop, train_step, train_fn, Lightning
+    if page == "docs/training.md":  # fits of digits: the built-in loop, recipes, train_step, train_fn, Lightning
         rows = [eval(line) for line in result.stdout.splitlines() if line.startswith("{'epoch'")]  # noqa: S307
-        assert len(rows) == 4 and all(row["epoch"] == 4 for row in rows), result.stdout
-        assert [row.get("val_accuracy", 1.0) >= 0.85 for row in rows] == [True] * 4, rows
-        assert {"ce", "val_ce"} <= set(rows[1]), rows[1]
+        assert len(rows) == 5 and all(row["epoch"] == 4 for row in rows), result.stdout
+        assert [row.get("val_accuracy", 1.0) >= 0.85 for row in rows] == [True] * 5, rows
+        assert {"ce", "val_ce"} <= set(rows[2]), rows[2]
     if page == "docs/connect.md":
         assert "prediction" in result.stdout

@@ -34,11 +34,15 @@ ESTIMATOR_PARAMS = [
     ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
               None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
     ParamSpec("model", "the torch.nn.Module to train (fit trains a copy), or a lightning.LightningModule (its hooks "
-              "run in the estimator's loop: docs/training.md 'LightningModule')", None, is_instance(nn.Module),
-              "a torch.nn.Module", json=False),
-    ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters; rebuilt on every rank; required "
-              "unless model is a LightningModule (configure_optimizers)", None,
-              optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer built over model.parameters()",
+              "run in the estimator's loop: docs/training.md 'LightningModule'), or a zero-argument callable that "
+              "builds it on every rank, so that pretrained weights load there from their path (docs/training.md "
+              "'Models built on the ranks')", None, callable,
+              "a torch.nn.Module, or a callable() returning one", json=False),
+    ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters, rebuilt on every rank, or a "
+              "callable(params) -> Optimizer called with each rank's parameters (functools.partial(torch.optim.AdamW, "
+              "lr=2e-5)); required unless model is a LightningModule (configure_optimizers)", None,
+              optional(lambda v: isinstance(v, torch.optim.Optimizer) or callable(v)),
+              "a torch.optim.Optimizer built over model.parameters(), or a callable(params) returning one",
               json=False, hint=_optimizer_list_hint),
     ParamSpec("lr", "learning rate of every param group (None: the optimizer's own); a ParamGridBuilder can vary "
               "it", None, optional(is_positive), "a number > 0 or None"),

@@ -7,6 +7,7 @@ executors, so their modules are registered for pickling by value for the duratio
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import site
@@ -26,15 +27,18 @@ from estimator.core.spec import UserObjects
 _INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "builtins"}
 
 
-def user_objects(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], losses: List[Any],
-                 loss_weights: List[float], metrics: List[Any], lr: Optional[float] = None) -> UserObjects:
+def user_objects(model: nn.Module, optimizer: Any, losses: List[Any], loss_weights: List[float], metrics: List[Any],
+                 lr: Optional[float] = None, model_factory: Any = None) -> UserObjects:
     """A copy of everything the ranks need; the user's own model and optimizer are not touched. `lr`
     (the estimator's param) replaces the learning rate of every param group. No optimizer: a LightningModule's
-    configure_optimizers builds one on every rank."""
-    if optimizer is None:
-        return UserObjects(model=copy.deepcopy(model).cpu(), optimizer_cls=None, optimizer_groups=[],
-                           optimizer_defaults={}, optimizer_state={}, losses=copy.deepcopy(list(losses)),
-                           loss_weights=list(loss_weights), metrics=list(metrics), lightning=True)
+    configure_optimizers builds one on every rank. `model_factory`: what built `model` (the ranks call it; the
+    model is not pickled). An optimizer that is a callable is called with each rank's parameters."""
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return UserObjects(model=model if model_factory is not None else copy.deepcopy(model).cpu(),
+                           optimizer_cls=None, optimizer_groups=[], optimizer_defaults={}, optimizer_state={},
+                           losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics),
+                           lightning=optimizer is None, model_factory=model_factory, optimizer_factory=optimizer,
+                           optimizer_lr=lr)
     groups = optimizer_groups(optimizer, model)
     # numpy hyperparameters (Adam(lr=np.float64(...))) as Python numbers: checkpoints load with weights_only=True
     defaults, state = plain(constructor_defaults(optimizer)), copy.deepcopy(optimizer.state_dict())
@@ -44,9 +48,10 @@ def user_objects(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], l
             defaults["lr"] = lr
         for group in state["param_groups"]:
             group["lr"] = lr
-    return UserObjects(model=copy.deepcopy(model).cpu(), optimizer_cls=type(optimizer), optimizer_groups=groups,
-                       optimizer_defaults=defaults, optimizer_state=state,
-                       losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics))
+    return UserObjects(model=model if model_factory is not None else copy.deepcopy(model).cpu(),
+                       optimizer_cls=type(optimizer), optimizer_groups=groups, optimizer_defaults=defaults,
+                       optimizer_state=state, losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights),
+                       metrics=list(metrics), model_factory=model_factory)
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> List[List[int]]:
@@ -78,6 +83,26 @@ def rebuild_optimizer(cls: type, groups: List[List[int]], defaults: dict, state:
     params = list(model.parameters())
     optimizer = cls([{"params": [params[i] for i in indices]} for indices in groups], **defaults)
     optimizer.load_state_dict(state)
+    return optimizer
+
+
+class NotAnOptimizer(TypeError):
+    """The optimizer param's callable returned something else than a torch.optim.Optimizer."""
+
+
+def optimizer_from_factory(factory: Any, model: nn.Module, lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """`factory(model.parameters())`, with `lr` (the estimator's param) over every group and the hyperparameters
+    as Python numbers (a partial with numpy numbers would make checkpoints unloadable with weights_only=True)."""
+    optimizer = factory(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise NotAnOptimizer("The 'optimizer' parameter of TorchEstimator is a callable, which is called with the "
+                        f"model's parameters; it returned {type(optimizer).__name__}, not a torch.optim.Optimizer. "
+                        "Pass functools.partial(torch.optim.AdamW, lr=2e-5), or a function params -> optimizer.")
+    for group in optimizer.param_groups:
+        group.update({key: plain(value) for key, value in group.items() if key != "params"})
+        if lr is not None:
+            group["lr"] = lr
+    optimizer.defaults = plain(optimizer.defaults)
     return optimizer
 
 
@@ -138,6 +163,8 @@ def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:
     pending: List[Any] = []
     for root in roots:
         items: Sequence[Any] = list(root.modules()) if isinstance(root, nn.Module) else [root]
+        if isinstance(root, functools.partial):  # a factory: what it calls (a driver-only function, a class)
+            items = [root.func, *root.args, *root.keywords.values()]
         for item in items:
             pending += [item if inspect.isclass(item) or inspect.isfunction(item) else type(item)]
     found: Dict[str, ModuleType] = {}

@@ -141,6 +141,23 @@ class UserObjects:
     train_step: Any = None  # the user's step (estimator.train.steps): the losses and metrics are then unused
     train_fn: Any = None  # the user's loop (estimator.train.train_fn): the losses, metrics and train_step are unused
     lightning: bool = False  # model is a LightningModule run by the built-in loop (estimator.train.lightning)
+    model_factory: Any = None  # the model param as a zero-argument callable: called on each rank, never pickled out
+    optimizer_factory: Any = None  # the optimizer param as a callable(params) -> Optimizer, called on each rank
+    optimizer_lr: Optional[float] = None  # the lr param, over every group of optimizer_factory's optimizer
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """A model built by a factory travels as its factory: the weights load on each rank, never through the
+        launch spec (its size does not grow with the model)."""
+        state = dict(self.__dict__)
+        if self.model_factory is not None:
+            state["model"] = None
+        return state
+
+    def module(self) -> Any:
+        """The model to train: the instance sent, or, where only the factory came (a rank), the factory's."""
+        if self.model is None:
+            self.model = self.model_factory()
+        return self.model
 
     def build_losses(self) -> List[Any]:
         return [make() for make in self.loss_constructors] if self.loss_constructors else list(self.losses)

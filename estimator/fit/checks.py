@@ -30,8 +30,10 @@ def check_params(p: Dict[str, Any]) -> None:
     if own is None and is_lightning_module(p["model"]):
         check_lightning(p)
     elif p["optimizer"] is None:
-        raise ValueError(param_error(OWNER, "optimizer", "a torch.optim.Optimizer built over model.parameters() (only "
-                                     "a LightningModule brings its own, from configure_optimizers)", None))
+        raise ValueError(param_error(OWNER, "optimizer", "a torch.optim.Optimizer built over model.parameters(), or a "
+                                     "callable(params) returning one, as functools.partial(torch.optim.AdamW, "
+                                     "lr=2e-5) (only a LightningModule brings its own, from configure_optimizers)",
+                                     None))
     elif own is not None:
         if p["loss_constructors"] is not None or p["metrics"]:
             raise ValueError(f"{OWNER} with {own} takes no loss_constructors or metrics: {own} computes the loss "

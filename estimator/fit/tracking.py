@@ -11,6 +11,8 @@ import os
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
+import torch
+
 log = logging.getLogger("estimator")
 
 
@@ -140,11 +142,16 @@ class MlflowLog:
 
 def model_facts(model: Any, optimizer: Any, losses: Any, ranks: int, train_rows: int, val_rows: int
                 ) -> Dict[str, Any]:
-    """What people look for in a tracked run besides the params."""
+    """What people look for in a tracked run besides the params. An optimizer given as a callable is named by
+    what it calls (a partial's function or class, with its lr)."""
+    recipe = optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer)
+    made = getattr(optimizer, "func", optimizer)
     return {"model_class": type(model).__name__,
             "model_parameters": sum(int(t.numel()) for t in model.parameters()),
-            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
-            "optimizer_lr": optimizer.param_groups[0].get("lr") if optimizer is not None else None,
+            "optimizer_class": getattr(made, "__name__", type(made).__name__) if recipe else
+            type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_lr": getattr(optimizer, "keywords", {}).get("lr") if recipe else
+            optimizer.param_groups[0].get("lr") if optimizer is not None else None,
             "loss_class": ", ".join(type(fn).__name__ for fn in losses) or None,
             "ranks": ranks, "train_rows": train_rows, "val_rows": val_rows}
 

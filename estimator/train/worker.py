@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from estimator.core.faults import Fault
-from estimator.core.pickling import rebuild_optimizer
+from estimator.core.pickling import optimizer_from_factory, rebuild_optimizer
 from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
@@ -36,7 +36,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     started = time.perf_counter()
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
-    model = objs.model.to(device)
+    model = objs.module().to(device)  # a model_factory builds it here, on the rank
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
                                                                run_optimizer_steps(spec, ctx.world_size))
                                ) if objs.lightning else None
@@ -144,6 +144,9 @@ def run_optimizer_steps(spec: TrainSpec, world_size: int) -> int:
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer rebuilt over this rank's model: same class, groups, hyperparams, state."""
+    """The user's optimizer rebuilt over this rank's model: same class, groups, hyperparams, state; or the
+    optimizer param's callable called with this rank's parameters."""
+    if objs.optimizer_factory is not None:
+        return optimizer_from_factory(objs.optimizer_factory, model, objs.optimizer_lr)
     return rebuild_optimizer(objs.optimizer_cls, objs.optimizer_groups, objs.optimizer_defaults,
                              objs.optimizer_state, model)

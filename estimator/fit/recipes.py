@@ -1,0 +1,47 @@
+"""The model and the optimizer given as recipes: `model` a zero-argument callable that builds the module (on every
+rank, so that pretrained weights load there from their path, never through the driver's launch spec or the
+store), `optimizer` a callable taking the parameters (`functools.partial(torch.optim.AdamW, lr=2e-5)`). The
+driver builds each once, for its checks and its dry run on a few rows; the ranks get the recipes."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from estimator.core.params import param_error
+from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
+
+OWNER = "TorchEstimator"
+
+
+def model_of(value: Any) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
+    """(the module, the factory that built it or None): a module is used as it is; a callable is called once
+    here, with no arguments."""
+    if isinstance(value, nn.Module):
+        return value, None
+    try:
+        built = value()
+    except Exception as exc:
+        raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
+                         "build the module: once on the driver (its checks and dry run), then on every rank. On the "
+                         f"driver it raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(built, nn.Module):
+        raise TypeError(param_error(OWNER, "model", "a torch.nn.Module, or a zero-argument callable returning one; "
+                                    f"the callable returned {type(built).__name__}", value))
+    return built, value
+
+
+def check_optimizer(value: Any, model: nn.Module, lr: Optional[float]) -> None:
+    """An optimizer given as a callable returns an optimizer over the model's parameters (built here once, over
+    the driver's model: a constructor allocates no state)."""
+    if value is None or isinstance(value, torch.optim.Optimizer):
+        return
+    try:
+        optimizer_from_factory(value, model, lr)
+    except NotAnOptimizer:
+        raise
+    except Exception as exc:
+        raise ValueError(f"The 'optimizer' parameter of {OWNER} is a callable, which fit calls with the model's "
+                         f"parameters on every rank; called on the driver it raised {type(exc).__name__}: {exc}"
+                         ) from exc
