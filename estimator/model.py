@@ -23,6 +23,7 @@ from torch import nn
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps
+from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_package
@@ -163,8 +164,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                                   shape, column))
         model = copy.deepcopy(p["model"]).cpu().eval()
         with torch.no_grad():
-            out = model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs])
-        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
         return [list(o.shape[1:]) for o in outputs]
 
     def _model_blob(self) -> bytes:

@@ -15,6 +15,7 @@ import torch
 from estimator.train import lightning
 
 from estimator.core.spec import DataSpec, UserObjects
+from estimator.core.outputs import outputs_of
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
 from estimator.data.parquet import column_max, column_range, read_head
@@ -167,12 +168,14 @@ def forward(model: torch.nn.Module, data: DataSpec, arrays: Any, rows: int) -> T
 
 
 def check_outputs(raw: Any, label_cols: Sequence[str]) -> Tuple[torch.Tensor, ...]:
-    """One tensor, or a tuple/list of tensors in label_cols order; anything else is refused by name."""
-    if isinstance(raw, dict):
-        raise ValueError(f"The model's forward() returned a dict (keys {list(raw)}); outputs must be a tensor, or a "
-                         f"tuple of tensors in the order of label_cols {list(label_cols)}: return "
+    """One tensor, or a tuple/list of tensors in label_cols order, or what has `logits` (a Hugging Face
+    ModelOutput, a dict, a dataclass); anything else is refused by name."""
+    outputs = outputs_of(raw)
+    if len(outputs) == 1 and isinstance(outputs[0], dict):
+        raise ValueError(f"The model's forward() returned a dict (keys {list(raw)}) without 'logits'; outputs must "
+                         "be a tensor, a tuple of tensors in the order of label_cols "
+                         f"{list(label_cols)}, or a dict or ModelOutput with 'logits': return "
                          f"({', '.join(f'out[{k!r}]' for k in raw)}) instead.")
-    outputs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
     for i, out in enumerate(outputs):
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"The model's forward() returned a {type(out).__name__} as output {i}; outputs must be "

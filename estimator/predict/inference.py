@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from estimator.core.outputs import outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
 from estimator.train.distributed import assigned_gpu
@@ -104,8 +105,7 @@ def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: in
     with torch.inference_mode():
         for start in range(0, rows, batch_size):
             batch = [torch.from_numpy(a[start:start + batch_size]).to(device) for a in arrays]
-            out = model(*batch)
-            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            out = outputs_of(model(*batch))
             chunks.append([o.detach().float().reshape(o.shape[0], -1).cpu().numpy() for o in out])
     if not chunks:
         return []

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from estimator.core.outputs import outputs_of
+
 # What a loss says about its outputs and labels. Class-index losses take (batch, classes) scores and integer
 # targets of shape (batch,); a float label column (e.g. StringIndexer output) is cast.
 CLASS_INDEX = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss, F.cross_entropy, F.nll_loss, F.multi_margin_loss)
@@ -160,8 +162,7 @@ class Objective:
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The built-in step: forward on the features, then the losses and metrics (`ctx` is the user step's)."""
         features, labels, weights = tensors
-        outputs = model(*features)
-        return self(tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,), labels, weights)
+        return self(outputs_of(model(*features)), labels, weights)
 
     def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
         return summarize_sums(sums, self.width, [name for name, _, _ in self.metrics], with_val)

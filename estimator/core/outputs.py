@@ -1,0 +1,28 @@
+"""What a model's forward returns, read as its outputs (one per label column): a tensor, or a tuple/list of
+tensors in label_cols order; or, as Hugging Face models return them, a `ModelOutput`, a dict or a dataclass with
+`logits`, read as its logits. The loss, the metrics, validation, the driver's dry run and transform all read
+outputs through `outputs_of`."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Tuple
+
+
+def logits_of(raw: Any) -> Any:
+    """The `logits` a ModelOutput, a dict or a dataclass carries, else None."""
+    if isinstance(raw, Mapping):
+        return raw.get("logits")
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
+        return getattr(raw, "logits", None)
+    return None
+
+
+def outputs_of(raw: Any) -> Tuple[Any, ...]:
+    """The outputs as a tuple; a dict without `logits` stays a dict (the driver's dry run refuses it by name)."""
+    logits = logits_of(raw)
+    if logits is not None:
+        return (logits,)
+    if isinstance(raw, (tuple, list)):
+        return tuple(raw)
+    return (raw,)
