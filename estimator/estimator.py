@@ -41,7 +41,7 @@ from estimator.model import TorchModel
 from estimator.predict.persistence import Persistable
 from estimator.train.checkpoint import load_checkpoint
 from estimator.train.lightning import optimizer_for
-from estimator.train.losses import loss_kind
+from estimator.train.losses import ModelsOwnLoss, loss_kind
 from estimator.train.worker import build_optimizer
 from store import LocalStore, Store
 from store.runs import enforce_runs
@@ -142,7 +142,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     def _prepare(self, p: Dict[str, Any], spark: SparkSession, has_validation: bool) -> RunPlan:
         """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
-        losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else []
+        losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else \
+            [ModelsOwnLoss()] if checks.own_loss(p) else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
         labels = len(p["label_cols"])

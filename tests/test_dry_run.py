@@ -82,10 +82,17 @@ def test_dict_and_non_tensor_outputs_are_refused_by_name(store):
 
     class Dict(nn.Module):
         def forward(self, x):
-            return {"logits": torch.zeros(x.shape[0], 2)}
+            return {"scores": torch.zeros(x.shape[0], 2)}
 
-    with pytest.raises(ValueError, match=r"returned a dict \(keys \['logits'\]\); .* return \(out\['logits'\]\)"):
+    with pytest.raises(ValueError, match=r"returned a dict \(keys \['scores'\]\) without 'logits'.* "
+                                         r"return \(out\['scores'\]\)"):
         dry_run(_objs(Dict(), nn.CrossEntropyLoss()), data)
+
+    class Logits(nn.Module):  # as Hugging Face models return them: read as its logits
+        def forward(self, x):
+            return {"logits": torch.zeros(x.shape[0], 2), "hidden": None}
+
+    assert dry_run(_objs(Logits(), nn.CrossEntropyLoss()), data) == [(2,)]
 
     class Text(nn.Module):
         def forward(self, x):

@@ -49,3 +49,48 @@ def test_a_model_returning_a_model_output_trains_and_predicts_as_its_tensor_mode
     X = digits[0][:10]
     (a,), (b,) = predict_numpy(plain, [X], 4, "cpu"), predict_numpy(wrapped, [X], 4, "cpu")
     np.testing.assert_array_equal(a, b)
+
+
+class OwnLoss(MLP):
+    """Computes its loss when given labels, as Hugging Face's *ForSequenceClassification models do."""
+
+    def forward(self, x, labels=None):
+        logits = super().forward(x)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def test_loss_none_trains_on_the_models_own_loss_as_the_same_loss_given(store, digits):
+    """forward(x, labels=y).loss with loss=None: the weights and history of loss=CrossEntropyLoss()."""
+    from estimator.train.losses import ModelsOwnLoss
+
+    histories = []
+    for run, losses in (("given", [nn.CrossEntropyLoss()]), ("own", [ModelsOwnLoss()])):
+        model = seeded(OwnLoss)
+        spec = make_spec(store, digits, model, torch.optim.Adam(model.parameters(), lr=0.01), train_rows=600,
+                         val_rows=100, run=run, losses=losses, epochs=2)
+        histories.append(LocalLauncher().run(spec, 2)[0].history)
+    given, own = histories
+    assert len(own) == len(given) == 2
+    for a, b in zip(own, given):
+        assert metrics(a) == pytest.approx(metrics(b), rel=1e-6)
+    assert set(own[-1]) >= {"loss", "accuracy", "val_loss", "val_accuracy"} and own[-1]["val_accuracy"] > 0.5
+
+
+def test_loss_none_is_refused_by_name_unless_the_forward_takes_labels():
+    from estimator.fit.checks import check_params
+
+    base = dict(estimator_params())
+    with pytest.raises(ValueError, match=r"needs 'loss'.*MLP.forward takes no 'labels'"):
+        check_params({**base, "model": MLP()})
+    with pytest.raises(ValueError, match=r"one label column and no sample weights.*sample_weight_col='w'"):
+        check_params({**base, "model": OwnLoss(), "sample_weight_col": "w"})
+    check_params({**base, "model": OwnLoss()})
+
+
+def estimator_params():
+    from estimator import TorchEstimator
+
+    est = TorchEstimator(model=MLP(), optimizer=torch.optim.SGD(MLP().parameters(), lr=0.1),
+                         feature_cols=["features"], label_cols=["label"])
+    return est.validated()

@@ -12,7 +12,7 @@ from torch import nn
 from estimator.core.params import param_error
 from estimator.core.stopping import Monitor, default_mode, default_monitor
 from estimator.train.lightning import is_lightning_module
-from estimator.train.losses import Objective, check_metrics
+from estimator.train.losses import ModelsOwnLoss, Objective, check_metrics, takes_labels
 
 OWNER = "TorchEstimator"
 
@@ -40,9 +40,18 @@ def check_params(p: Dict[str, Any]) -> None:
                              "and the metrics (train_step returns them, {'loss': ..., 'accuracy': ...}; a train_fn "
                              f"reports them). Got loss_constructors={p['loss_constructors']!r}, "
                              f"metrics={p['metrics']!r}.")
-    elif (p["loss"] is None) == (p["loss_constructors"] is None):
-        raise ValueError(f"{OWNER} needs exactly one of 'loss' and 'loss_constructors' (or a train_step). Got "
-                         f"loss={p['loss']!r}, loss_constructors={p['loss_constructors']!r}.")
+    elif p["loss"] is not None and p["loss_constructors"] is not None:
+        raise ValueError(f"{OWNER} takes one of 'loss' and 'loss_constructors', not both. Got loss={p['loss']!r}, "
+                         f"loss_constructors={p['loss_constructors']!r}.")
+    elif p["loss"] is None and p["loss_constructors"] is None:
+        if not takes_labels(p["model"]):
+            raise ValueError(f"{OWNER} needs 'loss' (or 'loss_constructors', a train_step, a train_fn), unless the "
+                             "model computes its own loss: forward(..., labels=...) returning .loss, as Hugging Face "
+                             f"models do. {type(p['model']).__name__}.forward takes no 'labels'.")
+        if n_labels != 1 or p["sample_weight_col"] is not None:
+            raise ValueError(f"loss=None trains on the loss the model computes from labels=, which takes one label "
+                             f"column and no sample weights. Got label_cols={list(p['label_cols'])}, "
+                             f"sample_weight_col={p['sample_weight_col']!r}: pass loss=... instead.")
     if p["backend"] is not None and p["num_proc"] is not None:
         raise ValueError(f"{OWNER} takes 'num_proc' or 'backend', not both: the backend's num_processes() "
                          f"({p['backend'].num_processes()}) sets the number of processes.")
@@ -182,6 +191,12 @@ def losses_per_label(loss: Any, labels: int) -> List[Any]:
 
 def shapes(value: Optional[Sequence[Sequence[int]]]) -> Optional[tuple]:
     return None if value is None else tuple(tuple(int(d) for d in s) for s in value)
+
+
+def own_loss(p: Dict[str, Any]) -> bool:
+    """The built-in loop on the model's own loss (loss=None, its forward takes labels: checked by check_params)."""
+    return (p["loss"] is None and p["loss_constructors"] is None and p["train_step"] is None and p["train_fn"] is None
+            and not is_lightning_module(p["model"]))
 
 
 def metric_names(p: Dict[str, Any], losses: Sequence[Any]) -> List[str]:

@@ -47,12 +47,13 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     check_classes(losses, outputs, data)
     objective = Objective(losses, objs.loss_weights, objs.metrics, data.label_cols,
                           weighted=data.sample_weight_col is not None)
-    _, labels, weights = to_tensors(arrays, data)
+    tensors = to_tensors(arrays, data)
+    labels = tensors[1]
     check_binary_labels(losses, labels, data)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
-            objective(outputs, labels, weights)
+            objective.on_batch(model, tensors)  # the step's forward again, with the labels for the model's own loss
         broadcast = [w for w in caught if "target size" in str(w.message)]
         if broadcast:  # MSELoss and friends warn, then broadcast (batch,) against (batch, n) into nonsense
             raise BroadcastWarning(str(broadcast[0].message))

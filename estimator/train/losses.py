@@ -6,6 +6,8 @@ weights), not means of batch means.
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,6 +23,35 @@ LOGITS = (nn.BCEWithLogitsLoss, F.binary_cross_entropy_with_logits)
 PROBABILITIES = (nn.BCELoss, F.binary_cross_entropy)
 REGRESSION = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.PoissonNLLLoss, nn.GaussianNLLLoss,
               nn.KLDivLoss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+
+
+class ModelsOwnLoss:
+    """loss=None with a model whose forward takes `labels` (Hugging Face's convention): the built-in loop calls
+    forward(*features, labels=<the label column>) and trains on the output's `loss`; the metrics and transform
+    read its logits as a loss of the user's own (class scores by argmax)."""
+
+    __name__ = "the model's own loss"
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("The model's own loss comes from its forward(..., labels=...), not from outputs.")
+
+
+def takes_labels(model: Any) -> bool:
+    """Whether the model's forward names a `labels` parameter (Hugging Face models that compute their loss)."""
+    try:
+        return "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def own_loss_of(raw: Any) -> torch.Tensor:
+    """The loss a model returned with its outputs (a ModelOutput, a dict or a dataclass with `loss`)."""
+    loss = raw.get("loss") if isinstance(raw, Mapping) else getattr(raw, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss=None trains on the loss the model computes when forward() is given labels=; its "
+                         f"forward returned {type(raw).__name__} with loss {type(loss).__name__}, not a scalar "
+                         "tensor. Pass loss=... (e.g. nn.CrossEntropyLoss()), or return the loss as .loss.")
+    return loss.reshape(())
 
 
 def loss_kind(loss_fn: Any) -> str:
@@ -133,6 +164,7 @@ class Objective:
                 name = metric_name(m) if len(label_cols) == 1 else f"{label}_{metric_name(m)}"
                 self.metrics.append((name, i, Accuracy(self.losses[i]) if m == "accuracy" else m))
         self.width = 3 + len(self.metrics)
+        self.own = any(isinstance(fn, ModelsOwnLoss) for fn in self.losses)
 
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -154,15 +186,27 @@ class Objective:
             loss = sum(parts)
             sums[0], sums[1] = loss.detach() * rows, rows
         sums[2] = rows
+        return loss, self.metric_sums(sums, outputs, targets)
+
+    def metric_sums(self, sums: torch.Tensor, outputs: Sequence[torch.Tensor],
+                    targets: Sequence[torch.Tensor]) -> torch.Tensor:
+        rows = targets[0].shape[0]
         with torch.no_grad():
             for j, (_, i, fn) in enumerate(self.metrics):
                 sums[3 + j] = torch.as_tensor(fn(outputs[i], targets[i])).double() * rows
-        return loss, sums
+        return sums
 
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The built-in step: forward on the features, then the losses and metrics (`ctx` is the user step's)."""
+        """The built-in step: forward on the features, then the losses and metrics (`ctx` is the user step's);
+        with the model's own loss, forward also gets the labels and returns the loss."""
         features, labels, weights = tensors
-        return self(outputs_of(model(*features)), labels, weights)
+        if not self.own:
+            return self(outputs_of(model(*features)), labels, weights)
+        raw = model(*features, labels=labels[0])
+        loss, outputs, rows = own_loss_of(raw), outputs_of(raw), labels[0].shape[0]
+        sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
+        sums[0], sums[1], sums[2] = loss.detach() * rows, rows, rows
+        return loss, self.metric_sums(sums, outputs, labels)
 
     def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
         return summarize_sums(sums, self.width, [name for name, _, _ in self.metrics], with_val)
