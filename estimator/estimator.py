@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from estimator.compression import compression_name
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
@@ -25,7 +26,7 @@ from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps, user_objects
 from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.core.stopping import Monitor
-from estimator.data.parquet import list_pieces, parquet_columns
+from estimator.data.parquet import list_pieces, parquet_columns, parquet_schema
 from estimator.data.plan import optimizer_steps, plan_steps
 from estimator.fit import checks
 from estimator.fit.attempts import launch_with_retries
@@ -83,6 +84,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         checks.check_dataframe(df)
         p = self._checked()
         checks.check_schema(p, df.schema)
+        p["text_cols"] = checks.text_columns(p, df.schema)
         run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
@@ -115,7 +117,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if missing:
             raise ValueError(f"Columns {missing} are not in the Parquet files under {train_path!r}. "
                              f"Available columns: {', '.join(available)}.")
-        return self._train(p, run, data, spark)
+        p["text_cols"] = checks.text_columns(p, from_arrow_schema(parquet_schema(store, data.train[0])))
+        return self._train(p, run, replace(data, text_cols=p["text_cols"]), spark)
 
     # -- steps ---------------------------------------------------------------------------------
     def _checked(self) -> Dict[str, Any]:
@@ -157,12 +160,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                 p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
-        objs.train_step, objs.train_fn = p["train_step"], p["train_fn"]
+        objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
                                *p["metrics"], p["transformation_fn"], p["train_step"], p["train_fn"], *p["callbacks"],
-                               p["lr_scheduler_fn"]])
+                               p["lr_scheduler_fn"], p["tokenizer"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)
@@ -276,6 +279,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
+                          tokenizer=p["tokenizer"],
                           **{s.name: p[s.name] for s in TRAINING_PARAMS})
 
 
@@ -287,7 +291,8 @@ def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val:
     """The columns and shapes from the params; the pieces (none in the direct mode: the ranks have them)."""
     return DataSpec(store, train, val, tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
                     checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
-                    materialize_seconds=materialize_seconds)
+                    materialize_seconds=materialize_seconds, text_cols=tuple(p.get("text_cols", ())),
+                    max_length=p["max_length"])
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

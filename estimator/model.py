@@ -17,7 +17,8 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type
-from pyspark.sql.types import ArrayType, BinaryType, DataType, DoubleType, FloatType, StructField, StructType
+from pyspark.sql.types import (ArrayType, BinaryType, DataType, DoubleType, FloatType, StringType, StructField,
+                               StructType)
 from torch import nn
 
 from estimator.core.param_table import MODEL_PARAMS
@@ -25,6 +26,7 @@ from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
+from estimator.data.text import Tokenize
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_package
 from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
@@ -102,7 +104,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
             output_names=tuple(f"_{i}" for i in range(len(outputs))), output_is_vector=is_vector,
             head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 and p["label_cols"] else None, batch_size=p["inference_batch_size"],
             use_gpu=p["use_gpu"], torch_threads=torch_threads,
-            feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]))
+            feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]),
+            tokenize=Tokenize(p["tokenizer"], (), p["max_length"]) if p["tokenizer"] is not None else None)
 
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
@@ -119,6 +122,9 @@ class TorchModel(DeclaredParams, Model, Persistable):
                                  "numbers to the model and does not run transformation_fn. Decode the column into an "
                                  "array column first (e.g. a pandas_udf around your decoding function, as in "
                                  "notebooks/png_digits_example.py) and pass that with setFeatureCols([...]).")
+            if isinstance(df.schema[column].dataType, StringType) and p["tokenizer"] is None:
+                raise ValueError(f"Column {column!r} (from feature_cols) holds strings and this TorchModel has no "
+                                 "tokenizer: setTokenizer(...) with the one it was trained with.")
         clash = [f.name for f in schema.fields if f.name in df.columns]
         if clash:
             raise ValueError(f"Output columns {clash} already exist in the DataFrame; choose other names with "

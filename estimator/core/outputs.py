@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Tuple
+from typing import Any, Sequence, Tuple
+
+
+def forward(model: Any, features: Sequence[Any], **keywords: Any) -> Any:
+    """model(*features): the feature columns in order, a tokenized text column's tensors (a dict) by keyword."""
+    positional = [f for f in features if not isinstance(f, dict)]
+    for encoded in (f for f in features if isinstance(f, dict)):
+        keywords.update(encoded)
+    return model(*positional, **keywords)
 
 
 def logits_of(raw: Any) -> Any:

@@ -27,6 +27,12 @@ def _optimizer_list_hint(v: Any) -> str:
     return ""
 
 
+TOKENIZER = ParamSpec("tokenizer", "a Hugging Face tokenizer, or a callable(list of str) -> dict of arrays: string "
+                      "feature columns are tokenized with it on the ranks (the reader's workers) and in transform, "
+                      "padded per batch, and reach forward by keyword (input_ids=..., attention_mask=...; "
+                      "docs/training.md 'Text columns')", None, optional(callable), "a tokenizer (a callable) or None",
+                      json=False)
+
 ESTIMATOR_PARAMS = [
     ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: every task slot, when the "
               "session can tell (docs/connect.md 'Spark Connect and Databricks')", None, optional(is_int(1)),
@@ -101,6 +107,9 @@ ESTIMATOR_PARAMS = [
               json=False),
     ParamSpec("transformation_fn", "function(pandas.DataFrame) -> pandas.DataFrame applied to every training and "
               "validation batch", None, optional(callable), "a callable or None", json=False),
+    TOKENIZER,
+    ParamSpec("max_length", "tokens kept per text (longer texts are truncated); None: the tokenizer's model maximum",
+              None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("train_step", "your training step: function(model, batch, ctx) -> the loss (a scalar tensor) or a dict "
               "with 'loss' and other numbers (history keys); the estimator does backward, precision, clipping, "
               "the optimizer step, validation (the same function, ctx.training False) and checkpoints. loss is then "
@@ -243,6 +252,7 @@ MODEL_PARAMS = [
     ParamSpec("inference_batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
+    TOKENIZER,
 ]
 # The estimator's training params (batch_size, epochs, lr, ...) stay readable on the model it returns, as Spark's
 # models keep their estimator's params (what a CrossValidator picked): the same specs, not repeated.

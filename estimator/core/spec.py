@@ -37,6 +37,8 @@ class DataSpec:
     materialize_seconds: float = 0.0  # driver-side, for the fit's stage report
     local: Optional[Store] = None  # direct mode: train and val are this rank's own rows, spilled to this store
     largest_shard: int = 0  # direct mode: the most training rows a rank holds (each rank draws that many)
+    text_cols: Tuple[str, ...] = ()  # string feature columns, tokenized per batch (estimator.data.text)
+    max_length: Optional[int] = None  # tokens kept per text (None: the tokenizer's model maximum)
 
     @property
     def source(self) -> Store:
@@ -144,6 +146,7 @@ class UserObjects:
     model_factory: Any = None  # the model param as a zero-argument callable: called on each rank, never pickled out
     optimizer_factory: Any = None  # the optimizer param as a callable(params) -> Optimizer, called on each rank
     optimizer_lr: Optional[float] = None  # the lr param, over every group of optimizer_factory's optimizer
+    tokenizer: Any = None  # tokenizes DataSpec.text_cols per batch (estimator.data.text)
 
     def __getstate__(self) -> Dict[str, Any]:
         """A model built by a factory travels as its factory: the weights load on each rank, never through the

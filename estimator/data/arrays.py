@@ -5,7 +5,7 @@ of `bytes`, which only a `transformation_fn` can turn into numbers.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -13,9 +13,11 @@ import torch
 
 from estimator.core.spec import DataSpec
 from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F401 - re-exported
+from estimator.data.text import encoded_keys
 
 Arrays = Dict[str, np.ndarray]
-Tensors = Tuple[List[torch.Tensor], List[torch.Tensor], Optional[torch.Tensor]]
+# features (a tokenized text column: a dict of tensors, forward's keyword inputs), labels, weights
+Tensors = Tuple[List[Any], List[torch.Tensor], Optional[torch.Tensor]]
 
 
 def table_to_arrays(table: Optional[pa.Table], columns: Sequence[str]) -> Arrays:
@@ -89,6 +91,12 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
                ) -> Tensors:
     """The batch's features, labels and weights as tensors on `device` (pinned host memory with `pin`,
     so that a later non_blocking copy to the GPU overlaps the computation)."""
+    def encoded(column: str) -> Dict[str, torch.Tensor]:  # a tokenized text column: forward's keyword inputs
+        keys = encoded_keys(batch, column)
+        if not keys:
+            raise TypeError(f"Column {column!r} holds strings and no tokenizer tokenized it: set tokenizer.")
+        return {key: t(name, None) for key, name in keys.items()}
+
     def t(name: str, shape: Optional[Sequence[int]]) -> torch.Tensor:
         values = reshape(batch[name], shape, name)
         if values.dtype == object:
@@ -97,7 +105,8 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
         tensor = torch.from_numpy(np.ascontiguousarray(values))
         return tensor.pin_memory() if pin else tensor.to(device, non_blocking=True)
 
-    features = [t(c, data.input_shapes[i] if data.input_shapes else None) for i, c in enumerate(data.feature_cols)]
+    features = [encoded(c) if c in data.text_cols else t(c, data.input_shapes[i] if data.input_shapes else None)
+                for i, c in enumerate(data.feature_cols)]
     labels = [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)]
     weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
     return features, labels, weights
@@ -109,4 +118,5 @@ def tensors_to(tensors: Tensors, device: torch.device) -> Tensors:
         return tensors
     features, labels, weights = tensors
     move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return [move(f) for f in features], [move(l) for l in labels], move(weights) if weights is not None else None
+    features = [{k: move(v) for k, v in f.items()} if isinstance(f, dict) else move(f) for f in features]
+    return features, [move(l) for l in labels], move(weights) if weights is not None else None

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from estimator.core.spec import DataSpec
 from estimator.data.arrays import Arrays, Tensors, to_tensors
-from estimator.data.frames import cloudpickle_module, load_transformation, run_loaded, transform_batch
+from estimator.data.frames import cloudpickle_module, load_transformation, prepare_batch, run_loaded
 
 _END = object()
 
@@ -31,14 +31,15 @@ class Decoders:
     uses threads or CUDA."""
 
     def __init__(self, fn: Any, workers: int = 1, pool_type: str = "thread", start_method: Optional[str] = None,
-                 name: str = "decode"):
-        self.fn, self.workers = fn, workers if pool_type != "dummy" else 1
-        processes = fn is not None and pool_type == "process"
+                 name: str = "decode", tokenize: Any = None):
+        self.fn, self.tokenize, self.workers = fn, tokenize, workers if pool_type != "dummy" else 1
+        processes = (fn is not None or tokenize is not None) and pool_type == "process"
         self._threads = (ThreadPoolExecutor(self.workers, thread_name_prefix=name)
                          if self.workers > 1 or processes else None)
         method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
         self._processes = (ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
-                                               initializer=load_transformation, initargs=(cloudpickle_module().dumps(fn),))
+                                               initializer=load_transformation,
+                                               initargs=(cloudpickle_module().dumps((fn, tokenize)),))
                            if processes else None)
 
     def submit(self, raw: Arrays, finish: Callable[[Arrays], Tensors]) -> "Future[Tensors]":
@@ -48,11 +49,11 @@ class Decoders:
         return self._threads.submit(lambda: finish(self.transform(raw)))
 
     def transform(self, raw: Arrays) -> Arrays:
-        if self.fn is None:
+        if self.fn is None and self.tokenize is None:
             return raw
         if self._processes is not None:
             return self._processes.submit(run_loaded, raw).result()
-        return transform_batch(self.fn, raw)
+        return prepare_batch(self.fn, self.tokenize, raw)
 
     def close(self) -> None:
         for pool in (self._threads, self._processes):

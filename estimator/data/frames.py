@@ -35,11 +35,18 @@ def transform_batch(fn: Any, batch: Arrays) -> Arrays:
     return out
 
 
-_LOADED: Any = None  # a decoding process's transformation_fn
+def prepare_batch(fn: Any, tokenize: Any, batch: Arrays) -> Arrays:
+    """transformation_fn (a pandas function), then the tokenization of string columns (estimator.data.text)."""
+    if fn is not None:
+        batch = transform_batch(fn, batch)
+    return tokenize(batch) if tokenize is not None else batch
+
+
+_LOADED: Any = (None, None)  # a decoding process's transformation_fn and tokenization
 
 
 def load_transformation(payload: bytes) -> None:
-    """A decoding process's initializer: the cloudpickled transformation_fn, once. A forked process has the
+    """A decoding process's initializer: the cloudpickled transformation_fn and tokenization, once. A forked process has the
     rank's torch already: one intra-op thread, as torch's DataLoader workers do (no oversubscription, and no
     OpenMP pool of the parent's to inherit)."""
     import pickle
@@ -52,7 +59,7 @@ def load_transformation(payload: bytes) -> None:
 
 
 def run_loaded(batch: Arrays) -> Arrays:
-    return transform_batch(_LOADED, batch)
+    return prepare_batch(*_LOADED, batch)
 
 
 def cloudpickle_module() -> Any:

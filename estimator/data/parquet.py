@@ -78,8 +78,11 @@ def pieces_of_files(store: Store, paths: Sequence[str]) -> Tuple[Piece, ...]:
 
 
 def parquet_columns(store: Store, piece: Piece) -> List[str]:
-    fragment = ds.ParquetFileFormat().make_fragment(piece.path, filesystem=arrow_filesystem(store))
-    return list(fragment.physical_schema.names)
+    return list(parquet_schema(store, piece).names)
+
+
+def parquet_schema(store: Store, piece: Piece) -> pa.Schema:
+    return ds.ParquetFileFormat().make_fragment(piece.path, filesystem=arrow_filesystem(store)).physical_schema
 
 
 def shard_range(total: int, rank: int, world_size: int) -> Tuple[int, int]:

@@ -5,7 +5,7 @@ import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pyspark.ml.linalg import VectorUDT
-from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StructType
+from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StringType, StructType
 import torch
 from torch import nn
 
@@ -152,6 +152,12 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
                                  f"each row's bytes in {column!r} into a numpy array (e.g. PIL.Image.open(io.BytesIO"
                                  "(b)) then numpy.asarray); it runs on every batch, off the training thread.")
             continue
+        if isinstance(dtype, StringType) and param == "feature_cols":
+            if p["tokenizer"] is None:
+                raise ValueError(f"Column {column!r} (from feature_cols) holds strings: set tokenizer (a Hugging Face "
+                                 "tokenizer, or a callable(list of str) -> dict of arrays) to tokenize it on the "
+                                 "ranks and in transform, or convert it first (StringIndexer for categories).")
+            continue
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only
@@ -159,6 +165,27 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
             raise ValueError(f"Column {column!r} (from {param}) has type {dtype.simpleString()}; it must be "
                              f"{allowed}. Convert it first (StringIndexer for strings, VectorAssembler for "
                              "several numeric columns).")
+
+
+def text_columns(p: Dict[str, Any], schema: StructType) -> Tuple[str, ...]:
+    """The string feature columns (tokenized per batch); refused when training cannot read them by keyword."""
+    text = tuple(c for c in p["feature_cols"] if isinstance(schema[c].dataType, StringType))
+    if text and p["tokenizer"] is None:
+        raise ValueError(f"Columns {list(text)} hold strings: set tokenizer.")
+    if len(text) > 1:
+        raise ValueError(f"feature_cols has {len(text)} string columns {list(text)}; one text column is tokenized "
+                         "per row (its input_ids, attention_mask... reach forward by keyword). Join them into one "
+                         "column first (concat_ws).")
+    for i, column in enumerate(p["feature_cols"]):
+        if column in text and p["input_shapes"] is not None and p["input_shapes"][i] is not None:
+            raise ValueError(f"input_shapes[{i}] is {p['input_shapes'][i]} for the text column {column!r}, whose "
+                             "token arrays are as long as each batch's longest text: give None for it.")
+    if text and p["reader"] == "petastorm":
+        raise ValueError("A tokenizer needs the default reader='arrow' (it tokenizes in the arrow reader's workers).")
+    if p["tokenizer"] is not None and not text:
+        raise ValueError(f"tokenizer is set, and no column of feature_cols {list(p['feature_cols'])} holds strings: "
+                         "name the text column in feature_cols, or leave tokenizer unset.")
+    return text
 
 
 def _trainable(dtype: DataType, scalar_only: bool) -> bool:

@@ -15,9 +15,10 @@ import torch
 from estimator.train import lightning
 
 from estimator.core.spec import DataSpec, UserObjects
-from estimator.core.outputs import outputs_of
+from estimator.core.outputs import forward as call_forward, outputs_of
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
+from estimator.data.text import Tokenize
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
 from estimator.train.losses import Objective, loss_kind, loss_name
@@ -29,7 +30,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     """`head`: the first rows when the data is not in the store (the direct mode); else read from it. With a
     train_step or a train_fn, the forward pass only (what transform needs); a step is checked by `dry_step`."""
     arrays = head_arrays(objs, data, head)
-    rows = len(arrays[data.columns[0]])
+    rows = len(next(iter(arrays.values())))
     model = copy.deepcopy(objs.model).eval()
     if objs.lightning:
         try:
@@ -77,7 +78,7 @@ def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has
     """A LightningModule's configure_optimizers, training_step (and validation_step when there is validation
     data) on a few training rows: the keys training_step and validation_step log, and the scheduler's monitor."""
     arrays = head_arrays(objs, data, head)
-    rows = len(arrays[data.columns[0]])
+    rows = len(next(iter(arrays.values())))
     module = copy.deepcopy(objs.model)
     trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, epochs, stepping))
     try:
@@ -136,6 +137,12 @@ def head_arrays(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None
         except Exception as exc:  # noqa: BLE001 - the user's function
             raise ValueError(f"transformation_fn failed on {len(head[data.columns[0]])} training rows (a pandas "
                              f"DataFrame with columns {list(arrays)}): {type(exc).__name__}: {exc}") from None
+    if data.text_cols:
+        try:
+            arrays = Tokenize(objs.tokenizer, data.text_cols, data.max_length)(arrays)
+        except Exception as exc:  # noqa: BLE001 - the user's tokenizer
+            raise ValueError(f"The tokenizer failed on {len(head[data.columns[0]])} training texts of "
+                             f"{list(data.text_cols)}: {type(exc).__name__}: {exc}") from None
     return arrays
 
 
@@ -157,15 +164,21 @@ class BroadcastWarning(ValueError):
 
 def forward(model: torch.nn.Module, data: DataSpec, arrays: Any, rows: int) -> Tuple[torch.Tensor, ...]:
     features, _, _ = to_tensors(arrays, data)
-    shown = ", ".join(f"{c}: {tuple(t.shape)}" for c, t in zip(data.feature_cols, features))
+    shown = ", ".join(f"{c}: {shape_of(t)}" for c, t in zip(data.feature_cols, features))
     try:
         with torch.no_grad():
-            raw = model(*features)
+            raw = call_forward(model, features)
     except Exception as exc:  # noqa: BLE001 - any failure here is the user's forward
         raise ValueError(f"The model's forward() failed on {rows} training rows, called with the feature_cols "
                          f"in order ({shown}): {type(exc).__name__}: {exc}. Check feature_cols, input_shapes and "
                          "forward()'s arguments.") from None
     return check_outputs(raw, data.label_cols)
+
+
+def shape_of(feature: Any) -> str:
+    if isinstance(feature, dict):  # a tokenized text column
+        return "{" + ", ".join(f"{k}: {tuple(v.shape)}" for k, v in feature.items()) + "}"
+    return str(tuple(feature.shape))
 
 
 def check_outputs(raw: Any, label_cols: Sequence[str]) -> Tuple[torch.Tensor, ...]:

@@ -65,8 +65,10 @@ class SparkBarrierLauncher:
         barrier tasks of its last stage and train on their partitions' rows. `per_task`: ranks per task (one
         per GPU a task is given): num_proc / per_task tasks."""
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
-        store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id),
-                                 pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id), payload)
+        log.info("Launch %s: a spec of %d bytes for the ranks (a model factory sends no weights)", spec.launch_id,
+                 len(payload))
         task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt,
                                  FAILED_RANK_WAIT, spec.data.columns if source is not None else None, per_task)
         tasks = num_proc // per_task

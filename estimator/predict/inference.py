@@ -10,14 +10,14 @@ import pickle
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
 
-from estimator.core.outputs import outputs_of
+from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
 from estimator.train.distributed import assigned_gpu
@@ -47,6 +47,7 @@ class InferenceLayout:
     use_gpu: Optional[bool]
     torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
     feature_sizes: Optional[Tuple[int, ...]] = None  # values per row the model was trained on; None: not checked
+    tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
 
 
 def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
@@ -96,16 +97,24 @@ def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Seq
                              f"{layout.feature_sizes[i]}: give transform the column as it was at fit.")
         shape = layout.input_shapes[i] if layout.input_shapes else None
         arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
-    return predict_numpy(model, arrays, layout.batch_size, device)
+    return predict_numpy(model, arrays, layout.batch_size, device, layout.tokenize)
 
 
-def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str):
+def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str,
+                  tokenize: Any = None):
+    """Outputs batch by batch; a text column (strings, with `tokenize`) becomes forward's keyword inputs."""
     rows = arrays[0].shape[0] if arrays else 0
     chunks = []
+
+    def tensors(a: np.ndarray) -> Any:
+        if a.dtype == object and tokenize is not None:
+            return {k: torch.from_numpy(v).to(device) for k, v in tokenize.encode(a).items()}
+        return torch.from_numpy(a).to(device)
+
     with torch.inference_mode():
         for start in range(0, rows, batch_size):
-            batch = [torch.from_numpy(a[start:start + batch_size]).to(device) for a in arrays]
-            out = outputs_of(model(*batch))
+            batch = [tensors(a[start:start + batch_size]) for a in arrays]
+            out = outputs_of(forward(model, batch))
             chunks.append([o.detach().float().reshape(o.shape[0], -1).cpu().numpy() for o in out])
     if not chunks:
         return []

@@ -19,6 +19,7 @@ from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, feed_workers
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
+from estimator.data.text import Tokenize
 from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
 from estimator.train.distributed import RankContext
 from estimator.train.lightning import LightningObjective
@@ -171,10 +172,13 @@ class Run:
         return stop
 
     def open_decoders(self, training: bool) -> Decoders:
-        reader, fn = self.spec.reader, self.objs.transformation_fn
-        workers = feed_workers(reader.train_workers if training else reader.val_workers, fn is not None)
+        reader, fn, data = self.spec.reader, self.objs.transformation_fn, self.spec.data
+        tokenize = Tokenize(self.objs.tokenizer, data.text_cols, data.max_length) if data.text_cols else None
+        workers = feed_workers(reader.train_workers if training else reader.val_workers,
+                               fn is not None or tokenize is not None)
         pool = reader.pool_type if reader.kind == "arrow" else "thread"  # petastorm's pool type is its readers'
-        return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}")
+        return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}",
+                        tokenize=tokenize)
 
     def feed(self, batches: Iterator[Any], training: bool) -> Feed:
         return Feed(batches, self.spec.data, self.decoders[training], pin=self.device.type == "cuda",

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from estimator.core.outputs import outputs_of
+from estimator.core.outputs import forward, outputs_of
 
 # What a loss says about its outputs and labels. Class-index losses take (batch, classes) scores and integer
 # targets of shape (batch,); a float label column (e.g. StringIndexer output) is cast.
@@ -201,8 +201,8 @@ class Objective:
         with the model's own loss, forward also gets the labels and returns the loss."""
         features, labels, weights = tensors
         if not self.own:
-            return self(outputs_of(model(*features)), labels, weights)
-        raw = model(*features, labels=labels[0])
+            return self(outputs_of(forward(model, features)), labels, weights)
+        raw = forward(model, features, labels=labels[0])
         loss, outputs, rows = own_loss_of(raw), outputs_of(raw), labels[0].shape[0]
         sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
         sums[0], sums[1], sums[2] = loss.detach() * rows, rows, rows

@@ -58,7 +58,8 @@ class Batch(Named):
 
     @property
     def rows(self) -> int:
-        return int((self.labels or self.features)[0].shape[0])
+        first = (self.labels or self.features)[0]
+        return int((next(iter(first.values())) if isinstance(first, dict) else first).shape[0])
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class StepObjective:
 def as_batch(tensors: Tensors, data: DataSpec) -> Batch:
     features, labels, weights = tensors
     columns = dict(zip(data.feature_cols, features))
+    for encoded in (f for f in features if isinstance(f, dict)):  # a text column's input_ids, attention_mask...
+        columns.update(encoded)
     columns.update(zip(data.label_cols, labels))
     if data.sample_weight_col and weights is not None:
         columns[data.sample_weight_col] = weights
@@ -147,7 +150,7 @@ def dry_step(fn: Callable[..., Any], model: torch.nn.Module, data: DataSpec, arr
             with torch.set_grad_enabled(training):
                 _, metrics = step_result(fn(model, as_batch(to_tensors(arrays, data), data), ctx))
         except Exception as exc:  # noqa: BLE001 - the user's function, or what it returned
-            raise ValueError(f"train_step failed on the driver's dry run ({len(arrays[data.columns[0]])} training "
+            raise ValueError(f"train_step failed on the driver's dry run ({len(next(iter(arrays.values())))} training "
                              f"rows, training={training}): {type(exc).__name__}: {exc}") from None
         keys.append(tuple(metrics))
     if keys[0] != keys[1]:

@@ -1,0 +1,102 @@
+"""Fine-tuning a "pretrained" Hugging Face model on a text column: a small BERT and its WordPiece tokenizer saved
+with save_pretrained (built here, no model hub), built on every rank from a factory, the text tokenized on the
+ranks and in transform. Distributed equals one plain Hugging Face loop; Pipelines save and load."""
+import functools
+import logging
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from estimator import TorchEstimator
+from text_helpers import save_pretrained_bert, topic_texts
+
+pytestmark = pytest.mark.spark
+
+
+def test_two_ranks_fine_tuning_bert_equal_one_plain_hugging_face_loop_of_batch_2b(spark, store, tmp_path, caplog):
+    """Shuffle off and no dropout: 2 ranks of batch 8 (each padding its own batch) take the steps of one loop of
+    batch 16 over the same rows; the factory's model is built on the ranks and the spec carries no weights."""
+    ranks, batch, steps = 2, 8, 6
+    rows = topic_texts(ranks * batch * steps, seed=3)
+    path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows], hidden=64, dropout=0.0)
+    store.makedirs(store.path("train"))
+    for f in range(4):
+        part = rows[f * len(rows) // 4:(f + 1) * len(rows) // 4]
+        pq.write_table(pa.table({"text": [t for t, _ in part], "label": [y for _, y in part]}),
+                       store.path("train", f"part-{f}.parquet"), row_group_size=20)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    factory = functools.partial(AutoModelForSequenceClassification.from_pretrained, path)
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        fitted = TorchEstimator(num_proc=ranks, store=store, model=factory, tokenizer=tokenizer,
+                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01),
+                                loss=nn.CrossEntropyLoss(), feature_cols=["text"], label_cols=["label"],
+                                batch_size=batch, epochs=1, shuffle=False, random_seed=3).fit_on_parquet("train")
+    spec_bytes = [int(m) for m in re.findall(r"a spec of (\d+) bytes", caplog.text)]
+    weights = sum(t.numel() * t.element_size() for t in factory().state_dict().values())
+    assert spec_bytes and max(spec_bytes) < weights / 5, (spec_bytes, weights)
+
+    plain = factory()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    texts, labels = [t for t, _ in rows], torch.tensor([y for _, y in rows])
+    half = len(rows) // ranks
+    losses = []
+    for step in range(steps):  # step s: batch s of every rank, together
+        idx = np.concatenate([np.arange(r * half + step * batch, r * half + (step + 1) * batch) for r in range(ranks)])
+        encoded = tokenizer([texts[i] for i in idx], padding="longest", truncation=True, max_length=64,
+                            return_tensors="pt")
+        optimizer.zero_grad()
+        loss = nn.CrossEntropyLoss()(plain(**encoded).logits, labels[idx])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item() * len(idx))
+    trained = fitted.getModel().state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.allclose(trained[name], value, atol=2e-5), (name, (trained[name] - value).abs().max())
+    assert fitted.getHistory()[0]["loss"] == pytest.approx(sum(losses) / len(rows), rel=1e-4)
+    assert not torch.allclose(factory().state_dict()["classifier.weight"], trained["classifier.weight"])
+
+
+def test_a_bert_fine_tuned_on_text_predicts_and_its_pipeline_loads_in_a_new_process(spark, store, tmp_path):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    rows = topic_texts(480, seed=5)
+    path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows])
+    df = spark.createDataFrame(rows, "text string, label long")
+    train, test = df.randomSplit([0.75, 0.25], seed=1)
+    est = TorchEstimator(num_proc=2, store=store,
+                         model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+                         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
+                         tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
+                         metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16, epochs=3,
+                         validation=0.1, random_seed=1)
+    pm = Pipeline(stages=[est]).fit(train)
+    history = pm.stages[0].getHistory()
+    assert history[-1]["val_accuracy"] >= 0.9 and 0.0 < history[-1]["data_wait"] < 0.5, history
+    pred = pm.transform(test)
+    accuracy = MulticlassClassificationEvaluator(labelCol="label").setMetricName("accuracy").evaluate(pred)
+    assert accuracy >= 0.9
+    probabilities = np.array([r.probability.toArray() for r in pred.orderBy("text").select("probability").collect()])
+    assert np.allclose(probabilities.sum(1), 1.0)
+    pm.write().overwrite().save(str(tmp_path / "pipeline"))
+    test.write.parquet(str(tmp_path / "test.parquet"))
+    code = f"""
+import numpy as np
+from pyspark.ml import PipelineModel
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+pred = PipelineModel.load({str(tmp_path / 'pipeline')!r}).transform(spark.read.parquet({str(tmp_path / 'test.parquet')!r}))
+np.save({str(tmp_path / 'loaded.npy')!r}, np.array([r.probability.toArray() for r in pred.orderBy("text").select("probability").collect()]))
+spark.stop()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "loaded.npy"), probabilities, atol=1e-5)
