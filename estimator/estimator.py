@@ -273,9 +273,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         trained.eval()
         optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
         optimizer.load_state_dict(checkpoint["optimizer"])
-        return TorchModel(model=trained, optimizer=optimizer, feature_cols=list(p["feature_cols"]),
-                          label_cols=list(p["label_cols"]), input_shapes=p["input_shapes"],
-                          output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
+        return TorchModel(model=trained, model_factory=p["model_factory"], optimizer=optimizer,
+                          feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
+                          input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],

@@ -32,6 +32,7 @@ from estimator.launch.shipping import ship_package
 from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
 from estimator.predict.persistence import Persistable
+from estimator.predict.weights import save_pretrained_to
 from estimator.train.lightning import for_inference
 
 log = logging.getLogger("estimator")
@@ -172,6 +173,12 @@ class TorchModel(DeclaredParams, Model, Persistable):
         with torch.no_grad():
             outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
         return [list(o.shape[1:]) for o in outputs]
+
+    def save_pretrained(self, path: str) -> None:
+        """Write a folder that Hugging Face's `from_pretrained` loads (config.json, model.safetensors) with the
+        tokenizer's files when it is a Hugging Face tokenizer: a local path or a store URL. For a
+        transformers PreTrainedModel only; `save(path)` saves any TorchModel."""
+        save_pretrained_to(self.getModel(), self.getTokenizer(), path)
 
     def _model_blob(self) -> bytes:
         model = self.getModel()

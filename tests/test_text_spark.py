@@ -3,6 +3,7 @@ with save_pretrained (built here, no model hub), built on every rank from a fact
 ranks and in transform. Distributed equals one plain Hugging Face loop; Pipelines save and load."""
 import functools
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -100,3 +101,17 @@ spark.stop()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     np.testing.assert_allclose(np.load(tmp_path / "loaded.npy"), probabilities, atol=1e-5)
+    saved = tmp_path / "pipeline" / "stages" / os.listdir(tmp_path / "pipeline" / "stages")[0]
+    assert {"module.json", "pretrained", "optimizer.pt"} <= set(os.listdir(saved)), os.listdir(saved)
+    assert not (saved / "model.pkl").exists() and (saved / "pretrained" / "model.safetensors").exists()
+    assert (saved / "objects.pkl").stat().st_size < (saved / "pretrained" / "model.safetensors").stat().st_size / 2
+
+    # Hugging Face's own folder, tokenizer included: the trained model outside Spark, as from_pretrained loads it
+    fitted = pm.stages[0]
+    fitted.save_pretrained(str(tmp_path / "hf"))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    texts = [r.text for r in test.orderBy("text").select("text").collect()]
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding="longest", truncation=True, return_tensors="pt")).logits
+    np.testing.assert_allclose(torch.softmax(logits, -1).numpy(), probabilities, atol=1e-5)

@@ -218,6 +218,10 @@ ESTIMATOR_PARAMS = [
 
 MODEL_PARAMS = [
     ParamSpec("model", "the trained torch.nn.Module", None, is_instance(nn.Module), "a torch.nn.Module", json=False),
+    ParamSpec("model_factory", "the zero-argument callable that built the model at fit time (None: the model was "
+              "given as an instance). With it, save writes the trained weights as safetensors (a Hugging Face "
+              "model: its save_pretrained folder) instead of pickling the module, and load rebuilds it",
+              None, optional(callable), "a callable() returning a torch.nn.Module, or None", json=False),
     ParamSpec("optimizer", "the optimizer at the end of training, over the trained model's parameters", None,
               optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer or None", json=False),
     ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),

@@ -6,6 +6,9 @@ Layout of a saved instance at `path`:
   objects.pkl   the params that are Python objects (optimizer, loss, metrics, store without credentials)
   model.pkl     the nn.Module (its class and structure; cloudpickle)
   weights.pt    its state_dict, loaded with torch.load(weights_only=True)
+or, for a TorchModel whose module was built by a `model` factory, no pickled module: its weights as safetensors
+(or a Hugging Face folder) and module.json (estimator.predict.weights). An estimator's factory is a param like any
+other (objects.pkl).
 Loading runs code from model.pkl/objects.pkl: load only what you (or your pipeline) saved.
 """
 from __future__ import annotations
@@ -16,11 +19,13 @@ from typing import Any, Dict, Tuple
 
 import cloudpickle
 import torch
+from torch import nn
 from fsspec.core import url_to_fs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from estimator.core.pickling import dumps, rebind_optimizer
 from estimator.launch.session import is_connect
+from estimator.predict.weights import load_module, save_module
 from store import Store
 
 
@@ -42,11 +47,15 @@ class ParamsWriter(MLWriter):
         json_params, objects = split_params(self.instance)
         DefaultParamsWriter.saveMetadata(self.instance, path, _metadata_session(self), paramMap=json_params)
         fs, root = url_to_fs(path)
-        model = objects.pop("model", None)
+        model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
+        built_by_factory = model is not None and objects.get("model_factory") is not None
+        optimizer = objects.pop("optimizer", None) if built_by_factory else None
         if isinstance(objects.get("store"), Store):
             objects["store"] = objects["store"].without_credentials()
         _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values(), for_executors=False))
-        if model is not None:
+        if built_by_factory:
+            save_module(model, optimizer, objects.get("tokenizer"), fs, root)
+        elif model is not None:
             _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model], for_executors=False))
             buffer = io.BytesIO()
             torch.save(model.state_dict(), buffer)
@@ -65,7 +74,12 @@ class ParamsReader(MLReader):
         DefaultParamsReader.getAndSetParams(instance, metadata)
         fs, root = url_to_fs(path)
         objects = cloudpickle.loads(_read(fs, posixpath.join(root, "objects.pkl")))
-        if fs.exists(posixpath.join(root, "model.pkl")):
+        built = load_module(fs, root, objects.get("model_factory"))
+        if built is not None:
+            objects["model"], optimizer = built
+            if optimizer is not None:
+                objects["optimizer"] = optimizer
+        elif fs.exists(posixpath.join(root, "model.pkl")):
             model = cloudpickle.loads(_read(fs, posixpath.join(root, "model.pkl")))
             weights = torch.load(io.BytesIO(_read(fs, posixpath.join(root, "weights.pt"))), map_location="cpu",
                                  weights_only=True)

@@ -1,0 +1,147 @@
+"""A model built by a factory, saved without pickling its weights.
+
+A TorchModel whose module came from a `model` factory is saved as its weights plus what rebuilds the module:
+  - a Hugging Face `PreTrainedModel`: `pretrained/`, the folder its own `save_pretrained` writes (config.json and
+    model.safetensors; the tokenizer too when it is a Hugging Face one), rebuilt by the class's `from_pretrained`
+    from that folder alone: the path the factory read at fit time need not exist where the model is loaded;
+  - any other module: `model.safetensors` (the state_dict; tied weights stored once), rebuilt by calling the
+    factory (pickled with the other params) and loading those weights over what it built.
+The optimizer at the end of training goes to `optimizer.pt` as its class, groups, hyperparameters and state (a
+pickled optimizer would carry a copy of every weight). `module.json` says which. Models given as instances keep the pickle layout of earlier releases (persistence).
+Hugging Face's and safetensors' writers take local paths: remote stores get a local copy, then fsspec's put/get.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import posixpath
+import tempfile
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from estimator.core.numbers import plain
+from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
+
+MODULE_FILE = "module.json"
+HUGGING_FACE_FOLDER = "pretrained"
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def is_hugging_face_model(model: Any) -> bool:
+    """A transformers PreTrainedModel (has a config and the save_pretrained/from_pretrained pair)."""
+    return all(hasattr(model, name) for name in ("config", "save_pretrained", "from_pretrained"))
+
+
+def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokenizer: Any, fs: Any,
+                root: str) -> None:
+    """Write the trained weights, the optimizer and `module.json` under `root`."""
+    with tempfile.TemporaryDirectory() as local:
+        if is_hugging_face_model(model):
+            save_pretrained_folder(model, tokenizer, local)
+            put_folder(local, fs, posixpath.join(root, HUGGING_FACE_FOLDER))
+            kind = {"format": "hugging_face", "folder": HUGGING_FACE_FOLDER, "class": qualified_name(type(model))}
+        else:
+            from safetensors.torch import save_model
+
+            save_model(model, os.path.join(local, WEIGHTS_FILE))
+            fs.put_file(os.path.join(local, WEIGHTS_FILE), posixpath.join(root, WEIGHTS_FILE))
+            kind = {"format": "safetensors", "file": WEIGHTS_FILE, "class": qualified_name(type(model))}
+    if optimizer is not None:
+        buffer = io.BytesIO()
+        torch.save({"class": qualified_name(type(optimizer)), "groups": optimizer_groups(optimizer, model),
+                    "defaults": plain(constructor_defaults(optimizer)), "state": optimizer.state_dict()}, buffer)
+        with fs.open(posixpath.join(root, OPTIMIZER_FILE), "wb") as f:
+            f.write(buffer.getvalue())
+    with fs.open(posixpath.join(root, MODULE_FILE), "w") as f:
+        json.dump(kind, f)
+
+
+def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
+                ) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer]]]:
+    """(the module, the optimizer or None) saved by save_module under `root`; None when `root` holds none (a
+    model given as an instance, or an earlier release's save)."""
+    path = posixpath.join(root, MODULE_FILE)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        kind = json.load(f)
+    with tempfile.TemporaryDirectory() as local:
+        if kind["format"] == "hugging_face":
+            get_folder(fs, posixpath.join(root, kind["folder"]), local)
+            model = class_named(kind["class"]).from_pretrained(local)
+        elif factory is None:
+            raise ValueError(f"{root} holds the weights of a model built by a factory, but not the factory (its "
+                             "objects.pkl lacks model_factory): it was not saved by TorchModel.save.")
+        else:
+            from safetensors.torch import load_model
+
+            model = factory()
+            fs.get_file(posixpath.join(root, kind["file"]), os.path.join(local, WEIGHTS_FILE))
+            load_model(model, os.path.join(local, WEIGHTS_FILE), strict=True)
+    model.eval()
+    optimizer_path = posixpath.join(root, OPTIMIZER_FILE)
+    if not fs.exists(optimizer_path):
+        return model, None
+    with fs.open(optimizer_path, "rb") as f:
+        saved = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+    return model, rebuild_optimizer(class_named(saved["class"]), saved["groups"], saved["defaults"], saved["state"],
+                                    model)
+
+
+def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str) -> None:
+    """Hugging Face's own folder: the model's save_pretrained, and the tokenizer's when it has one."""
+    if not is_hugging_face_model(model):
+        raise TypeError(f"save_pretrained writes a Hugging Face folder, and this model is a {type(model).__name__}, "
+                        "not a transformers PreTrainedModel: save it with TorchModel.save(path) (weights as "
+                        "safetensors), or torch.save(model.getModel().state_dict(), path).")
+    model.save_pretrained(folder)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+
+
+def save_pretrained_to(model: nn.Module, tokenizer: Any, url: str) -> None:
+    """save_pretrained_folder to a local path or an fsspec URL (written locally, then copied)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, root = url_to_fs(url)
+    if isinstance(fs, LocalFileSystem):
+        save_pretrained_folder(model, tokenizer, root)
+        return
+    with tempfile.TemporaryDirectory() as local:
+        save_pretrained_folder(model, tokenizer, local)
+        put_folder(local, fs, root)
+
+
+def put_folder(local: str, fs: Any, remote: str) -> None:
+    """Every file under `local` to the same relative path under `remote`."""
+    for folder, _, files in os.walk(local):
+        for name in files:
+            target = posixpath.join(remote, os.path.relpath(os.path.join(folder, name), local).replace(os.sep, "/"))
+            fs.makedirs(posixpath.dirname(target), exist_ok=True)
+            fs.put_file(os.path.join(folder, name), target)
+
+
+def get_folder(fs: Any, remote: str, local: str) -> None:
+    """Every file under `remote` to the same relative path under `local`."""
+    for path in fs.find(remote):
+        target = os.path.join(local, *posixpath.relpath(path, remote).split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.get_file(path, target)
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def class_named(name: str) -> Any:
+    module, _, qualname = name.partition(":")
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value

@@ -1,0 +1,106 @@
+"""A model built by a factory saved as safetensors (or Hugging Face's folder) with its optimizer, through fsspec
+(memory:// stands in for a remote store: the writers' local files are copied there), and loaded back equal."""
+import functools
+import json
+
+import fsspec
+import pytest
+import torch
+from torch import nn
+
+from estimator.predict.weights import load_module, save_module, save_pretrained_to
+from helpers import MLP, pretrained_mlp, seeded
+
+
+def trained(model, optimizer, steps=3):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture
+def memory():
+    fs = fsspec.filesystem("memory")
+    root = "/weights-test"
+    yield fs, root
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_a_factory_model_saves_as_safetensors_and_rebuilds_through_its_factory(tmp_path, memory):
+    fs, root = memory
+    path = str(tmp_path / "mlp.pt")
+    torch.save(seeded(MLP).state_dict(), path)
+    factory = functools.partial(pretrained_mlp, path)
+    model = factory()
+    model, optimizer = trained(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    save_module(model, optimizer, None, fs, root)
+    assert json.loads(fs.cat(root + "/module.json"))["format"] == "safetensors"
+    assert fs.cat(root + "/model.safetensors")[:8] != b"PK\x03\x04\x00\x00\x08\x08"  # not a torch.save zip
+    loaded, restored = load_module(fs, root, factory)
+    assert not loaded.training
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert type(restored) is torch.optim.AdamW and restored.param_groups[0]["lr"] == 0.01
+    assert [p is q for p, q in zip(restored.param_groups[0]["params"], loaded.parameters())] == [True] * 4
+    for a, b in zip(restored.state_dict()["state"].values(), optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and a["step"] == b["step"]
+    assert len(open(path + ".calls").read().split()) == 2  # built once for training, once to load
+    with pytest.raises(ValueError, match="not the factory"):
+        load_module(fs, root, None)
+
+
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one matrix (as language models tie them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.out = nn.Linear(8, 20, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(memory):
+    fs, root = memory
+    model = seeded(Tied)
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)
+    save_module(model, None, None, fs, root)
+    loaded, optimizer = load_module(fs, root, Tied)
+    assert optimizer is None
+    assert loaded.out.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)
+
+
+def test_a_hugging_face_model_saves_its_own_folder_with_the_tokenizer(tmp_path, memory):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from text_helpers import save_pretrained_bert, topic_texts
+
+    fs, root = memory
+    texts = [t for t, _ in topic_texts(50)]
+    folder = save_pretrained_bert(str(tmp_path / "bert"), texts)
+    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    model, optimizer = model.train(), torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer.zero_grad()
+    model(**tokenizer(texts[:4], padding=True, return_tensors="pt"), labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    optimizer.step()
+    model.eval()
+    save_module(model, optimizer, tokenizer, fs, root)
+    assert json.loads(fs.cat(root + "/module.json"))["class"].endswith(":BertForSequenceClassification")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.rsplit("/", 1)[1] for p in fs.find(root)}
+    loaded, restored = load_module(fs, root, None)  # no factory needed, nor the folder it read
+    encoded = tokenizer(texts[:6], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.allclose(loaded(**encoded).logits, model(**encoded).logits, atol=1e-6)
+    assert restored.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+    save_pretrained_to(model, tokenizer, "memory:///weights-test/hf")  # a store URL
+    assert fs.exists(root + "/hf/config.json") and fs.exists(root + "/hf/tokenizer_config.json")
+    with pytest.raises(TypeError, match="MLP, not a transformers PreTrainedModel: save it with TorchModel.save"):
+        save_pretrained_to(MLP(), None, str(tmp_path / "no"))
