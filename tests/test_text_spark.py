@@ -2,6 +2,7 @@
 with save_pretrained (built here, no model hub), built on every rank from a factory, the text tokenized on the
 ranks and in transform. Distributed equals one plain Hugging Face loop; Pipelines save and load."""
 import functools
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from estimator import TorchEstimator
+from estimator.core.faults import ENV
 from text_helpers import save_pretrained_bert, topic_texts
 
 pytestmark = pytest.mark.spark
@@ -115,3 +117,38 @@ spark.stop()
     with torch.no_grad():
         logits = model(**tokenizer(texts, padding="longest", truncation=True, return_tensors="pt")).logits
     np.testing.assert_allclose(torch.softmax(logits, -1).numpy(), probabilities, atol=1e-5)
+
+
+@pytest.mark.connect
+def test_a_rank_killed_inside_an_epoch_resumes_the_fine_tuning_as_if_nothing_happened(spark, store, tmp_path,
+                                                                                    monkeypatch, caplog):
+    """Classic and Spark Connect: rank 1 dies before optimizer step 13 (epoch 2 holds steps 10-18), the retry
+    rebuilds the model from its factory, resumes after the step-12 checkpoint with the same rows (dropout on: the
+    same random numbers too), and ends with the weights and predictions of an uninterrupted fit."""
+    rows = topic_texts(320, seed=7)
+    path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows])
+    df = spark.createDataFrame(rows, "text string, label long")
+
+    def fit(run_id, **kw):
+        return TorchEstimator(num_proc=2, store=store, run_id=run_id,
+                              model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+                              optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+                              tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
+                              metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16,
+                              epochs=2, validation=0.1, random_seed=4, inmemory_cache_all=False, **kw).fit(df)
+
+    clean = fit("text-clean")
+    monkeypatch.setenv(ENV, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 13, "attempt": 0}]))
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        resumed = fit("text-resumed", checkpoint_steps=4, max_retries=1)
+    assert re.search(r"Run text-resumed continues from its checkpoint after epoch 1 and step \d+ of epoch 2",
+                     caplog.text), caplog.text[-2000:]
+    for a, b in zip(resumed.getHistory(), clean.getHistory()):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    for name, value in clean.getModel().state_dict().items():
+        assert torch.allclose(resumed.getModel().state_dict()[name], value, atol=1e-5), name
+    sample = df.orderBy("text", "label").limit(40)
+    probabilities = [np.array([r.probability.toArray() for r in m.transform(sample).orderBy("text").collect()])
+                     for m in (clean, resumed)]
+    np.testing.assert_allclose(probabilities[0], probabilities[1], atol=1e-5)
+    assert clean.getHistory()[-1]["val_accuracy"] >= 0.8
