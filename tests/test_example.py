@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -43,6 +44,19 @@ def test_png_digits_example_trains_on_decoded_image_bytes(tmp_path):
     assert "PNG files written: 5000" in stdout
     assert accuracy >= 0.85
     assert "Ranks read their data: arrow streaming (inmemory_cache_all=False" in stderr
+
+
+@pytest.mark.spark
+def test_the_text_example_fine_tunes_a_pretrained_model_with_the_readmes_lines(tmp_path):
+    """The README's fine-tuning block is the example's own lines (between its --8<-- markers), which run here."""
+    stdout, _, accuracy = run_example("text_example.py", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    assert accuracy >= 0.9
+    assert "'the old tractor with a red engine near the crane' -> machines (reloaded from" in stdout
+    example = open(os.path.join(ROOT, "notebooks", "text_example.py")).read()
+    lines = re.search(r"# --8<-- \[start:finetune\]\n(.*?)^ *# --8<-- \[end:finetune\]", example, re.S | re.M).group(1)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"^## Fine-tune a pretrained model\n.*?```python\n(.*?)^```", readme, re.S | re.M).group(1)
+    assert textwrap.dedent(lines) in block
 
 
 @pytest.mark.spark
