@@ -7,14 +7,15 @@ A TorchModel whose module came from a `model` factory is saved as its weights pl
   - any other module: `model.safetensors` (the state_dict; tied weights stored once), rebuilt by calling the
     factory (pickled with the other params) and loading those weights over what it built.
 The optimizer at the end of training goes to `optimizer.pt` as its class, groups, hyperparameters and state (a
-pickled optimizer would carry a copy of every weight). `module.json` says which. Models given as instances keep the pickle layout of earlier releases (persistence).
-Hugging Face's and safetensors' writers take local paths: remote stores get a local copy, then fsspec's put/get.
+pickled optimizer would carry a copy of every weight). `module.json` says which. Models given as instances keep
+the pickle layout of earlier releases (persistence). Hugging Face's and safetensors' writers take local paths: remote stores get a local copy, then fsspec's put/get.
 """
 from __future__ import annotations
 
 import importlib
 import io
 import json
+import logging
 import os
 import posixpath
 import tempfile
@@ -30,6 +31,8 @@ MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+
+log = logging.getLogger("estimator")
 
 
 def is_hugging_face_model(model: Any) -> bool:
@@ -89,8 +92,13 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
         return model, None
     with fs.open(optimizer_path, "rb") as f:
         saved = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
-    return model, rebuild_optimizer(class_named(saved["class"]), saved["groups"], saved["defaults"], saved["state"],
-                                    model)
+    try:
+        cls = class_named(saved["class"])
+    except (ImportError, AttributeError) as exc:  # a class defined in the saving notebook: the model still loads
+        log.warning("The saved model's optimizer class %s cannot be imported here (%s): loaded without its "
+                    "optimizer (getOptimizer() is None).", saved["class"], exc)
+        return model, None
+    return model, rebuild_optimizer(cls, saved["groups"], saved["defaults"], saved["state"], model)
 
 
 def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str) -> None:
