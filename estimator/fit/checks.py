@@ -154,9 +154,7 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
             continue
         if isinstance(dtype, StringType) and param == "feature_cols":
             if p["tokenizer"] is None:
-                raise ValueError(f"Column {column!r} (from feature_cols) holds strings: set tokenizer (a Hugging Face "
-                                 "tokenizer, or a callable(list of str) -> dict of arrays) to tokenize it on the "
-                                 "ranks and in transform, or convert it first (StringIndexer for categories).")
+                raise ValueError(needs_tokenizer(column))
             continue
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
@@ -167,11 +165,17 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
                              "several numeric columns).")
 
 
+def needs_tokenizer(column: str) -> str:
+    return (f"Column {column!r} (from feature_cols) holds strings: set tokenizer (a Hugging Face tokenizer, or a "
+            "callable(list of str) -> dict of arrays) to tokenize it on the ranks and in transform, or convert it "
+            "first (StringIndexer for categories).")
+
+
 def text_columns(p: Dict[str, Any], schema: StructType) -> Tuple[str, ...]:
     """The string feature columns (tokenized per batch); refused when training cannot read them by keyword."""
     text = tuple(c for c in p["feature_cols"] if isinstance(schema[c].dataType, StringType))
     if text and p["tokenizer"] is None:
-        raise ValueError(f"Columns {list(text)} hold strings: set tokenizer.")
+        raise ValueError(needs_tokenizer(text[0]))
     if len(text) > 1:
         raise ValueError(f"feature_cols has {len(text)} string columns {list(text)}; one text column is tokenized "
                          "per row (its input_ids, attention_mask... reach forward by keyword). Join them into one "
