@@ -66,6 +66,20 @@ def test_two_ranks_fine_tuning_bert_equal_one_plain_hugging_face_loop_of_batch_2
     assert fitted.getHistory()[0]["loss"] == pytest.approx(sum(losses) / len(rows), rel=1e-4)
     assert not torch.allclose(factory().state_dict()["classifier.weight"], trained["classifier.weight"])
 
+    # a train_step gets the encoded batch by name (and batch.features[0] as forward's keywords): the same weights
+    stepped = TorchEstimator(num_proc=ranks, store=store, model=factory, tokenizer=tokenizer, run_id="step",
+                             optimizer=functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.01),
+                             train_step=by_name, feature_cols=["text"], label_cols=["label"], batch_size=batch,
+                             epochs=1, shuffle=False, random_seed=3).fit_on_parquet("train")
+    for name, value in plain.state_dict().items():
+        assert torch.allclose(stepped.getModel().state_dict()[name], value, atol=2e-5), name
+
+
+def by_name(model, batch, ctx):
+    assert set(batch.features[0]) >= {"input_ids", "attention_mask"}, batch.features
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return nn.functional.cross_entropy(logits, batch["label"])
+
 
 def plain_loop_accuracy(path, train, test, epochs=3, batch=32):
     """A plain single-process Hugging Face loop over the training rows (batch 32 = 2 ranks x 16, the same AdamW,
