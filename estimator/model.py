@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
+import tempfile
 import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,7 +30,8 @@ from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
 from estimator.launch.session import task_gpus
-from estimator.launch.shipping import ship_package
+from estimator.launch.shipping import ship_file, ship_package
+from estimator.predict import inference
 from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
 from estimator.predict.persistence import Persistable
@@ -138,13 +141,14 @@ class TorchModel(DeclaredParams, Model, Persistable):
                         "and more tasks run at once.", int(gpus), gpus, int(gpus) - 1)
         blob = self._model_blob()
         key = hashlib.sha256(blob).hexdigest()
+        source = blob if len(blob) <= inference.INLINE_BYTES else ship_model_file(df.sparkSession, key, blob)
         internal = spark_type(arrow_type(layout))  # the UDF's struct, as inference builds it
         if hasattr(F, "arrow_udf"):
-            predict = F.arrow_udf(make_predict(key, blob, layout), internal).asNondeterministic()
+            predict = F.arrow_udf(make_predict(key, source, layout), internal).asNondeterministic()
         else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "PandasUDFType will be deprecated"
-                predict = F.pandas_udf(make_predict_pandas(key, blob, layout), internal,
+                predict = F.pandas_udf(make_predict_pandas(key, source, layout), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
         inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
                   for c in p["feature_cols"]]
@@ -184,6 +188,21 @@ class TorchModel(DeclaredParams, Model, Persistable):
         model = self.getModel()
         return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 
+
+
+def ship_model_file(spark: Any, key: str, blob: bytes) -> inference.ModelFile:
+    """A pickled model too large for the UDF's closure, sent as a file named by its content (once a session)."""
+    folder = os.path.join(tempfile.gettempdir(), "spark-torch-estimator-models")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"torch-model-{key[:32]}.pkl")
+    if not os.path.exists(path):
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(blob)
+        os.replace(temporary, path)
+    log.info("transform sends the model (%.0f MB pickled) to the executors as a file, not inside the UDF",
+             len(blob) / 2 ** 20)
+    return inference.ModelFile(ship_file(spark, path))
 
 
 def spark_type(t: pa.DataType) -> DataType:

@@ -99,3 +99,25 @@ def test_a_resnet18_from_a_factory_fine_tunes_on_png_bytes_and_saves_as_safetens
     again = loaded.transform(decoded).orderBy("id").select("probability").collect()
     np.testing.assert_allclose([r.probability.toArray() for r in again],
                                [r.probability.toArray() for r in expected], atol=1e-6)
+
+
+@pytest.mark.connect
+def test_a_model_too_large_for_the_udf_reaches_the_executors_as_a_file(spark, digits, monkeypatch, caplog):
+    """Spark Connect carries a plan in one gRPC message (128 MB by default): a pickled model over INLINE_BYTES
+    goes with the session's files instead. Here every model does (the limit set to 0), on classic and Connect."""
+    from estimator.predict import inference
+    from helpers import MLP, seeded
+
+    X, y = digits
+    df = spark.createDataFrame([(i, X[i].tolist(), int(y[i])) for i in range(64)], "id long, features array<float>, "
+                               "label long")
+    model = TorchModel(model=seeded(MLP), feature_columns=["features"], label_columns=["label"],
+                       input_shapes=[[-1, 64]], output_shapes=[[10]], loss_kinds=["class_index"])
+    inline = [r["label__output"] for r in model.transform(df).orderBy("id").collect()]
+    monkeypatch.setattr(inference, "INLINE_BYTES", 0)
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        shipped = [r["label__output"] for r in model.transform(df).orderBy("id").collect()]
+    assert "transform sends the model (0 MB pickled) to the executors as a file" in caplog.text
+    np.testing.assert_allclose(shipped, inline, atol=1e-6)
+    with torch.no_grad():
+        np.testing.assert_allclose(shipped, model.getModel()(torch.tensor(X[:64])).numpy(), atol=1e-5)

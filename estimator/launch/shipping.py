@@ -101,7 +101,7 @@ def ship_package(spark: Any) -> None:
     if not needs_shipping(spark):
         check_local_python(spark)
         return
-    key = f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
+    key = session_key(spark)
     with _lock:
         if key in _shipped:
             return
@@ -117,3 +117,28 @@ def ship_package(spark: Any) -> None:
             _shipped.discard(key)
         raise
     log.info("Sent this driver's estimator and store packages to the executors (%s)", os.path.basename(path))
+
+
+def session_key(spark: Any) -> str:
+    return f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
+
+
+def ship_file(spark: Any, path: str) -> str:
+    """Make the file at `path` readable by the executors' Python as `SparkFiles.get(name)` (once per session and
+    name; name it by its content). Returns the name. Local masters too: their workers read SparkFiles alike."""
+    name = os.path.basename(path)
+    key = f"{session_key(spark)}:file:{name}"
+    with _lock:
+        if key in _shipped:
+            return name
+        _shipped.add(key)
+    try:
+        if is_connect(spark) or int(pyspark.__version__.split(".")[0]) >= 4:
+            spark.addArtifacts(path, file=True)
+        else:  # pyspark 3.5's classic sessions have artifacts only on Spark Connect
+            spark.sparkContext.addFile(path)
+    except Exception:
+        with _lock:
+            _shipped.discard(key)
+        raise
+    return name

@@ -10,7 +10,7 @@ import pickle
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -50,8 +50,24 @@ class InferenceLayout:
     tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
 
 
-def cached_model(key: str, blob: bytes, device: str) -> nn.Module:
+@dataclass(frozen=True)
+class ModelFile:
+    """A pickled model too large to travel inside the UDF (Spark Connect carries a plan in one gRPC message of at
+    most 128 MB by default), sent with the session's files: `SparkFiles.get(name)` on the executors."""
+    name: str
+
+
+INLINE_BYTES = 16 * 2 ** 20  # larger pickled models travel as a ModelFile
+Pickled = Union[bytes, ModelFile]
+
+
+def cached_model(key: str, blob: Pickled, device: str) -> nn.Module:
     if (key, device) not in _CACHE:
+        if isinstance(blob, ModelFile):
+            from pyspark import SparkFiles
+
+            with open(SparkFiles.get(blob.name), "rb") as handle:
+                blob = handle.read()
         model = pickle.loads(blob).to(device).eval()
         _CACHE[(key, device)] = model
         while len(_CACHE) > _CACHE_SIZE:
@@ -78,12 +94,12 @@ def task_gpu() -> Optional[str]:
         return None
 
 
-def predict_arrow(key: str, blob: bytes, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
+def predict_arrow(key: str, blob: Pickled, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
     values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(layout.feature_cols, columns)]
     return to_struct(predict_columns(key, blob, layout, values), layout)
 
 
-def predict_columns(key: str, blob: bytes, layout: InferenceLayout, columns: Sequence[np.ndarray]):
+def predict_columns(key: str, blob: Pickled, layout: InferenceLayout, columns: Sequence[np.ndarray]):
     """Model outputs, each (rows, width), for feature columns given as (rows,) or (rows, n) arrays."""
     device = device_for(layout.use_gpu, task_gpu() if layout.use_gpu is not False else None)
     if layout.torch_threads and torch.get_num_threads() != layout.torch_threads:
@@ -200,7 +216,7 @@ def _arrow_rows(values: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), dtype), type=_rows_type(dtype))
 
 
-def make_predict(key: str, blob: bytes, layout: InferenceLayout):
+def make_predict(key: str, blob: Pickled, layout: InferenceLayout):
     """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
 
     def predict(*columns: pa.Array) -> pa.Array:
@@ -223,7 +239,7 @@ def transform_failed(exc: Exception) -> TransformFailed:
                            f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
 
 
-def make_predict_pandas(key: str, blob: bytes, layout: InferenceLayout):
+def make_predict_pandas(key: str, blob: Pickled, layout: InferenceLayout):
     """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out."""
     import pandas as pd
 
