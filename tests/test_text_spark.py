@@ -117,6 +117,11 @@ def test_a_bert_fine_tuned_on_text_predicts_and_its_pipeline_loads_in_a_new_proc
                          tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
                          metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16, epochs=3,
                          random_seed=1)  # no validation split: the plain loop below trains on the same rows
+    Pipeline(stages=[est]).write().save(str(tmp_path / "unfitted"))  # the estimator keeps its recipes
+    again = Pipeline.load(str(tmp_path / "unfitted")).getStages()[0]
+    assert type(again.getModel()()).__name__ == "BertForSequenceClassification"
+    assert again.getModel().args == (path,) and again.getOptimizer().keywords == {"lr": 3e-3, "weight_decay": 0.01}
+    assert again.getTokenizer()("a cat")["input_ids"] == est.getTokenizer()("a cat")["input_ids"]
     pm = Pipeline(stages=[est]).fit(train)
     history = pm.stages[0].getHistory()
     assert history[-1]["accuracy"] >= 0.9 and 0.0 < history[-1]["data_wait"] < 0.5, history
