@@ -4,8 +4,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
-import tempfile
 import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,7 +28,7 @@ from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
 from estimator.launch.session import task_gpus
-from estimator.launch.shipping import ship_file, ship_package
+from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
 from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
@@ -192,14 +190,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
 def ship_model_file(spark: Any, key: str, blob: bytes) -> inference.ModelFile:
     """A pickled model too large for the UDF's closure, sent as a file named by its content (once a session)."""
-    folder = os.path.join(tempfile.gettempdir(), "spark-torch-estimator-models")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"torch-model-{key[:32]}.pkl")
-    if not os.path.exists(path):
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(blob)
-        os.replace(temporary, path)
+    path = temporary_file("spark-torch-estimator-models", f"torch-model-{key[:32]}.pkl", blob)
     log.info("transform sends the model (%.0f MB pickled) to the executors as a file, not inside the UDF",
              len(blob) / 2 ** 20)
     return inference.ModelFile(ship_file(spark, path))

@@ -60,13 +60,18 @@ def _build_zip() -> str:
                 data = handle.read()
             digest.update(name.encode() + b"\0" + data)
             archive.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
-    folder = os.path.join(tempfile.gettempdir(), "spark-torch-estimator-packages")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"spark_torch_estimator-{digest.hexdigest()[:16]}.zip")
+    return temporary_file("spark-torch-estimator-packages", f"spark_torch_estimator-{digest.hexdigest()[:16]}.zip",
+                          buffer.getvalue())
+
+
+def temporary_file(folder: str, name: str, data: bytes) -> str:
+    """`data` in <temp dir>/<folder>/<name>, written once (atomically) for a name that says its content."""
+    path = os.path.join(tempfile.gettempdir(), folder, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     if not os.path.exists(path):
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "wb") as handle:
-            handle.write(buffer.getvalue())
+            handle.write(data)
         os.replace(temporary, path)
     return path
 
@@ -101,44 +106,35 @@ def ship_package(spark: Any) -> None:
     if not needs_shipping(spark):
         check_local_python(spark)
         return
-    key = session_key(spark)
-    with _lock:
-        if key in _shipped:
-            return
-        _shipped.add(key)
     path = package_zip()
-    try:
-        if is_connect(spark) or int(pyspark.__version__.split(".")[0]) >= 4:
-            spark.addArtifacts(path, pyfile=True)
-        else:  # pyspark 3.5's classic sessions have artifacts only on Spark Connect
-            spark.sparkContext.addPyFile(path)
-    except Exception:
-        with _lock:
-            _shipped.discard(key)
-        raise
-    log.info("Sent this driver's estimator and store packages to the executors (%s)", os.path.basename(path))
-
-
-def session_key(spark: Any) -> str:
-    return f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
+    if _add_once(spark, path, pyfile=True):
+        log.info("Sent this driver's estimator and store packages to the executors (%s)", os.path.basename(path))
 
 
 def ship_file(spark: Any, path: str) -> str:
     """Make the file at `path` readable by the executors' Python as `SparkFiles.get(name)` (once per session and
     name; name it by its content). Returns the name. Local masters too: their workers read SparkFiles alike."""
-    name = os.path.basename(path)
-    key = f"{session_key(spark)}:file:{name}"
+    _add_once(spark, path, pyfile=False)
+    return os.path.basename(path)
+
+
+def _add_once(spark: Any, path: str, pyfile: bool) -> bool:
+    """Add `path` to the session's Python files (pyfile) or files, unless this session has it; True if added."""
+    session = f"connect:{spark.session_id}" if is_connect(spark) else f"classic:{conf(spark, 'spark.app.id')}"
+    key = f"{session}:{'pyfile' if pyfile else 'file'}:{os.path.basename(path)}"
     with _lock:
         if key in _shipped:
-            return name
+            return False
         _shipped.add(key)
     try:
         if is_connect(spark) or int(pyspark.__version__.split(".")[0]) >= 4:
-            spark.addArtifacts(path, file=True)
-        else:  # pyspark 3.5's classic sessions have artifacts only on Spark Connect
+            spark.addArtifacts(path, pyfile=pyfile, file=not pyfile)
+        elif pyfile:  # pyspark 3.5's classic sessions have artifacts only on Spark Connect
+            spark.sparkContext.addPyFile(path)
+        else:
             spark.sparkContext.addFile(path)
     except Exception:
         with _lock:
             _shipped.discard(key)
         raise
-    return name
+    return True
