@@ -55,7 +55,7 @@ def test_loss_constructors_build_the_losses_on_each_rank(spark, store, df):
     fitted = _est(store, loss=None, loss_constructors=[lambda: nn.CrossEntropyLoss()], epochs=3).fit(df)
     history = fitted.getHistory()
     assert history[-1]["val_loss"] < history[0]["val_loss"] and history[-1]["val_accuracy"] > 0.8
-    with pytest.raises(ValueError, match="needs exactly one of 'loss' and 'loss_constructors'"):
+    with pytest.raises(ValueError, match="takes one of 'loss' and 'loss_constructors', not both"):
         _est(store, loss_constructors=[nn.CrossEntropyLoss]).fit(df)
 
 
