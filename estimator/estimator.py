@@ -40,7 +40,7 @@ from estimator.launch.session import check_slots, default_num_proc, ranks_per_ta
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
 from estimator.predict.persistence import Persistable
-from estimator.train.checkpoint import load_checkpoint
+from estimator.train.checkpoint import load_checkpoint, restore
 from estimator.train.lightning import optimizer_for
 from estimator.train.losses import ModelsOwnLoss, loss_kind
 from estimator.train.worker import build_optimizer
@@ -161,11 +161,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
+        objs.shard_units = p["shard_units"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
                                *p["metrics"], p["transformation_fn"], p["train_step"], p["train_fn"], *p["callbacks"],
-                               p["lr_scheduler_fn"], p["tokenizer"]])
+                               p["lr_scheduler_fn"], p["tokenizer"], p["shard_units"]])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)
@@ -258,21 +259,20 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
         restore_best, of its best epoch's checkpoint (the history stays whole)."""
         objs, store, run_id, layout = run.objs, run.store, run.run_id, run.store.run(run.run_id)
-        checkpoint = load_checkpoint(store, layout.checkpoint)
-        history = checkpoint["history"]
+        history = load_checkpoint(store, layout.checkpoint)["history"]
         best = run.monitor.best_epoch(history)
         report_stop(p, run.monitor, run.run_id, history)
+        chosen = layout.checkpoint
         if p["restore_best"] and best is not None and best != len(history):
             if not store.exists(layout.best(best)):
                 raise ValueError(f"restore_best=True: run {run_id!r} has no checkpoint of its best epoch {best} by "
                                  f"{run.monitor.key} ({store.url(layout.best(best))}); it keeps save_top_k="
                                  f"{p['save_top_k']} of them. Refit under a new run_id to keep it.")
-            checkpoint = load_checkpoint(store, layout.best(best))
+            chosen = layout.best(best)
         trained = copy.deepcopy(p["model"]).cpu()
-        trained.load_state_dict(checkpoint["model"])
-        trained.eval()
         optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        restore(store, layout, chosen, trained, optimizer)  # fsdp's shards gathered into the whole module here
+        trained.eval()
         return TorchModel(model=trained, model_factory=p["model_factory"], optimizer=optimizer,
                           feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
                           input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],

@@ -20,6 +20,31 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(self.norm(x)))
+
+
+class BlockMLP(nn.Module):
+    """An MLP of residual blocks in an nn.ModuleList: the shape strategy='fsdp' shards block by block."""
+
+    def __init__(self, inputs: int = 64, width: int = 48, blocks: int = 4, outputs: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList([Residual(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class DigitsCNN(nn.Module):
     def __init__(self):
         super().__init__()

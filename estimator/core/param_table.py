@@ -169,6 +169,17 @@ ESTIMATOR_PARAMS = [
               "TorchModel hold the plain module's weights", False,
               lambda v: isinstance(v, bool) or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
               "True, False or a dict of torch.compile keyword arguments"),
+    ParamSpec("strategy", "'ddp': every rank holds the whole model, its gradients and the optimizer's state, and "
+              "DistributedDataParallel averages the gradients; 'fsdp': parameters, gradients and optimizer state "
+              "sharded over the ranks (FSDP2's fully_shard), each rank writing its own shards of the checkpoints "
+              "(docs/gpus.md 'Large models')", "ddp", lambda v: v in ("ddp", "fsdp"), "'ddp' or 'fsdp'"),
+    ParamSpec("shard_units", "with strategy='fsdp', the submodules sharded as units, each gathered whole only for "
+              "its own forward and backward: None, the items of every nn.ModuleList (a transformer's blocks); a "
+              "list of nn.Module classes; or a callable(module) -> bool. The whole model is the last unit", None,
+              optional(lambda v: callable(v) and not inspect.isclass(v) or (
+                  isinstance(v, (list, tuple)) and len(v) > 0
+                  and all(inspect.isclass(c) and issubclass(c, nn.Module) for c in v))),
+              "None, a list of nn.Module classes, or a callable(module) -> bool", json=False),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "

@@ -120,6 +120,7 @@ class TrainSpec:
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
+    strategy: str = "ddp"  # "ddp" or "fsdp": the model sharded over the ranks (estimator.train.sharding)
     step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 
@@ -147,6 +148,7 @@ class UserObjects:
     optimizer_factory: Any = None  # the optimizer param as a callable(params) -> Optimizer, called on each rank
     optimizer_lr: Optional[float] = None  # the lr param, over every group of optimizer_factory's optimizer
     tokenizer: Any = None  # tokenizes DataSpec.text_cols per batch (estimator.data.text)
+    shard_units: Any = None  # strategy='fsdp': what is sharded as a unit (estimator.train.sharding.unit_modules)
 
     def __getstate__(self) -> Dict[str, Any]:
         """A model built by a factory travels as its factory: the weights load on each rank, never through the
@@ -185,4 +187,5 @@ class WorkerResult:
     data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
     train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)
     checkpoint_wait_seconds: float = 0.0  # of `seconds`, rank 0's waits for checkpoint writes (train.checkpoint)
+    state_bytes: int = 0  # the parameters and optimizer state this rank held at the end (fsdp: its shards only)
     spill_seconds: float = 0.0  # direct mode: receiving this rank's rows from Spark and writing them to local disk

@@ -20,7 +20,7 @@ from estimator.fit.report import say, watching
 from estimator.launch.liveness import wait_for_other_launch
 from estimator.launch.session import default_retries, task_slots
 from estimator.launch.spark import SparkBarrierLauncher
-from estimator.train.checkpoint import Position, describe, load_checkpoint, position_of
+from estimator.train.checkpoint import Position, describe, load_checkpoint, position_of, restore, strategy_of
 from store import Store
 
 log = logging.getLogger("estimator")
@@ -41,7 +41,7 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
         if attempt:  # a lost executor may have taken slots with it
             world = retry_world(spark, run.run_id, run.num_proc, p["min_num_proc"] or run.num_proc, run.per_task,
                                 spec.batch_size, spec.rendezvous_timeout)
-        done, history = resume_point(run.store, spec.run, p["model"], run.run_id)
+        done, history = resume_point(run.store, spec.run, p["model"], run.run_id, spec.strategy)
         if done.epochs >= spec.epochs:
             log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
                      done.epochs, spec.epochs)
@@ -112,16 +112,20 @@ def retryable(exc: BaseException) -> bool:
     return not isinstance(exc, RankFailed) or exc.kind.retryable
 
 
-def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str
+def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, strategy: str = "ddp"
                  ) -> Tuple[Position, List[Dict[str, float]]]:
     """Where the run's checkpoint stands, and its history (nothing done without one); its model must be this
-    model."""
+    model, and its strategy this fit's (a run keeps the strategy it began with)."""
     if not store.exists(run.checkpoint):
         return Position(), []
     state = load_checkpoint(store, run.checkpoint)
+    if strategy_of(state) != strategy:
+        raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) written with "
+                         f"strategy={strategy_of(state)!r}, and this fit has strategy={strategy!r}: a run continues "
+                         f"with the strategy it began with. Set strategy={strategy_of(state)!r}, or use a new run_id.")
     try:
-        copy.deepcopy(model).load_state_dict(state["model"])
-    except RuntimeError as exc:
+        restore(store, run, run.checkpoint, copy.deepcopy(model), None)
+    except (RuntimeError, ValueError, KeyError) as exc:
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
                          f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
     return position_of(state), list(state["history"])

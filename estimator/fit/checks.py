@@ -11,6 +11,7 @@ from torch import nn
 
 from estimator.core.params import param_error
 from estimator.core.stopping import Monitor, default_mode, default_monitor
+from estimator.fit.strategy import check_strategy
 from estimator.train.lightning import is_lightning_module
 from estimator.train.losses import ModelsOwnLoss, Objective, check_metrics, takes_labels
 
@@ -59,6 +60,7 @@ def check_params(p: Dict[str, Any]) -> None:
         if p[name] is not None and len(p[name]) != count:
             raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
     check_compile(p["compile"], p["model"])
+    check_strategy(p)
     if p["precision"] == "16-mixed" and p["use_gpu"] is False:
         raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
                          "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributed import TCPStore
 
+from estimator.core.faults import Fault
 from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.failures import FailureKind, failure_kind
 from estimator.launch.rank_setup import Placement, train_rank
@@ -17,15 +18,15 @@ from estimator.launch.rank_setup import Placement, train_rank
 class LocalLauncher:
     """Ranks on this machine, without Spark: in-process for one rank, spawned processes otherwise."""
 
-    def __init__(self, use_processes: Optional[bool] = None):
-        self.use_processes = use_processes
+    def __init__(self, use_processes: Optional[bool] = None, faults: Tuple[Fault, ...] = ()):
+        self.use_processes, self.faults = use_processes, faults  # faults: estimator.core.faults, for tests
 
     def run(self, spec: TrainSpec, num_proc: int) -> List[WorkerResult]:
         server = TCPStore("127.0.0.1", 0, num_proc, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=spec.rendezvous_timeout))
         try:
             if num_proc == 1 and not self.use_processes:
-                return [_local_rank(spec, 0, 1, server.port)]
+                return [_local_rank(spec, 0, 1, server.port, self.faults)]
             return self._spawn(spec, num_proc, server.port)
         finally:
             del server
@@ -33,7 +34,7 @@ class LocalLauncher:
     def _spawn(self, spec: TrainSpec, num_proc: int, port: int) -> List[WorkerResult]:
         mp = multiprocessing.get_context("spawn")
         with mp.Pool(num_proc) as pool:
-            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port)) for r in range(num_proc)]
+            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port, self.faults)) for r in range(num_proc)]
             results, failures = [], []
             for handle in handles:
                 try:
@@ -45,8 +46,8 @@ class LocalLauncher:
         return results
 
 
-def _local_rank(spec: TrainSpec, rank: int, world: int, port: int) -> WorkerResult:
+def _local_rank(spec: TrainSpec, rank: int, world: int, port: int, faults: Tuple[Fault, ...] = ()) -> WorkerResult:
     gpus = torch.cuda.device_count() if spec.use_gpu is not False else 0
     place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port, torch.get_num_threads(),
                       by_spark=False)
-    return train_rank(spec, (), 0, rank, place)
+    return train_rank(spec, faults, spec.attempt, rank, place)

@@ -13,6 +13,7 @@ from torch import nn
 
 from estimator.core.numbers import plain
 from estimator.failures import FailureKind
+from estimator.train.sharded_checkpoint import SHARDED, folder, load_shards
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
 
@@ -31,13 +32,17 @@ class Position:
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],
                      position: Position, scheduler: Any = None, scaler: Any = None,
-                     extra: Optional[Dict[str, Any]] = None, copy: bool = True) -> Dict[str, Any]:
+                     extra: Optional[Dict[str, Any]] = None, copy: bool = True,
+                     sharded: Optional[str] = None) -> Dict[str, Any]:
     """Everything a resumed run needs; with `copy`, its tensors copied to the CPU (training may change the live
     tensors in place while a background thread writes this; a write now needs no copy). `scaler`: 16-mixed's
     GradScaler, whose loss scale and growth count a resumed run continues from (a fresh scale would overflow again
     for its first steps). `extra`: train_fn's own stateful objects (a second optimizer...), by name: their
-    state_dict()s."""
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": position.epochs,
+    state_dict()s. `sharded`: strategy='fsdp''s folder of shards (estimator.train.sharded_checkpoint), which
+    holds the model's and the optimizer's tensors in place of this file."""
+    tensors = ({SHARDED: sharded, "strategy": "fsdp"} if sharded is not None
+               else {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    state = {**tensors, "epoch": position.epochs,
              "global_step": position.global_step, "history": [dict(row) for row in history],
              "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
              if position.step else None,
@@ -135,6 +140,25 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise CheckpointWriteFailed(f"could not write the checkpoint of {self._what} to the store: "
                                         f"{type(error).__name__}: {error}") from error
+
+
+def restore(store: Any, run: Any, path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+            device: Any = "cpu") -> Dict[str, Any]:
+    """The checkpoint at `path` (a file of `run`, the run's RunLayout) loaded into `model` and `optimizer` (None:
+    the model only), whether it holds the tensors (DDP) or names a folder of shards (FSDP, loaded resharded into
+    a sharded or a plain module); returns the rest of it (history, position, ...)."""
+    state = load_checkpoint(store, path, device)
+    if state.get(SHARDED):
+        load_shards(store, folder(run, state[SHARDED]), model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def strategy_of(state: Dict[str, Any]) -> str:
+    return "fsdp" if state.get(SHARDED) else "ddp"
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:

@@ -20,11 +20,15 @@ from estimator.data.feed import Decoders, Feed, feed_workers
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.text import Tokenize
-from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_state, describe, write_checkpoint
+from estimator.train.checkpoint import (CheckpointWriter, Position, checkpoint_state, describe, load_checkpoint,
+                                        write_checkpoint)
 from estimator.train.distributed import RankContext
 from estimator.train.lightning import LightningObjective
 from estimator.train.loop import TrainLoop, reduce_sums
 from estimator.train.losses import Objective
+from estimator.train.sharded_checkpoint import SHARDED, remove_unused, save_shards
+from estimator.train.sharding import local_bytes
+from estimator.train.sharded_checkpoint import folder as sharded_folder
 from estimator.train.steps import StepObjective
 from estimator.train.tensorboard import TensorBoardLog
 
@@ -55,7 +59,8 @@ class Run:
         self.scheduler_interval = "epoch"  # 'step': the loop steps it after every optimizer step (after_step)
         self.cached, self.in_remainder = False, False  # the training shard is in memory; training the rest of an epoch
         self.remainder: Optional[Remainder] = None  # the rest of the epoch the checkpoint stands in, other layout
-        self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes
+        self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes (fsdp: every rank's)
+        self.shard_group: Any = None  # strategy='fsdp': the gloo group DCP writes the shards over (worker)
 
     def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
@@ -103,7 +108,8 @@ class Run:
                             optimizer_steps=optimizer_steps(self.optimizer), assigned_gpu=ctx.assigned_gpu,
                             allreduce=allreduce, read_seconds=early.seconds if early is not None else read_wait,
                             read_wait_seconds=read_wait, data_wait_seconds=self.waited,
-                            train_loop_seconds=self.looped, checkpoint_wait_seconds=self.writer.stalled)
+                            train_loop_seconds=self.looped, checkpoint_wait_seconds=self.writer.stalled,
+                            state_bytes=local_bytes(self.model, self.optimizer))
 
     def epochs(self, train: Shard, val: Optional[Shard], position: Position, callbacks: Sequence[Any]) -> None:
         """The built-in loop: the epochs left after `position`, each trained (estimator.train.loop) and validated."""
@@ -157,8 +163,9 @@ class Run:
             self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             step_scheduler(self.scheduler, row, self.scheduler_monitor)
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 or self.shard_group is not None:  # fsdp: every rank writes its shards
             self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
+        if self.ctx.rank == 0:
             spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
             if spec.verbose:
                 log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
@@ -191,7 +198,7 @@ class Run:
             return
         reduced = reduce_sums(sums.clone())
         self.loop.finite.check_weights(self.model, epoch, step)
-        if self.ctx.rank == 0:
+        if self.ctx.rank == 0 or self.shard_group is not None:
             self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
 
     def layout(self) -> List[int]:
@@ -204,22 +211,39 @@ class Run:
 
     def save(self, position: Position, best: bool = False) -> None:
         """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
-        save_top_k best by the monitor, and the copies of epochs that left the top k are removed."""
-        spec, store = self.spec, self.spec.data.store
+        save_top_k best by the monitor, and the copies of epochs that left the top k are removed. With fsdp every
+        rank calls this: each writes its shards (estimator.train.sharded_checkpoint), then rank 0 the file."""
+        spec, store, rank0 = self.spec, self.spec.data.store, self.ctx.rank == 0
         top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
         epoch = len(self.history)
+        tag = f"step-{position.global_step}-{spec.launch_id}-{self.attempt}" if self.shard_group is not None else None
+        pending = None
+        if tag is not None and self.writer.background:
+            self.writer.wait()  # one DCP write at a time over the group
+            pending = save_shards(store, sharded_folder(spec.run, tag), self.model, self.optimizer, self.shard_group,
+                                  background=True)  # the shards copied to the CPU here, written by DCP's thread
         state = checkpoint_state(self.model, self.optimizer, self.history, position, self.scheduler, self.loop.scaler,
-                                 self.extra_state, copy=self.writer.background)
+                                 self.extra_state, copy=self.writer.background, sharded=tag) if rank0 else None
         targets = [spec.run.checkpoint] + ([spec.run.best(epoch)] if epoch in top else [])
         keep = {posixpath.basename(spec.run.best(e)) for e in top}
 
         def write() -> None:  # in the writer's thread: reads only `state` and these names
             inject(self.faults, "checkpoint_write", self.ctx.rank, self.attempt, position.epochs, position.global_step)
+            if pending is not None:
+                pending.result()  # every rank's shards and the folder's metadata are written
+            elif tag is not None:
+                save_shards(store, sharded_folder(spec.run, tag), self.model, self.optimizer, self.shard_group,
+                            background=False)
+            if not rank0:
+                return
             write_checkpoint(store, state, targets)
             if best:
                 for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
                     if posixpath.basename(path) not in keep:
                         store.rm(path)
+            if tag is not None:  # the folders no checkpoint names any more
+                kept = store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []
+                remove_unused(store, spec.run, {tag, *(load_checkpoint(store, p).get(SHARDED) for p in kept)})
 
         self.writer.submit(describe(position), write)
 

@@ -48,6 +48,10 @@ class TrainLoop:
         self.after_step: Optional[Callable[[], None]] = None  # a per-step scheduler's step()
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
         self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
+        # strategy='fsdp': a forward gathers the parameters from every rank, so every rank validates as many
+        # batches as the rank with the most (a rank out of batches repeats one: this, its first training batch)
+        self.lockstep = spec.strategy == "fsdp" and ctx.world_size > 1
+        self.stand_in: Optional[Tensors] = None
 
     def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
         """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
@@ -62,6 +66,8 @@ class TrainLoop:
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
         step_ctx = self.step_context(epoch, training=True)
         for step, (batch, last) in enumerate(with_last(self.on_device(batches)), start=start):
+            if self.lockstep and self.stand_in is None:
+                self.stand_in = batch
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
             self.seed(base + step)
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
@@ -115,15 +121,32 @@ class TrainLoop:
 
     def evaluate(self, model: nn.Module, batches: Iterable[Tensors], epoch: int) -> torch.Tensor:
         """Exact validation over this rank's batches. Runs the plain module, not DDP: ranks may have
-        different numbers of validation batches, and no collective may run per batch."""
+        different numbers of validation batches, and no collective may run per batch (except with fsdp, whose
+        forwards are collectives: `in_lockstep`)."""
         model.eval()
         sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
         step_ctx = self.step_context(epoch, training=False)
+        ready = self.in_lockstep(batches) if self.lockstep else ((b, True) for b in self.on_device(batches))
         with torch.no_grad(), self.autocast():
-            for index, batch in enumerate(self.on_device(batches)):
-                sums += self.objective.on_batch(model, batch, dataclasses.replace(
+            for index, (batch, own) in enumerate(ready):
+                batch_sums = self.objective.on_batch(model, batch, dataclasses.replace(
                     step_ctx, batch_idx=index, global_step=self.global_step))[1]
+                if own:
+                    sums += batch_sums
         return sums
+
+    def in_lockstep(self, batches: Iterable[Tensors]) -> Iterator[Tuple[Tensors, bool]]:
+        """(batch, whether it is this rank's) until no rank has a batch left: one small all_reduce per batch; a
+        rank out of batches forwards its last one again (or its first training batch), its numbers dropped."""
+        iterator, last = self.on_device(batches), self.stand_in
+        while True:
+            batch = next(iterator, None)
+            more = torch.tensor([0 if batch is None else 1], device=self.device)
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not int(more.item()):
+                return
+            last = batch if batch is not None else last
+            yield last, batch is not None
 
     def step_context(self, epoch: int, training: bool) -> StepContext:
         return StepContext(self.ctx.rank, self.ctx.world_size, self.device, epoch + 1, training)

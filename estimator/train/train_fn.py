@@ -93,6 +93,11 @@ class TrainContext(Named):
         """This rank's validation batches (none without validation data)."""
         if self._val is None:
             return
+        if self._run.loop.lockstep:
+            raise ValueError("ctx.val_batches() with strategy='fsdp' on several ranks is not served: a sharded "
+                             "forward is a collective, and ranks hold different numbers of validation batches. "
+                             "Validate with the built-in loop or train_step, or without validation in train_fn "
+                             "(docs/gpus.md 'Large models').")
         feed = self._run.feed(self._val.epoch(self.epoch), False)
         try:
             for tensors in self._run.loop.on_device(feed):

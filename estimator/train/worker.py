@@ -12,6 +12,7 @@ import time
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -22,10 +23,11 @@ from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
 from estimator.train import lightning
-from estimator.train.checkpoint import load_checkpoint, position_of
+from estimator.train.checkpoint import position_of, restore
 from estimator.train.distributed import RankContext
 from estimator.train.epochs import Run
 from estimator.train.host_allreduce import HostAllreduce
+from estimator.train.sharding import Sharded, shard
 
 log = logging.getLogger("estimator")
 
@@ -37,34 +39,46 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
     model = objs.module().to(device)  # a model_factory builds it here, on the rank
+    sharded = spec.strategy == "fsdp"
+    if sharded:
+        if ctx.shared_gpus:
+            raise ValueError(f"strategy='fsdp' needs a GPU per rank, but rank {ctx.rank} shares {ctx.device} with "
+                             "other ranks (spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one GPU. "
+                             "Give each task a whole GPU, or use strategy='ddp'.")
+        units = shard(model, objs.shard_units, spec.precision, device, ctx.world_size, objs.lightning)
+        log.debug("rank %d: %d units sharded", ctx.rank, units)
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
                                                                run_optimizer_steps(spec, ctx.world_size))
                                ) if objs.lightning else None
-    optimizer, scheduler, scheduler_monitor, interval = optimization(objs, model)
-    state = load_checkpoint(spec.data.store, spec.resume_from, device) if spec.resume_from else None
-    if state is not None:  # a retry or a refit of this run_id: continue where the checkpoint stands
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])  # after the scheduler's constructor reset the lr
-        if scheduler is not None and state.get("lr_scheduler") is not None:
-            scheduler.load_state_dict(state["lr_scheduler"])
+    optimizer, scheduler, scheduler_monitor, interval = optimization(objs, model)  # over the shards, with fsdp
+    # a retry or a refit of this run_id: continue where the checkpoint stands (the optimizer's state loaded after
+    # the scheduler's constructor reset the lr)
+    state = restore(spec.data.store, spec.run, spec.resume_from, model, optimizer, device) if spec.resume_from else None
+    if state is not None and scheduler is not None and state.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
     history = [dict(row) for row in state["history"]] if state is not None else []
     # A LightningModule's training_step runs inside DDP's forward (LightningSteps), as a module's forward would.
     wrapped = lightning.LightningSteps(model) if objs.lightning else compiled(model, spec.compile)
-    ddp = wrap(wrapped, device, ctx.world_size)
-    comm, allreduce = None, ctx.backend
+    comm, allreduce, shard_group = None, ctx.backend, None
+    if sharded:
+        ddp: nn.Module = Sharded(model, wrapped)
+        allreduce = f"sharded over {ctx.world_size} rank(s) (fsdp, {ctx.backend})"
+        shard_group = dist.new_group(backend="gloo")  # the checkpoints' own: DCP writes while training goes on
+    else:
+        ddp = wrap(wrapped, device, ctx.world_size)
     if isinstance(ddp, Solo):
         allreduce = SOLO  # one rank: no gradients to average, nor to compress
-    elif spec.compression == "fp16":
+    elif not sharded and spec.compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         allreduce = f"{ctx.backend} fp16"
-    elif spec.shared_memory_allreduce and device.type == "cpu":
+    elif not sharded and spec.shared_memory_allreduce and device.type == "cpu":
         comm = HostAllreduce.connect(ctx.rank, ctx.world_size, gradient_bytes(model), spec.collective_timeout)
         if comm is not None:
             ddp.register_comm_hook(None, comm.hook)
             allreduce = "shared memory"
     try:
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt, trainer)
-        run.scheduler_monitor, run.scheduler_interval = scheduler_monitor, interval
+        run.scheduler_monitor, run.scheduler_interval, run.shard_group = scheduler_monitor, interval, shard_group
         if scheduler is not None and interval == "step":  # OneCycleLR and the like: after every optimizer step
             run.loop.after_step = scheduler.step
         if state is not None and state.get("grad_scaler") and run.loop.scaler is not None:

@@ -1,0 +1,96 @@
+"""strategy='fsdp' on a rank: the model's units sharded over the ranks with FSDP2 (torch.distributed.fsdp's
+fully_shard: every parameter a DTensor holding 1/N of it, gathered whole only for its unit's forward and
+backward; gradients reduce-scattered, so each rank's optimizer steps and keeps state for its own shards), and the
+stand-in the loop trains through. Checkpoints: estimator.train.sharded_checkpoint. torch only, no pyspark."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+DEFAULT_UNITS = "the items of every nn.ModuleList (a transformer's blocks), then the whole model"
+# A LightningModule's steps call its submodules (or self(...)) from these methods, not only from forward.
+LIGHTNING_METHODS = ("training_step", "validation_step", "predict_step")
+
+
+def unit_modules(model: nn.Module, rule: Any = None) -> List[nn.Module]:
+    """The submodules sharded as units besides the whole model, children before the modules that hold them
+    (fully_shard's order). `rule`: None (DEFAULT_UNITS), a list of module classes, or a callable(module) -> bool.
+    Modules without parameters of their own or below them are left to their parent."""
+    if rule is None:
+        chosen = {id(item) for holder in model.modules() if isinstance(holder, nn.ModuleList) for item in holder}
+        picked = lambda m: id(m) in chosen  # noqa: E731
+    elif isinstance(rule, (list, tuple, set, frozenset)):
+        classes = tuple(rule)
+        picked = lambda m: isinstance(m, classes)  # noqa: E731
+    else:
+        picked = lambda m: bool(rule(m))  # noqa: E731
+    return [m for m in reversed(list(model.modules()))
+            if m is not model and picked(m) and any(True for _ in m.parameters())]
+
+
+def mixed_precision(precision: str) -> Any:
+    """precision='bf16-mixed' as FSDP's policy: parameters gathered and computed in bfloat16, gradients reduced and
+    the sharded master weights kept in float32 (the loop's autocast still runs the loss in float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, world_size: int,
+          lightning: bool = False) -> int:
+    """fully_shard every unit of `model`, then `model` itself (in place: its class becomes an FSDPModule), over
+    all ranks of the process group. Returns the number of units, the whole model included."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (world_size,))  # the ranks' device, not the default guessed from the host
+    policy = mixed_precision(precision)
+    units = unit_modules(model, rule)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if lightning:  # the whole model's own parameters are gathered around its steps as around forward
+        for method in LIGHTNING_METHODS:
+            if callable(getattr(model, method, None)):
+                register_fsdp_forward_method(model, method)
+    return len(units) + 1
+
+
+class Sharded(nn.Module):
+    """What the loop trains through for strategy='fsdp', with the calls a train_step or train_fn makes on DDP:
+    call it (the sharded module's forward), `.module` (the sharded module) and `no_sync()` (gradients accumulate
+    whole on each rank; the batch after it reduce-scatters the sum, as DDP's allreduce does). `steps`: what a
+    call runs, when not the module's forward (a LightningModule's training_step, estimator.train.lightning)."""
+
+    def __init__(self, module: nn.Module, steps: Optional[nn.Module] = None):
+        super().__init__()
+        self.module = module
+        self.steps = steps if steps is not None and steps is not module else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.steps or self.module)(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of parameters and optimizer state this rank holds (a DTensor's own shard only)."""
+    def size(t: torch.Tensor) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    params = sum(size(p) for p in model.parameters())
+    state = sum(size(v) for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return params + state

@@ -1,0 +1,108 @@
+"""strategy='fsdp' (FSDP2's fully_shard over gloo, on CPU) without Spark: the same weights as DDP, each rank
+holding 1/N of the parameters and the optimizer's state, checkpoints written by every rank with Distributed
+Checkpoint and resumed on another rank count."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import load_checkpoint, restore
+from estimator.train.sharding import unit_modules
+from helpers import BlockMLP, make_spec, metrics, seeded
+
+
+def trained(store, run, optimizer_cls=torch.optim.AdamW):
+    """The run's checkpoint as a plain BlockMLP and its optimizer (fsdp's shards gathered on this process)."""
+    model = BlockMLP()
+    optimizer = optimizer_cls(model.parameters(), lr=0.01)
+    state = restore(store, store.run(run), store.run(run).checkpoint, model, optimizer)
+    return model, optimizer, state
+
+
+def spec(store, digits, run, **fields):
+    model = seeded(BlockMLP)
+    return make_spec(store, digits, model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01),
+                     train_rows=1000, val_rows=150, batch=50, run=run, **fields)
+
+
+def test_the_default_units_are_the_items_of_module_lists_children_first():
+    model = BlockMLP(blocks=3)
+    assert unit_modules(model) == list(reversed(list(model.blocks)))
+    assert unit_modules(model, [nn.Linear]) == [model.head, *[b.linear for b in reversed(model.blocks)], model.embed]
+    assert unit_modules(model, lambda m: m is model.head) == [model.head]
+
+
+def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_state(store, digits):
+    ddp = LocalLauncher().run(spec(store, digits, "ddp", shared_memory_allreduce=False), 2)
+    fsdp = LocalLauncher().run(spec(store, digits, "fsdp", strategy="fsdp"), 2)
+    for a, b in zip(ddp[0].history, fsdp[0].history):
+        assert metrics(a) == pytest.approx(metrics(b), rel=1e-5)
+    (plain, plain_opt, _), (sharded, sharded_opt, state) = trained(store, "ddp"), trained(store, "fsdp")
+    for name, value in plain.state_dict().items():
+        assert torch.allclose(sharded.state_dict()[name], value, atol=1e-6), name
+    for index, value in plain_opt.state_dict()["state"].items():
+        assert torch.allclose(sharded_opt.state_dict()["state"][index]["exp_avg_sq"], value["exp_avg_sq"], atol=1e-7)
+    assert "model" not in state and state["strategy"] == "fsdp"
+    folder = store.run("fsdp").root + "/sharded/" + state["sharded"]
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    whole = ddp[0].state_bytes
+    assert whole > 0 and all(r.state_bytes == pytest.approx(whole / 2, rel=0.1) for r in fsdp), \
+        (whole, [r.state_bytes for r in fsdp])
+    assert fsdp[0].allreduce.startswith("sharded over 2 rank(s) (fsdp, gloo)")
+
+
+def cut_at_step_8(store, digits, run, strategy):
+    """Rank 0 fails before step 8 of the epoch, after both ranks wrote the checkpoint of step 6: the run's state."""
+    from estimator.core.faults import Fault
+    from estimator.failures import RankFailed
+
+    cut = spec(store, digits, run, strategy=strategy, checkpoint_steps=3, epochs=1, shared_memory_allreduce=False,
+               collective_timeout=20.0)  # rank 1 waits for the failed rank 0 that long
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=8),)).run(cut, 2)
+    state = load_checkpoint(store, cut.run.checkpoint)
+    assert state["epoch"] == 0 and state["position"]["step"] == 6, state["position"]
+    return cut
+
+
+def resumed(store, cut, run, ranks):
+    """A copy of the cut run continued on `ranks` ranks, the global batch of 100 kept."""
+    from dataclasses import replace
+
+    store.fs.copy(cut.run.root, store.run(run).root, recursive=True)
+    again = replace(cut, run=store.run(run), resume_from=store.run(run).checkpoint, batch_size=100 // ranks,
+                    attempt=1, launch_id="again")
+    results = LocalLauncher().run(again, ranks)
+    assert len(results) == ranks and [row["epoch"] for row in results[0].history] == [1]
+    return trained(store, run)[0]
+
+
+def test_a_sharded_run_stopped_inside_an_epoch_resumes_on_2_1_and_4_ranks_from_every_ranks_shards(store, digits):
+    """On 2 ranks again: the uninterrupted run's weights. On 1 and 4: the rest of the epoch is each row left once,
+    dealt anew to the new ranks (estimator.data.remainder: its order differs from the uninterrupted run's, for DDP
+    as for FSDP), and the shards written by 2 ranks resharded to 1 or 4 train what DDP's whole checkpoint does."""
+    whole = spec(store, digits, "whole", strategy="fsdp", checkpoint_steps=3, epochs=1, shared_memory_allreduce=False)
+    LocalLauncher().run(whole, 2)
+    expected = trained(store, "whole")[0].state_dict()
+    sharded, plain = cut_at_step_8(store, digits, "cut", "fsdp"), cut_at_step_8(store, digits, "cut-ddp", "ddp")
+    assert sorted(os.listdir(store.run("cut").root + "/sharded/step-6-launch-0")) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    again = resumed(store, sharded, "again-2", 2).state_dict()
+    for name, value in expected.items():
+        assert torch.allclose(again[name], value, atol=1e-6), name
+    for ranks in (1, 4):
+        fsdp = resumed(store, sharded, f"fsdp-{ranks}", ranks).state_dict()
+        ddp = resumed(store, plain, f"ddp-{ranks}", ranks).state_dict()
+        for name, value in ddp.items():
+            assert torch.allclose(fsdp[name], value, atol=1e-5), (ranks, name, (fsdp[name] - value).abs().max())
+        assert not torch.allclose(fsdp["embed.weight"], expected["embed.weight"], atol=1e-4)  # a new order
+    folders = os.listdir(store.run("fsdp-4").root + "/sharded")
+    final = load_checkpoint(store, store.run("fsdp-4").checkpoint)["sharded"]
+    assert final.endswith("-again-1") and set(folders) == {final} | best_folders(store, "fsdp-4"), folders
+
+
+def best_folders(store, run):
+    best = store.run(run).best_dir
+    return {load_checkpoint(store, p)["sharded"] for p in store.ls(best)} if store.exists(best) else set()
