@@ -50,7 +50,7 @@ def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_
     whole = ddp[0].state_bytes
     assert whole > 0 and all(r.state_bytes == pytest.approx(whole / 2, rel=0.1) for r in fsdp), \
         (whole, [r.state_bytes for r in fsdp])
-    assert fsdp[0].allreduce.startswith("sharded over 2 rank(s) (fsdp, gloo)")
+    assert fsdp[0].allreduce == "gloo reduce-scatter (fsdp: model, gradients and optimizer state in 2 shards)"
 
 
 def cut_at_step_8(store, digits, run, strategy):

@@ -97,7 +97,8 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
               "spark_overhead_s": launch_seconds - max(r.setup_seconds + r.seconds + r.teardown_seconds
                                                        for r in results),
               "train_rows": sum(r.train_rows for r in results) if direct else data.train_rows,
-              "rank_peak_rss_mb": max(r.peak_rss_mb for r in results)}
+              "rank_peak_rss_mb": max(r.peak_rss_mb for r in results),
+              "rank_state_mb": max(r.state_bytes for r in results) / 1e6}  # parameters and optimizer state
     if direct:  # the DataFrame computed into the ranks, and their local copies (in launch_s)
         stages["direct_spill_s"] = max(r.spill_seconds for r in results)
     stages["materialize_share"] = data.materialize_seconds / (data.materialize_seconds + time.perf_counter()

@@ -165,8 +165,9 @@ def logging_into(module: nn.Module, hook: str) -> Iterator[Logged]:
 def call_hook(module: nn.Module, name: str, batch: Tuple[torch.Tensor, ...], batch_idx: int) -> Any:
     """training_step/validation_step with batch_idx when its signature takes one (Lightning 2.x makes it optional)."""
     hook = getattr(module, name)
+    inner = getattr(hook, "__wrapped__", None)  # fsdp's forward-method wrapper holds the bound method it wraps
     try:
-        params = inspect.signature(hook).parameters.values()
+        params = inspect.signature(inner if inspect.ismethod(inner) else hook).parameters.values()
     except (TypeError, ValueError):
         return hook(batch, batch_idx)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -62,7 +62,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     comm, allreduce, shard_group = None, ctx.backend, None
     if sharded:
         ddp: nn.Module = Sharded(model, wrapped)
-        allreduce = f"sharded over {ctx.world_size} rank(s) (fsdp, {ctx.backend})"
+        allreduce = (f"{ctx.backend} reduce-scatter (fsdp: model, gradients and optimizer state in "
+                     f"{ctx.world_size} shards)")
         shard_group = dist.new_group(backend="gloo")  # the checkpoints' own: DCP writes while training goes on
     else:
         ddp = wrap(wrapped, device, ctx.world_size)

@@ -1,0 +1,124 @@
+"""strategy='fsdp' through Spark: the small BERT of the text example fine-tuned sharded on 2 ranks, a rank killed
+inside an epoch and the run retried from every rank's shards, trains what DDP trains uninterrupted; the
+TorchModel is a plain module that transforms, saves and loads (Spark Connect too); accumulation, validation in
+lockstep, bf16-mixed and a LightningModule; what sharding cannot serve is refused before any job."""
+import functools
+import json
+import logging
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from estimator import TorchEstimator, TorchModel
+from estimator.core.faults import ENV
+from helpers import BlockMLP, metrics, seeded
+from spark_helpers import digits_frame
+from text_helpers import save_pretrained_bert, topic_texts
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.mark.connect
+def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_ddp_trains(spark, store, tmp_path,
+                                                                                           monkeypatch, caplog):
+    """Rank 1 dies before optimizer step 13 (epoch 2); the retry loads the step-12 shards both ranks wrote (in the
+    foreground here: a background write that the kill cuts leaves the epoch-1 checkpoint, as it should). The
+    weights, the history (validation in lockstep over uneven shards) and the predictions are DDP's."""
+    rows = topic_texts(320, seed=7)
+    path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows])
+    df = spark.createDataFrame(rows, "text string, label long")
+
+    def fit(run_id, **kw):
+        return TorchEstimator(num_proc=2, store=store, run_id=run_id,
+                              model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+                              optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
+                              tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
+                              metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16,
+                              epochs=2, validation=0.1, random_seed=4, inmemory_cache_all=False, **kw).fit(df)
+
+    ddp = fit("bert-ddp", shared_memory_allreduce=False)
+    monkeypatch.setenv(ENV, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 13, "attempt": 0}]))
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        fsdp = fit("bert-fsdp", strategy="fsdp", checkpoint_steps=4, max_retries=1, checkpoint_async=False)
+    monkeypatch.delenv(ENV)
+    assert re.search(r"Run bert-fsdp continues from its checkpoint after epoch 1 and step \d+ of epoch 2",
+                     caplog.text), caplog.text[-2000:]
+    assert "gradients averaged by gloo reduce-scatter (fsdp: model, gradients and optimizer state in 2 shards)" \
+        in caplog.text
+    for a, b in zip(fsdp.getHistory(), ddp.getHistory()):
+        assert metrics(a) == pytest.approx(metrics(b), rel=1e-5)
+    for name, value in ddp.getModel().state_dict().items():
+        assert torch.allclose(fsdp.getModel().state_dict()[name], value, atol=1e-5), name
+    assert fsdp.getOrDefault("strategy") == "fsdp"
+    saved = str(tmp_path / "fsdp-model")
+    fsdp.save(saved)
+    sample = df.orderBy("text", "label").limit(40)
+    probabilities = [np.array([r.probability.toArray() for r in m.transform(sample).orderBy("text").collect()])
+                     for m in (ddp, fsdp, TorchModel.load(saved))]
+    np.testing.assert_allclose(probabilities[1], probabilities[0], atol=1e-5)
+    np.testing.assert_allclose(probabilities[2], probabilities[1], atol=1e-6)
+
+
+def test_accumulation_validation_and_bf16_mixed_sharded(spark, store, digits):
+    """backward_passes_per_step=2 without gradient sync in between: DDP's weights and exact metrics. bf16-mixed:
+    bfloat16 compute, float32 master weights: the TorchModel's weights are float32 and it learns."""
+    df = digits_frame(spark, digits)
+
+    def fit(run_id, **kw):
+        model = seeded(BlockMLP)
+        return TorchEstimator(num_proc=2, store=store, run_id=run_id, model=model,
+                              optimizer=torch.optim.Adam(model.parameters(), lr=0.005), loss=nn.CrossEntropyLoss(),
+                              metrics=["accuracy"], feature_cols=["features"], label_cols=["label"], batch_size=32,
+                              epochs=3, validation=0.25, backward_passes_per_step=2, random_seed=2, **kw).fit(df)
+
+    ddp, fsdp = fit("acc-ddp", shared_memory_allreduce=False), fit("acc-fsdp", strategy="fsdp")
+    for a, b in zip(fsdp.getHistory(), ddp.getHistory()):
+        assert metrics(a) == pytest.approx(metrics(b), rel=1e-5)
+    for name, value in ddp.getModel().state_dict().items():
+        assert torch.allclose(fsdp.getModel().state_dict()[name], value, atol=1e-6), name
+    bf16 = fit("acc-bf16", strategy="fsdp", precision="bf16-mixed")
+    assert {p.dtype for p in bf16.getModel().parameters()} == {torch.float32}
+    assert bf16.getHistory()[-1]["val_accuracy"] >= 0.85, bf16.getHistory()
+
+
+def test_a_lightning_module_trains_sharded_what_it_trains_with_ddp(spark, store, digits):
+    from test_lightning_spark import LitBuiltIn, seeded_lit
+
+    df = digits_frame(spark, digits)
+    kw = dict(num_proc=2, store=store, feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=2,
+              validation=0.2, random_seed=5)
+    ddp = TorchEstimator(model=seeded_lit(LitBuiltIn), run_id="lit-ddp", shared_memory_allreduce=False, **kw).fit(df)
+    fsdp = TorchEstimator(model=seeded_lit(LitBuiltIn), run_id="lit-fsdp", strategy="fsdp", **kw).fit(df)
+    for a, b in zip(fsdp.getModel().state_dict().values(), ddp.getModel().state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+    for x, y in zip(fsdp.getHistory(), ddp.getHistory()):
+        assert metrics(x) == pytest.approx(metrics(y), rel=1e-6)
+
+
+def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digits):
+    df = digits_frame(spark, digits)
+    model = seeded(BlockMLP)
+    stepped = torch.optim.Adam(model.parameters())
+    model(torch.zeros(2, 64)).sum().backward()
+    stepped.step()
+    base = dict(num_proc=2, store=store, model=model, loss=nn.CrossEntropyLoss(), feature_cols=["features"],
+                label_cols=["label"], strategy="fsdp")
+    cases = [(dict(precision="16-mixed"), r"takes no precision='16-mixed': float16 with a GradScaler is DDP's"),
+             (dict(compile=True), r"takes no compile=True: PyTorch compiles each block before fully_shard"),
+             (dict(model=nn.Sequential(nn.Flatten())), r"has no parameters to shard. Use strategy='ddp'"),
+             (dict(), r"has taken steps already"),
+             (dict(strategy="ddp", shard_units=[nn.Linear]), r"shard_units says what strategy='fsdp' shards")]
+    for extra, message in cases:
+        params = {**base, "optimizer": stepped if not extra else torch.optim.Adam(model.parameters()), **extra}
+        with pytest.raises(ValueError, match=message):
+            TorchEstimator(**params).fit(df)
+    first = TorchEstimator(**{**base, "optimizer": torch.optim.Adam(model.parameters()), "epochs": 1,
+                              "run_id": "kept"}).fit(df)
+    assert first.getOrDefault("strategy") == "fsdp"
+    with pytest.raises(ValueError, match=r"written with strategy='fsdp', and this fit has strategy='ddp'"):
+        TorchEstimator(**{**base, "optimizer": torch.optim.Adam(model.parameters()), "epochs": 2, "run_id": "kept",
+                          "strategy": "ddp"}).fit(df)
