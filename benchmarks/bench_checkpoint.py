@@ -4,6 +4,10 @@ takes `--store-seconds` longer (an injected sleep in the write path, where a rem
 Not a test: numbers, not assertions.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--rows 100000] [--repeat 3] [--json benchmarks/results_checkpoint.json]
+    .venv/bin/python benchmarks/bench_checkpoint.py --strategy fsdp --json benchmarks/results_checkpoint_fsdp.json
+
+With --strategy fsdp every rank writes its shards with Distributed Checkpoint (in the background: DCP's
+async_save, then rank 0's file), and every rank's write is the slow one.
 
 2 ranks on local[2], a 1.1M-parameter MLP (its checkpoint with Adam's state: 13 MB), 2 epochs of batch 64,
 checkpoint_steps=200 (and the epoch ends). Reported from the fit's own `fit stages`: train_s (the slowest rank's
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--store-seconds", type=float, default=0.5)
     parser.add_argument("--checkpoint-steps", type=int, default=200)
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"])  # fsdp: every rank writes its shards
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -70,12 +75,13 @@ def main() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
         if slow:
-            os.environ[ENV] = json.dumps([{"point": "checkpoint_write", "rank": 0, "action": "sleep",
-                                           "seconds": args.store_seconds}])
+            writers = (0, 1) if args.strategy == "fsdp" else (0,)  # every rank's write is slow
+            os.environ[ENV] = json.dumps([{"point": "checkpoint_write", "rank": rank, "action": "sleep",
+                                           "seconds": args.store_seconds} for rank in writers])
         try:
             TorchEstimator(num_proc=2, store=store, model=model, optimizer=torch.optim.Adam(model.parameters()),
                            loss=nn.CrossEntropyLoss(), feature_cols=["x"], label_cols=["y"], batch_size=64, epochs=2,
-                           checkpoint_steps=steps, checkpoint_async=asynchronous, verbose=0,
+                           checkpoint_steps=steps, checkpoint_async=asynchronous, verbose=0, strategy=args.strategy,
                            random_seed=1).fit(df)
         finally:
             os.environ.pop(ENV, None)
