@@ -18,8 +18,8 @@ import torch
 
 from estimator.data.arrays import tensors_to, to_tensors
 from estimator.launch.local import LocalLauncher
-from estimator.train.checkpoint import load_checkpoint
-from helpers import MLP, make_spec, seeded
+from estimator.train.checkpoint import load_checkpoint, restore
+from helpers import MLP, BlockMLP, make_spec, seeded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +61,49 @@ def test_mixed_precision_resume_continues_where_an_uninterrupted_run_goes(store,
         assert a["grad_scaler"] and a["grad_scaler"] == b["grad_scaler"]
     for x, y in zip(a["model"].values(), b["model"].values()):
         assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()
+
+
+def fsdp_spec(store, digits, run, epochs, **fields):
+    model = seeded(BlockMLP)
+    return make_spec(store, digits, model, torch.optim.AdamW(model.parameters(), lr=0.01), train_rows=1400,
+                     val_rows=300, epochs=epochs, run=run, use_gpu=True, strategy="fsdp", **fields)
+
+
+def restored(store, spec):
+    model = BlockMLP()
+    restore(store, spec.run, spec.run.checkpoint, model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    return model.state_dict()
+
+
+def test_fsdp_bf16_mixed_on_cuda_checkpoints_its_shards_and_resumes_where_an_uninterrupted_run_goes(store,
+                                                                                                     digits):
+    """One rank (one GPU): fully_shard on a one-GPU mesh over nccl, bf16 compute with float32 master weights, the
+    shards staged from the GPU and written by DCP in the background; a resume continues exactly."""
+    straight = fsdp_spec(store, digits, "fsdp-straight", 2, precision="bf16-mixed")
+    (result,) = LocalLauncher().run(straight, 1)
+    assert result.device == "cuda:0" and result.allreduce.startswith("nccl reduce-scatter (fsdp")
+    assert result.history[-1]["val_accuracy"] >= 0.80
+    first = fsdp_spec(store, digits, "fsdp-resumed", 1, precision="bf16-mixed")
+    LocalLauncher().run(first, 1)
+    LocalLauncher().run(dataclasses.replace(first, epochs=2, resume_from=first.run.checkpoint), 1)
+    a, b = restored(store, straight), restored(store, first)
+    assert {v.dtype for v in a.values()} == {torch.float32}
+    for name, value in a.items():
+        assert torch.allclose(b[name], value, atol=1e-5), (name, (b[name] - value).abs().max())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks on nccl need two GPUs")
+def test_fsdp_on_two_gpus_trains_the_weights_of_ddp_on_two_gpus(store, digits):
+    fsdp = fsdp_spec(store, digits, "fsdp-two", 2)
+    model = seeded(BlockMLP)
+    ddp = make_spec(store, digits, model, torch.optim.AdamW(model.parameters(), lr=0.01), train_rows=1400,
+                    val_rows=300, epochs=2, run="ddp-two", use_gpu=True)
+    results = LocalLauncher(use_processes=True).run(fsdp, 2)
+    LocalLauncher(use_processes=True).run(ddp, 2)
+    assert [r.device for r in results] == ["cuda:0", "cuda:1"]
+    expected = load_checkpoint(store, ddp.run.checkpoint, "cpu")["model"]
+    for name, value in restored(store, fsdp).items():
+        assert torch.allclose(value, expected[name], atol=1e-4), name
 
 
 def test_the_feed_pins_host_memory_and_copies_without_blocking(store, digits):
