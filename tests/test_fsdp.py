@@ -106,3 +106,26 @@ def test_a_sharded_run_stopped_inside_an_epoch_resumes_on_2_1_and_4_ranks_from_e
 def best_folders(store, run):
     best = store.run(run).best_dir
     return {load_checkpoint(store, p)["sharded"] for p in store.ls(best)} if store.exists(best) else set()
+
+
+def test_a_sharded_checkpoint_of_another_model_or_strategy_is_refused_by_name(store):
+    """The driver checks a run's shards against the model before a refit (DCP's own failure is a BaseException
+    listing ranks: it comes out as the refit's ValueError with its first cause)."""
+    import torch.distributed.checkpoint as dcp
+
+    from estimator.fit.attempts import resume_point
+    from estimator.train.checkpoint import Position, checkpoint_state, write_checkpoint
+    from helpers import MLP
+
+    model, run = BlockMLP(), store.run("kept")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=run.root + "/sharded/one", no_dist=True)
+    write_checkpoint(store, checkpoint_state(model, torch.optim.Adam(model.parameters()), [{"loss": 1.0}],
+                                             Position(1), sharded="one"), [run.checkpoint])
+    assert resume_point(store, run, BlockMLP(), "kept", "fsdp") == (Position(1), [{"loss": 1.0}])
+    with pytest.raises(ValueError, match=r"of a different model: .* Missing key in checkpoint state_dict: "
+                                         r"model.net.0.weight"):
+        resume_point(store, run, MLP(), "kept", "fsdp")
+    with pytest.raises(ValueError, match=r"Size mismatch between saved torch.Size\(\[48, 64\]\)"):
+        resume_point(store, run, BlockMLP(width=32), "kept", "fsdp")
+    with pytest.raises(ValueError, match=r"written with strategy='fsdp', and this fit has strategy='ddp'"):
+        resume_point(store, run, BlockMLP(), "kept", "ddp")

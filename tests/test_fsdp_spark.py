@@ -100,6 +100,7 @@ def test_a_lightning_module_trains_sharded_what_it_trains_with_ddp(spark, store,
 
 
 def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digits):
+    """(A refit of a run under the other strategy: tests/test_fsdp.py.)"""
     df = digits_frame(spark, digits)
     model = seeded(BlockMLP)
     stepped = torch.optim.Adam(model.parameters())
@@ -116,9 +117,3 @@ def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digi
         params = {**base, "optimizer": stepped if not extra else torch.optim.Adam(model.parameters()), **extra}
         with pytest.raises(ValueError, match=message):
             TorchEstimator(**params).fit(df)
-    first = TorchEstimator(**{**base, "optimizer": torch.optim.Adam(model.parameters()), "epochs": 1,
-                              "run_id": "kept"}).fit(df)
-    assert first.getOrDefault("strategy") == "fsdp"
-    with pytest.raises(ValueError, match=r"written with strategy='fsdp', and this fit has strategy='ddp'"):
-        TorchEstimator(**{**base, "optimizer": torch.optim.Adam(model.parameters()), "epochs": 2, "run_id": "kept",
-                          "strategy": "ddp"}).fit(df)

@@ -70,8 +70,16 @@ def load_shards(store: Any, path: str, model: nn.Module, optimizer: Optional[tor
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     states = shard_states(model, optimizer)
-    dcp.load(states, storage_reader=storage_reader(store, path), no_dist=not dist.is_initialized())
+    try:
+        dcp.load(states, storage_reader=storage_reader(store, path), no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # a BaseException holding each rank's: the first one's cause, as an error
+        first = next(iter(exc.failures.values()), exc)
+        cause = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
+        raise RuntimeError(f"the checkpoint's shards at {store.url(path)} do not fit this model: "
+                           f"{str(cause).splitlines()[0]}") from None
     set_model_state_dict(model, states["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states["optimizer"])
