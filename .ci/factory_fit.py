@@ -1,6 +1,7 @@
 """A model built by a factory, with the package as installed (run by .ci/check-wheel from a folder outside the
-checkout): fit from functools.partial recipes, save (the weights as safetensors: the wheel's dependencies must
-hold what that needs), load in this process, and predict the same probabilities."""
+checkout): fit from functools.partial recipes, sharded over the ranks (strategy='fsdp': the checkpoints are
+Distributed Checkpoint folders), save (the weights as safetensors: the wheel's dependencies must hold what that
+needs), load in this process, and predict the same probabilities."""
 import functools
 import os
 import sys
@@ -23,13 +24,15 @@ def mlp(hidden):
 
 
 work = sys.argv[1]
-spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())  # its bar would prefix the last line
 digits = load_digits()
 df = spark.createDataFrame([(i, (x / 16).tolist(), int(y)) for i, (x, y) in enumerate(zip(digits.data, digits.target))],
                            "id long, features array<float>, label long")
 fitted = TorchEstimator(num_proc=2, store=Store.create(os.path.join(work, "runs")), model=functools.partial(mlp, 32),
                         optimizer=functools.partial(torch.optim.AdamW, lr=0.01), loss=nn.CrossEntropyLoss(),
-                        feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=2).fit(df)
+                        feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=2,
+                        strategy="fsdp").fit(df)
 fitted.save(os.path.join(work, "model"))
 assert "model.safetensors" in os.listdir(os.path.join(work, "model")), os.listdir(os.path.join(work, "model"))
 sample = df.orderBy("id").limit(50)
@@ -37,4 +40,5 @@ probabilities = [np.array([r.probability.toArray() for r in m.transform(sample).
                  for m in (fitted, TorchModel.load(os.path.join(work, "model")))]
 np.testing.assert_allclose(probabilities[0], probabilities[1], atol=1e-6)
 spark.stop()
-print("check-wheel: a model built by a factory saved as safetensors, loaded, and predicted the same")
+print("check-wheel: a model built by a factory, trained sharded (fsdp), saved as safetensors, loaded, and predicted "
+      "the same")
