@@ -7,6 +7,7 @@ the driver's plain module (the TorchModel). torch only, no pyspark."""
 from __future__ import annotations
 
 import posixpath
+import warnings
 from concurrent.futures import Future
 from typing import Any, Dict, Iterable, Optional
 
@@ -74,7 +75,9 @@ def load_shards(store: Any, path: str, model: nn.Module, optimizer: Optional[tor
 
     states = shard_states(model, optimizer)
     try:
-        dcp.load(states, storage_reader=storage_reader(store, path), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # DCP warns whenever it loads without a process group: the driver's way
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(states, storage_reader=storage_reader(store, path), no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a BaseException holding each rank's: the first one's cause, as an error
         first = next(iter(exc.failures.values()), exc)
         cause = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
