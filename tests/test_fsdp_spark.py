@@ -117,3 +117,43 @@ def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digi
         params = {**base, "optimizer": stepped if not extra else torch.optim.Adam(model.parameters()), **extra}
         with pytest.raises(ValueError, match=message):
             TorchEstimator(**params).fit(df)
+
+
+def sharded_step(model, batch, ctx):
+    return nn.functional.cross_entropy(model(batch["features"]), batch["label"])
+
+
+def own_loop(ctx):
+    """ctx.model: the sharded module behind the loop's stand-in (call it, .module, no_sync())."""
+    for _ in ctx.epochs_to_run():
+        ctx.model.train()
+        total = 0.0
+        for batch in ctx.train_batches():
+            ctx.optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(ctx.model(*batch.features), batch["label"])
+            loss.backward()
+            ctx.optimizer.step()
+            total += float(loss.detach()) * batch.rows
+        for batch in ctx.val_batches():  # refused on several ranks with fsdp (ranks hold uneven batches)
+            pass
+        ctx.report({"loss": total / max(1, ctx.rows)})
+
+
+def test_a_train_step_and_a_train_fn_train_the_sharded_model_as_the_built_in_loop_does(spark, store, digits):
+    from estimator.failures import RankFailed
+
+    df = digits_frame(spark, digits)
+
+    def fit(run_id, **kw):
+        model = seeded(BlockMLP)
+        return TorchEstimator(num_proc=2, store=store, run_id=run_id, model=model, strategy="fsdp",
+                              optimizer=torch.optim.Adam(model.parameters(), lr=0.005), feature_cols=["features"],
+                              label_cols=["label"], batch_size=32, epochs=2, random_seed=3, **kw).fit(df)
+
+    built_in = fit("built-in", loss=nn.CrossEntropyLoss()).getModel().state_dict()
+    for run_id, loop in (("step", dict(train_step=sharded_step)), ("fn", dict(train_fn=own_loop))):
+        trained = fit(run_id, **loop).getModel().state_dict()
+        for name, value in built_in.items():
+            assert torch.allclose(trained[name], value, atol=1e-6), (run_id, name)
+    with pytest.raises(RankFailed, match=r"ctx.val_batches\(\) with strategy='fsdp' on several ranks is not served"):
+        fit("fn-val", train_fn=own_loop, validation=0.2, max_retries=0)
