@@ -1,6 +1,6 @@
 """strategy='fsdp' through Spark: the small BERT of the text example fine-tuned sharded on 2 ranks, a rank killed
 inside an epoch and the run retried from every rank's shards, trains what DDP trains uninterrupted; the
-TorchModel is a plain module that transforms, saves and loads (Spark Connect too); accumulation, validation in
+TorchModel is a plain module that transforms, saves and loads in a Pipeline (Spark Connect too); accumulation, validation in
 lockstep, bf16-mixed and a LightningModule; what sharding cannot serve is refused before any job."""
 import functools
 import json
@@ -10,10 +10,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from pyspark.ml import Pipeline, PipelineModel
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from estimator import TorchEstimator, TorchModel
+from estimator import TorchEstimator
 from estimator.core.faults import ENV
 from helpers import BlockMLP, metrics, seeded
 from spark_helpers import digits_frame
@@ -32,18 +33,20 @@ def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_d
     path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows])
     df = spark.createDataFrame(rows, "text string, label long")
 
-    def fit(run_id, **kw):
+    def estimator(run_id, **kw):
         return TorchEstimator(num_proc=2, store=store, run_id=run_id,
                               model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
                               optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
                               tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
                               metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16,
-                              epochs=2, validation=0.1, random_seed=4, inmemory_cache_all=False, **kw).fit(df)
+                              epochs=2, validation=0.1, random_seed=4, inmemory_cache_all=False, **kw)
 
-    ddp = fit("bert-ddp", shared_memory_allreduce=False)
+    ddp = estimator("bert-ddp", shared_memory_allreduce=False).fit(df)
     monkeypatch.setenv(ENV, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 13, "attempt": 0}]))
     with caplog.at_level(logging.INFO, logger="estimator"):
-        fsdp = fit("bert-fsdp", strategy="fsdp", checkpoint_steps=4, max_retries=1, checkpoint_async=False)
+        pipeline = Pipeline(stages=[estimator("bert-fsdp", strategy="fsdp", checkpoint_steps=4, max_retries=1,
+                                              checkpoint_async=False)]).fit(df)
+    fsdp = pipeline.stages[0]
     monkeypatch.delenv(ENV)
     assert re.search(r"Run bert-fsdp continues from its checkpoint after epoch 1 and step \d+ of epoch 2",
                      caplog.text), caplog.text[-2000:]
@@ -54,11 +57,11 @@ def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_d
     for name, value in ddp.getModel().state_dict().items():
         assert torch.allclose(fsdp.getModel().state_dict()[name], value, atol=1e-5), name
     assert fsdp.getOrDefault("strategy") == "fsdp"
-    saved = str(tmp_path / "fsdp-model")
-    fsdp.save(saved)
+    saved = str(tmp_path / "fsdp-pipeline")
+    pipeline.write().save(saved)
     sample = df.orderBy("text", "label").limit(40)
     probabilities = [np.array([r.probability.toArray() for r in m.transform(sample).orderBy("text").collect()])
-                     for m in (ddp, fsdp, TorchModel.load(saved))]
+                     for m in (ddp, fsdp, PipelineModel.load(saved))]
     np.testing.assert_allclose(probabilities[1], probabilities[0], atol=1e-5)
     np.testing.assert_allclose(probabilities[2], probabilities[1], atol=1e-6)
 
