@@ -1,7 +1,8 @@
 """strategy='fsdp' through Spark: the small BERT of the text example fine-tuned sharded on 2 ranks, a rank killed
 inside an epoch and the run retried from every rank's shards, trains what DDP trains uninterrupted; the
-TorchModel is a plain module that transforms, saves and loads in a Pipeline (Spark Connect too); accumulation, validation in
-lockstep, bf16-mixed and a LightningModule; what sharding cannot serve is refused before any job."""
+TorchModel is a plain module that transforms, saves and loads in a Pipeline (Spark Connect too); accumulation,
+validation in lockstep, bf16-mixed, a train_step, a train_fn and a LightningModule; what sharding cannot serve is
+refused before any job."""
 import functools
 import json
 import logging
