@@ -36,7 +36,8 @@ from estimator.fit.materialize import finish, materialize
 from estimator.fit.recipes import check_optimizer, model_of
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
-from estimator.launch.session import check_slots, default_num_proc, ranks_per_task
+from estimator.fit.strategy import check_shared_gpus
+from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
 from estimator.predict.persistence import Persistable
@@ -172,6 +173,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         per_task = ranks_per_task(spark, num_proc)
         check_slots(spark, num_proc, per_task)
         checks.check_ranks(p, num_proc, per_task)
+        check_shared_gpus(p, task_gpus(spark))
         if per_task > 1:
             log.info("num_proc=%d: %d Spark tasks of %d ranks each, a rank per GPU (spark.task.resource.gpu.amount=%d)",
                      num_proc, num_proc // per_task, per_task, per_task)

@@ -134,3 +134,13 @@ def test_a_sharded_checkpoint_of_another_model_or_strategy_is_refused_by_name(st
         resume_point(store, run, BlockMLP(width=32), "kept", "fsdp")
     with pytest.raises(ValueError, match=r"written with strategy='fsdp', and this fit has strategy='ddp'"):
         resume_point(store, run, BlockMLP(), "kept", "ddp")
+
+
+def test_ranks_sharing_a_gpu_are_refused_for_fsdp_before_any_job():
+    from estimator.fit.strategy import check_shared_gpus
+
+    with pytest.raises(ValueError, match=r"spark.task.resource.gpu.amount=0.5 puts several tasks on one GPU"):
+        check_shared_gpus({"strategy": "fsdp", "use_gpu": None}, 0.5)
+    for p, gpus in (({"strategy": "fsdp", "use_gpu": False}, 0.5), ({"strategy": "ddp", "use_gpu": None}, 0.5),
+                    ({"strategy": "fsdp", "use_gpu": None}, 1.0), ({"strategy": "fsdp", "use_gpu": None}, 0.0)):
+        check_shared_gpus(p, gpus)  # CPU ranks, DDP's gloo over a shared GPU, a whole GPU per task, no GPUs

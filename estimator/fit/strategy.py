@@ -37,3 +37,12 @@ def check_strategy(p: Dict[str, Any]) -> None:
                          f"optimizer given ({type(optimizer).__name__}) has taken steps already: its state cannot be "
                          "dealt to the shards. Pass a new optimizer, or functools.partial(torch.optim.AdamW, "
                          "lr=...), to continue a run, refit its run_id.")
+
+
+def check_shared_gpus(p: Dict[str, Any], gpus_per_task: float) -> None:
+    """Tasks given a fraction of a GPU share it: nccl refuses two ranks on one device, and fsdp is not served over
+    gloo on GPUs here (the ranks would refuse it after the rendezvous; refused here first)."""
+    if p["strategy"] == "fsdp" and 0 < gpus_per_task < 1 and p["use_gpu"] is not False:
+        raise ValueError(f"{OWNER} with strategy='fsdp' needs a GPU per rank; spark.task.resource.gpu.amount="
+                         f"{gpus_per_task:g} puts several tasks on one GPU. Give each task a whole GPU, set "
+                         f"use_gpu=False, or use strategy='ddp' ({PAGE}).")
