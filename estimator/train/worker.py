@@ -9,6 +9,7 @@ import contextlib
 import logging
 import pickle
 import time
+from datetime import timedelta
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
@@ -64,7 +65,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         ddp: nn.Module = Sharded(model, wrapped)
         allreduce = (f"{ctx.backend} reduce-scatter (fsdp: model, gradients and optimizer state in "
                      f"{ctx.world_size} shards)")
-        shard_group = dist.new_group(backend="gloo")  # the checkpoints' own: DCP writes while training goes on
+        # the checkpoints' own group: DCP writes over it while training goes on over the default one
+        shard_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.collective_timeout))
     else:
         ddp = wrap(wrapped, device, ctx.world_size)
     if isinstance(ddp, Solo):
