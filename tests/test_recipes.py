@@ -83,3 +83,13 @@ def test_two_ranks_built_from_recipes_train_what_the_instances_train(store, digi
         assert torch.allclose(value, second["model"][key], atol=1e-6), key
     pids = [int(line) for line in open(path + ".calls").read().split()]
     assert len(pids) == 3 and pids[0] == os.getpid() and len(set(pids[1:])) == 2 and os.getpid() not in pids[1:]
+
+
+def test_a_factory_that_builds_on_the_meta_device_is_refused_by_name():
+    def on_meta():
+        with torch.device("meta"):
+            return MLP()
+
+    with pytest.raises(ValueError, match=r"built a module on the meta device \(no weights: net.0.weight, net.0.bias, "
+                                         r"net.2.weight \.\.\.\); building on the meta device .* not served yet"):
+        model_of(on_meta)

@@ -29,6 +29,13 @@ def model_of(value: Any) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
     if not isinstance(built, nn.Module):
         raise TypeError(param_error(OWNER, "model", "a torch.nn.Module, or a zero-argument callable returning one; "
                                     f"the callable returned {type(built).__name__}", value))
+    meta = [name for name, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(f"The 'model' parameter of {OWNER} built a module on the meta device (no weights: "
+                         f"{', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''}); building on the meta device and "
+                         "loading the weights shard by shard is not served yet. Build it with its weights on the "
+                         "CPU (from_pretrained(path)): with strategy='fsdp' each rank then keeps only its shards "
+                         "(docs/gpus.md 'Large models').")
     return built, value
 
 
