@@ -7,10 +7,13 @@ Which rows were done does not need to be stored: both Arrow readers' orders are 
 the old layout and the Parquet footers, so the checkpoint's position (batches done, batch size, rank count,
 reader, steps per epoch) says which global rows the old ranks served. The in-memory reader's order is
 estimator.data.cached's draw_order; the streaming reader's is its own draws replayed over row ids instead of rows
-(no row is read). The rows left are dealt in balanced contiguous slices of their global order, each rank's slice
-shuffled by (seed, epoch, rank, ranks); ranks whose slices are one row shorter draw one row again so that every
-rank takes the same steps (the rule of every epoch). A streaming rank streams its slice (memory stays bounded);
-an in-memory one reads it into memory. torch only."""
+(no row is read). Where the old ranks read in memory, the new ones too, and the global batch is the same (old
+batch_size x ranks = new), the rest trains the old ranks' own global batches, each dealt to the new ranks in
+equal parts: the steps of the uninterrupted run, so its weights (`kept_batches`). Otherwise the rows left are dealt
+in balanced contiguous slices of their global order, each rank's slice shuffled by (seed, epoch, rank, ranks);
+ranks whose slices are one row shorter draw one row again so that every rank takes the same steps (the rule of
+every epoch). A streaming rank streams its slice (memory stays bounded); an in-memory one reads its rows into
+memory. torch only."""
 from __future__ import annotations
 
 import dataclasses
@@ -78,6 +81,46 @@ def left_slice(left: np.ndarray, start: int, stop: int, block: int = 1 << 20) ->
     return np.concatenate(out) if len(out) > 1 else out[0] if out else np.empty((0,), dtype=np.int64)
 
 
+def kept_batches(spec, total: int, epoch: int, layout: List[int], steps: int, rank: int,
+                 world_size: int) -> Optional[np.ndarray]:
+    """This rank's part of each global batch the old ranks had left after `steps`, in training order: old rank
+    r's batch t is rows [t*b, (t+1)*b) of its draw order, the global batch t is theirs together, and new rank q
+    takes the q-th of world_size equal parts of it. None when that cannot hold the uninterrupted run's steps: the
+    old ranks streamed (their orders are replayed batch by batch elsewhere), the global batch changed, or a
+    partial last batch does not divide into equal parts."""
+    batch_size, old_world, in_memory, _, per_epoch = (int(v) for v in layout[:5])
+    if not in_memory or batch_size * old_world != spec.batch_size * world_size:
+        return None
+    old = dataclasses.replace(spec, batch_size=batch_size, train_steps_per_epoch=per_epoch or None)
+    orders = [np.concatenate(list(drawn(old, total, epoch, r, old_world, True, None))) for r in range(old_world)]
+    if len({len(order) for order in orders}) != 1:
+        return None
+    mine = []
+    for begin in range(steps * batch_size, len(orders[0]), batch_size):
+        batch = np.concatenate([order[begin:begin + batch_size] for order in orders])
+        if len(batch) % world_size:
+            return None
+        part = len(batch) // world_size
+        mine.append(batch[rank * part:(rank + 1) * part])
+    return np.concatenate(mine) if mine else np.empty((0,), dtype=np.int64)
+
+
+def read_kept(data, ids: np.ndarray, chunk: int = 1 << 16) -> Arrays:
+    """The rows `ids` (any order, repeats allowed) as arrays in that order, read a chunk of global rows at a time
+    and only those rows kept (memory: this rank's rows and one chunk)."""
+    wanted = np.unique(ids)
+    parts = []
+    for lo in range(int(wanted[0]), int(wanted[-1]) + 1, chunk):
+        hi = min(lo + chunk, int(wanted[-1]) + 1)
+        here = wanted[(wanted >= lo) & (wanted < hi)]
+        if len(here):
+            arrays = prepare_arrays(data, read_rows(data.source, data.train, lo, hi, data.columns))
+            parts.append({k: v[here - lo] for k, v in arrays.items()})
+    rows = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+    at = np.searchsorted(wanted, ids)
+    return {k: v[at] for k, v in rows.items()}
+
+
 @dataclass(frozen=True)
 class Remainder:
     """This rank's part of the rest of an interrupted epoch."""
@@ -86,6 +129,7 @@ class Remainder:
     draws: int  # rows every rank trains on: a part one row shorter draws one again
     seed: List[int]  # of the order they are trained in
     batch_size: int
+    kept: bool = False  # `rows` is in training order, the old global batches' parts (kept_batches)
 
     @property
     def steps(self) -> int:  # the same on every rank
@@ -93,7 +137,10 @@ class Remainder:
 
     @staticmethod
     def plan(spec, total: int, epoch: int, layout: List[int], old_steps: int, rank: int,
-             world_size: int) -> "Remainder":
+             world_size: int, in_memory: bool = False) -> "Remainder":
+        kept = kept_batches(spec, total, epoch, layout, old_steps, rank, world_size) if in_memory else None
+        if kept is not None:
+            return Remainder(kept, len(kept), [], spec.batch_size, kept=True)
         counts = left_rows(spec, total, epoch, layout, old_steps)
         left = int(counts.sum(dtype=np.int64))
         start, stop = shard_range(left, rank, world_size)
@@ -108,8 +155,13 @@ class Remainder:
         into memory (the span of global rows that holds them)."""
         if len(self.rows) == 0:
             return
-        lo, hi = int(self.rows[0]), int(self.rows[-1]) + 1
         data = spec.data
+        if self.kept:  # the old global batches' parts, in their order
+            arrays = read_kept(data, self.rows)
+            for step in range(self.steps):
+                yield {k: v[step * self.batch_size:(step + 1) * self.batch_size] for k, v in arrays.items()}
+            return
+        lo, hi = int(self.rows[0]), int(self.rows[-1]) + 1
         if isinstance(train, StreamingShard):
             stream = StreamingShard(spec, spans(data.train, lo, hi), train.total, train.rank, train.world_size, True,
                                     train.buffer_rows, first=lo, keep=self.rows)
@@ -142,4 +194,5 @@ def remainder_for(spec, train: Shard, epoch: int, layout: list, rank: int, world
     from this run's and the done rows can be known; None: the epoch starts over."""
     if not replayable(spec, layout):
         return None
-    return Remainder.plan(spec, train.total, epoch, layout, step, rank, world_size)
+    return Remainder.plan(spec, train.total, epoch, layout, step, rank, world_size,
+                          in_memory=not isinstance(train, StreamingShard))
