@@ -27,8 +27,8 @@ from estimator.train.lightning import LightningObjective
 from estimator.train.loop import TrainLoop, reduce_sums
 from estimator.train.losses import Objective
 from estimator.train.sharded_checkpoint import SHARDED, remove_unused, save_shards
-from estimator.train.sharding import local_bytes
 from estimator.train.sharded_checkpoint import folder as sharded_folder
+from estimator.train.sharding import local_bytes
 from estimator.train.steps import StepObjective
 from estimator.train.tensorboard import TensorBoardLog
 
