@@ -141,3 +141,51 @@ def test_ranks_sharing_a_gpu_are_refused_for_fsdp_before_any_job():
     for p, gpus in (({"strategy": "fsdp", "use_gpu": False}, 0.5), ({"strategy": "ddp", "use_gpu": None}, 0.5),
                     ({"strategy": "fsdp", "use_gpu": None}, 1.0), ({"strategy": "fsdp", "use_gpu": None}, 0.0)):
         check_shared_gpus(p, gpus)  # CPU ranks, DDP's gloo over a shared GPU, a whole GPU per task, no GPUs
+
+
+def _two_generations(process, port, folder):
+    """Process `process` is rank `process` in a first process group, then the other rank in a second, as a Spark
+    worker reused by the next fit may be; each time it shards, steps and takes the state dicts a checkpoint takes."""
+    import gc
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from estimator.train.sharding import shard
+
+    for generation, rank in enumerate((process, 1 - process)):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + generation}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+        shard(model, None, "32", torch.device("cpu"), 2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 10, (4,))).backward()
+        optimizer.step()
+        states = get_model_state_dict(model)
+        get_optimizer_state_dict(model, optimizer)
+        coordinates = {name: list(t.device_mesh.get_coordinate()) for name, t in states.items()}
+        with open(os.path.join(folder, f"{process}-{generation}.json"), "w") as out:
+            json.dump({"rank": rank, "coordinates": coordinates}, out)
+        del model, optimizer, states
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_a_reused_process_with_another_rank_gives_its_shards_this_ranks_offsets(tmp_path):
+    """DTensor caches each op's output spec per thread, and a mesh equals any other of its shape and names: without
+    a mesh of its own per sharding, the second group's state dict came out on the first group's mesh, with the
+    first rank's coordinates (checkpoints then saved shards at another rank's offsets)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_two_generations, args=(port, str(tmp_path)), nprocs=2)
+    for process in (0, 1):
+        for generation in (0, 1):
+            seen = json.load(open(tmp_path / f"{process}-{generation}.json"))
+            assert set(map(tuple, seen["coordinates"].values())) == {(seen["rank"],)}, (process, generation, seen)

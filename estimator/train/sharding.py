@@ -5,6 +5,7 @@ stand-in the loop trains through. Checkpoints: estimator.train.sharded_checkpoin
 from __future__ import annotations
 
 import contextlib
+import uuid
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -48,7 +49,11 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh(device.type, (world_size,))  # the ranks' device, not the default guessed from the host
+    # The ranks' device, not the one guessed from the host. Named anew for every sharding: Spark reuses its Python
+    # workers, DTensor caches each op's output spec per input specs, and a mesh equals any other of its shape and
+    # names whatever this process's rank in it was - an earlier fit's cache would give this fit's DTensors that
+    # fit's mesh, and so that rank's offsets (seen: a head's bias checkpointed with its halves swapped).
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"ranks-{uuid.uuid4().hex[:12]}",))
     policy = mixed_precision(precision)
     units = unit_modules(model, rule)
     for unit in units:
