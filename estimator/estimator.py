@@ -125,7 +125,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _checked(self) -> Dict[str, Any]:
         p = self.validated()
         p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
-        p["model"], p["model_factory"] = model_of(p["model"])  # a factory is called here once, then on each rank
+        # a factory is called here once, then on each rank; what it left on the meta device read here whole
+        p["model"], p["model_factory"] = model_of(p["model"], p["weights_folder"])
         checks.check_params(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
@@ -162,7 +163,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
-        objs.shard_units = p["shard_units"]
+        objs.shard_units, objs.weights_folder = p["shard_units"], p["weights_folder"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,

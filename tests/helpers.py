@@ -102,7 +102,7 @@ def seeded(model_cls, *args, seed: int = 0):
 
 
 def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None,
-              model_factory=None, **spec_fields):
+              model_factory=None, weights_folder=None, **spec_fields):
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
@@ -119,6 +119,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
                     ("features",), ("label",))
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"],
                         model_factory=model_factory)
+    objs.weights_folder = weights_folder
     return TrainSpec(data, dumps(objs, "model", roots=[model_factory or model]), store.run(run), batch, 50, epochs,
                      seed=3, **spec_fields)
 

@@ -1,6 +1,7 @@
 """strategy='fsdp' (FSDP2's fully_shard over gloo, on CPU) without Spark: the same weights as DDP, each rank
 holding 1/N of the parameters and the optimizer's state, checkpoints written by every rank with Distributed
 Checkpoint and resumed on another rank count."""
+import functools
 import os
 
 import pytest
@@ -51,6 +52,69 @@ def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_
     assert whole > 0 and all(r.state_bytes == pytest.approx(whole / 2, rel=0.1) for r in fsdp), \
         (whole, [r.state_bytes for r in fsdp])
     assert fsdp[0].allreduce == "gloo reduce-scatter (fsdp: model, gradients and optimizer state in 2 shards)"
+
+
+def meta_block_mlp():
+    """A BlockMLP whose blocks and embedding are on the meta device (their weights are read from a folder) and
+    whose head is built with values - by each rank, from its own generator."""
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        model = BlockMLP()
+    model.head = nn.Linear(48, 10)
+    return model
+
+
+def recorded(folder, build):
+    """`build`'s module, its initial state saved in `folder` under this process's id."""
+    model = build()
+    torch.save(model.state_dict(), os.path.join(folder, f"{os.getpid()}.pt"))
+    return model
+
+
+def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_from_rank_0s_head(store, digits,
+                                                                                                 tmp_path):
+    """The factory's meta tensors come from the folder (each fsdp rank reads its own shards), and its head, built
+    with values that differ on each rank, is rank 0's on every rank, as DDP starts: with lr=0 the run's checkpoint
+    is the folder's weights and one rank's whole head (each rank keeping its slice of its own head would mix
+    them); so is a whole model a factory draws anew on each rank. Seeded alike, 2 fsdp ranks then train what 2
+    ddp ranks train, whose ranks read the folder whole."""
+    from safetensors.torch import save_file
+
+    from estimator.fit.recipes import model_of
+
+    weights, starts = tmp_path / "weights", tmp_path / "starts"
+    weights.mkdir(), starts.mkdir()
+    body = {k: v for k, v in seeded(BlockMLP).state_dict().items() if not k.startswith("head.")}
+    save_file(body, str(weights / "model.safetensors"))
+    factory = functools.partial(recorded, str(starts), meta_block_mlp)
+    driver, _ = model_of(factory, str(weights))  # the driver's copy, read whole
+    for name, value in body.items():
+        assert torch.equal(driver.state_dict()[name], value), name
+    os.remove(starts / f"{os.getpid()}.pt")
+
+    def fit(run, strategy, build, lr, folder=str(weights)):
+        LocalLauncher().run(make_spec(store, digits, driver, functools.partial(torch.optim.SGD, lr=lr, momentum=0.9),
+                                      train_rows=1000, val_rows=150, batch=50, epochs=1, run=run, model_factory=build,
+                                      weights_folder=folder, strategy=strategy, shared_memory_allreduce=False), 2)
+        return trained(store, run, torch.optim.SGD)[0].state_dict()
+
+    for run, build, folder, drawn in (("start", factory, str(weights), ("head.weight", "head.bias")),
+                                      ("random", functools.partial(recorded, str(starts), BlockMLP), None, body)):
+        start = fit(run, "fsdp", build, 0.0, folder)
+        if folder:
+            for name, value in body.items():
+                assert torch.equal(start[name], value), name
+        heads = [torch.load(starts / f, weights_only=True) for f in os.listdir(starts)]
+        assert len(heads) == 2 and not torch.equal(heads[0]["head.weight"], heads[1]["head.weight"])
+        assert [all(torch.equal(start[k], h[k]) for k in drawn) for h in heads].count(True) == 1, run
+        for f in os.listdir(starts):
+            os.remove(starts / f)
+    alike = functools.partial(seeded, meta_block_mlp, seed=5)
+    fsdp, ddp = fit("meta-fsdp", "fsdp", alike, 0.05), fit("meta-ddp", "ddp", alike, 0.05)
+    for name, value in ddp.items():
+        assert torch.allclose(fsdp[name], value, atol=1e-6), name
+    assert not torch.allclose(fsdp["head.weight"], start["head.weight"])
 
 
 def cut_at_step_8(store, digits, run, strategy):

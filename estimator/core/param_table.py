@@ -180,6 +180,12 @@ ESTIMATOR_PARAMS = [
                   isinstance(v, (list, tuple)) and len(v) > 0
                   and all(inspect.isclass(c) and issubclass(c, nn.Module) for c in v))),
               "None, a list of nn.Module classes, or a callable(module) -> bool", json=False),
+    ParamSpec("weights_folder", "a folder of .safetensors files (a save_pretrained folder) on the driver's and every "
+              "executor's file system, holding by state-dict name the weights a `model` factory leaves on the meta "
+              "device (estimator.parameters_on_meta()): each rank reads only its own shards of them with "
+              "strategy='fsdp', the whole with 'ddp', and what the factory built with values is kept (docs/gpus.md "
+              "'Models larger than a host's memory'). None: the model has all its weights",
+              None, optional(lambda v: isinstance(v, str) and v != ""), "a folder path, or None"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "

@@ -149,6 +149,7 @@ class UserObjects:
     optimizer_lr: Optional[float] = None  # the lr param, over every group of optimizer_factory's optimizer
     tokenizer: Any = None  # tokenizes DataSpec.text_cols per batch (estimator.data.text)
     shard_units: Any = None  # strategy='fsdp': what is sharded as a unit (estimator.train.sharding.unit_modules)
+    weights_folder: Optional[str] = None  # what model_factory leaves on the meta device, read there (estimator.core.meta)
 
     def __getstate__(self) -> Dict[str, Any]:
         """A model built by a factory travels as its factory: the weights load on each rank, never through the

@@ -9,16 +9,25 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import nn
 
+from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
 
 OWNER = "TorchEstimator"
 
 
-def model_of(value: Any) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
+def model_of(value: Any, weights_folder: Optional[str] = None
+             ) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
     """(the module, the factory that built it or None): a module is used as it is; a callable is called once
-    here, with no arguments."""
+    here, with no arguments, and what it leaves on the meta device is read whole from `weights_folder` (the
+    driver's copy: its checks, its dry run, the TorchModel's module; estimator.core.meta)."""
     if isinstance(value, nn.Module):
+        if meta_tensors(value) or unloadable(value):
+            raise ValueError(f"The 'model' parameter of {OWNER} is a module on the meta device (no weights): give "
+                             "the callable that builds it instead, with weights_folder naming its weights, so that "
+                             "each rank reads only what it holds (docs/gpus.md 'Models larger than a host's memory').")
+        if weights_folder is not None:
+            check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
     try:
         built = value()
@@ -29,13 +38,8 @@ def model_of(value: Any) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
     if not isinstance(built, nn.Module):
         raise TypeError(param_error(OWNER, "model", "a torch.nn.Module, or a zero-argument callable returning one; "
                                     f"the callable returned {type(built).__name__}", value))
-    meta = [name for name, t in [*built.named_parameters(), *built.named_buffers()] if t.is_meta]
-    if meta:
-        raise ValueError(f"The 'model' parameter of {OWNER} built a module on the meta device (no weights: "
-                         f"{', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''}); building on the meta device and "
-                         "loading the weights shard by shard is not served yet. Build it with its weights on the "
-                         "CPU (from_pretrained(path)): with strategy='fsdp' each rank then keeps only its shards "
-                         "(docs/gpus.md 'Large models').")
+    if check_weights(built, weights_folder, OWNER):
+        materialize(built, weights_folder)
     return built, value
 
 

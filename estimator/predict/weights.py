@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import nn
 
+from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 
@@ -85,6 +86,8 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
 
             model = factory()
             fs.get_file(posixpath.join(root, kind["file"]), os.path.join(local, WEIGHTS_FILE))
+            if meta_tensors(model):  # built on the meta device (weights_folder at fit time): the saved weights
+                materialize(model, local)
             load_model(model, os.path.join(local, WEIGHTS_FILE), strict=True)
     model.eval()
     optimizer_path = posixpath.join(root, OPTIMIZER_FILE)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
+
+from estimator.core.meta import folder_entries, meta_names
 
 DEFAULT_UNITS = "the items of every nn.ModuleList (a transformer's blocks), then the whole model"
 # A LightningModule's steps call its submodules (or self(...)) from these methods, not only from forward.
@@ -43,12 +45,22 @@ def mixed_precision(precision: str) -> Any:
 
 
 def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, world_size: int,
-          lightning: bool = False) -> int:
+          lightning: bool = False, weights_folder: Optional[str] = None) -> int:
     """fully_shard every unit of `model`, then `model` itself (in place: its class becomes an FSDPModule), over
-    all ranks of the process group. Returns the number of units, the whole model included."""
+    all ranks of the process group, from rank 0's values (as DDP starts). What the model has on the meta device
+    is read from `weights_folder`, each rank its own shards only (estimator.core.meta). Returns the number of
+    units, the whole model included."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    meta = meta_names(model, folder_entries(weights_folder)) if weights_folder else []
+    with torch.no_grad():  # what has values, on the device; then rank 0's everywhere (fully_shard keeps each
+        for t in _valued(model, device):  # rank's slice of its own values: a factory's random head would mix)
+            dist.broadcast(t, src=0)
+    if meta:  # to_empty below replaces every tensor: what has values is put back after it
+        kept = {n: t.detach().clone() for n, t in model.state_dict().items() if not t.is_meta}
+        buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
     # The ranks' device, not the one guessed from the host. Named anew for every sharding: Spark reuses its Python
     # workers, DTensor caches each op's output spec per input specs, and a mesh equals any other of its shape and
     # names whatever this process's rank in it was - an earlier fit's cache would give this fit's DTensors that
@@ -59,11 +71,49 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if meta:
+        _read_shards(model, meta, weights_folder, device, kept, buffers)
     if lightning:  # the whole model's own parameters are gathered around its steps as around forward
         for method in LIGHTNING_METHODS:
             if callable(getattr(model, method, None)):
                 register_fsdp_forward_method(model, method)
     return len(units) + 1
+
+
+def _valued(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
+    """The tensors of `model` that are not on the meta device, moved to `device` in place (a parameter keeps its
+    identity, so modules sharing it still do); each once."""
+    seen: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None or t.is_meta:
+                    continue
+                if id(t) not in seen:
+                    if isinstance(t, nn.Parameter):
+                        t.data = t.data.to(device)
+                        seen[id(t)] = t
+                    else:
+                        seen[id(t)] = t.to(device)
+                table[key] = seen[id(t)]
+    return [t.data if isinstance(t, nn.Parameter) else t for t in seen.values()]
+
+
+def _read_shards(model: nn.Module, meta: List[str], folder: str, device: torch.device,
+                 kept: Dict[str, torch.Tensor], buffers: list) -> None:
+    """The sharded model's tensors on the device (to_empty), each rank's shards of the meta ones read from the
+    folder's .safetensors files (DCP's HuggingFaceStorageReader reads a slice per shard), the others put back."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model.to_empty(device=device)
+    for module, key, value in buffers:  # buffers are not sharded: the same tensors, values and all
+        if not value.is_meta:
+            module._buffers[key] = value
+    state = get_model_state_dict(model)  # this rank's shards (DTensors), in place
+    load({name: state[name] for name in meta}, storage_reader=HuggingFaceStorageReader(folder))
+    if kept:  # whole on every rank (rank 0's): each keeps its slice
+        set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 class Sharded(nn.Module):

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from estimator.core.faults import Fault
+from estimator.core.meta import materialize
 from estimator.core.pickling import optimizer_from_factory, rebuild_optimizer
 from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.plan import optimizer_steps
@@ -39,14 +40,19 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     started = time.perf_counter()
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
-    model = objs.module().to(device)  # a model_factory builds it here, on the rank
+    model = objs.module()  # a model_factory builds it here, on the rank
     sharded = spec.strategy == "fsdp"
-    if sharded:
+    if not sharded:  # fsdp: shard reads each rank's shards of what is on the meta device, and moves the rest
+        if objs.weights_folder:
+            materialize(model, objs.weights_folder, device)
+        model = model.to(device)
+    else:
         if ctx.shared_gpus:
             raise ValueError(f"strategy='fsdp' needs a GPU per rank, but rank {ctx.rank} shares {ctx.device} with "
                              "other ranks (spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one GPU. "
                              "Give each task a whole GPU, or use strategy='ddp'.")
-        units = shard(model, objs.shard_units, spec.precision, device, ctx.world_size, objs.lightning)
+        units = shard(model, objs.shard_units, spec.precision, device, ctx.world_size, objs.lightning,
+                      objs.weights_folder)
         log.debug("rank %d: %d units sharded", ctx.rank, units)
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
                                                                run_optimizer_steps(spec, ctx.world_size))

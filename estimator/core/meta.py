@@ -1,0 +1,147 @@
+"""A model the `model` factory builds on the meta device (shapes, no memory), its weights read from a folder of
+.safetensors files (a save_pretrained folder) named by the `weights_folder` param: the way to train a model no
+rank can hold whole, or that a host's ranks cannot each build whole on the CPU first.
+
+    def build():
+        config = BertConfig.from_pretrained("/dbfs/models/bert")
+        with parameters_on_meta():         # parameters on meta; buffers (position ids) keep their values
+            model = BertForSequenceClassification(config)
+        model.classifier = nn.Linear(config.hidden_size, 2)  # built with values: kept, not read
+        return model
+
+What the factory leaves on the meta device is read from the folder by its state-dict name (each rank only its own
+shards with strategy='fsdp', estimator.train.sharding); what it builds with values is kept. The driver builds it
+whole (its dry run; the TorchModel at the end): `materialize`. torch and safetensors only, no pyspark.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Iterable, Iterator, List, Tuple
+
+import torch
+from torch import nn
+
+SUFFIX = ".safetensors"
+HOW = ("build the parameters on the meta device with estimator.parameters_on_meta() (buffers keep their values) "
+       "and name the folder of their weights with weights_folder")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers inside this block goes to the meta device (its initialization then
+    costs nothing); buffers keep their values (a non-persistent buffer, such as a transformer's position ids, is
+    in no weights file: on meta it could not be restored). Patches nn.Module.register_parameter while it runs:
+    build the model in one thread."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: "nn.Parameter | None") -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def meta_tensors(model: nn.Module) -> List[List[str]]:
+    """The parameters and persistent buffers on the meta device, each as its state-dict names (several where
+    modules share it: a tied embedding; a weights file holds one of them): what the weights folder must give."""
+    names: Dict[int, List[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.is_meta:
+            names.setdefault(id(t), []).append(name)
+    return list(names.values())
+
+
+def meta_names(model: nn.Module, available: Iterable[str] = ()) -> List[str]:
+    """One state-dict name per tensor on the meta device: the first of its names in `available`, else its first."""
+    there = set(available)
+    return [next((n for n in names if n in there), names[0]) for names in meta_tensors(model)]
+
+
+def unloadable(model: nn.Module) -> List[str]:
+    """Buffers on the meta device that no state dict holds (non-persistent): nothing could give them values."""
+    saved = set(model.state_dict(keep_vars=True))
+    return [name for name, b in model.named_buffers() if b.is_meta and name not in saved]
+
+
+def folder_entries(folder: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """{state-dict name: (its .safetensors file in `folder`, its shape)}, from the files' headers only."""
+    from safetensors import safe_open
+
+    entries: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(SUFFIX):
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                entries.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+    return entries
+
+
+def check_weights(model: nn.Module, folder: "str | None", owner: str) -> List[str]:
+    """The meta names of `model`, after checking that `folder` gives each of them a value of its shape; a clear
+    error otherwise (before any Spark job). An empty list: the model has its weights, and `folder` must be None."""
+    meta = meta_names(model)
+    if not meta and not unloadable(model):
+        if folder is not None:
+            raise ValueError(f"The 'weights_folder' parameter of {owner} ({folder!r}) names the weights of what the "
+                             "model factory leaves on the meta device, and the model it built has every weight: "
+                             f"drop weights_folder, or {HOW}.")
+        return []
+    lost = unloadable(model)
+    if lost:
+        raise ValueError(f"The model built for {owner} has buffers on the meta device that no weights file holds "
+                         f"(non-persistent: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}): nothing could "
+                         f"give them values. {HOW[0].upper()}{HOW[1:]}.")
+    if folder is None:
+        raise ValueError(f"The model built for {owner} has {len(meta)} weights on the meta device (no values: "
+                         f"{', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''}): name the folder of .safetensors "
+                         "files holding them with weights_folder='/path/on/every/executor' (a save_pretrained "
+                         "folder), or build the model with its weights (from_pretrained(path)).")
+    if not isinstance(folder, str) or "://" in folder or not os.path.isdir(folder):
+        raise ValueError(f"The 'weights_folder' parameter of {owner} must be a folder of .safetensors files on the "
+                         f"driver's and every executor's file system (e.g. /dbfs/..., a mounted volume); got "
+                         f"{folder!r}, which is not a local folder.")
+    entries = folder_entries(folder)
+    if not entries:
+        raise ValueError(f"The 'weights_folder' parameter of {owner} ({folder!r}) holds no {SUFFIX} files: save "
+                         "the weights with save_pretrained(folder) or safetensors.torch.save_file.")
+    state = model.state_dict(keep_vars=True)
+    meta = meta_names(model, entries)
+    missing = [n for n in meta if n not in entries]
+    if missing:
+        raise ValueError(f"{len(missing)} weights the model leaves on the meta device are not in {folder!r} (by "
+                         f"state-dict name): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Build "
+                         "those with values in the factory (a new head: assign it after the parameters_on_meta "
+                         "block), or save a folder that has them.")
+    wrong = [f"{n} {entries[n][1]} in the folder, {tuple(state[n].shape)} in the model" for n in meta
+             if entries[n][1] != tuple(state[n].shape)]
+    if wrong:
+        raise ValueError(f"Weights in {folder!r} do not have the model's shapes: {'; '.join(wrong[:3])}.")
+    return meta
+
+
+def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "cpu") -> None:
+    """The whole model on `device`, in place: each tensor on the meta device replaced by its values from the
+    folder (cast to the model's dtype); the others kept. Parameters shared by several modules stay shared."""
+    from safetensors import safe_open
+
+    files = folder_entries(folder)
+    state = model.state_dict(keep_vars=True)
+    names = {id(state[n]): n for n in meta_names(model, files)}
+    made: Dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for key, t in list(table.items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in made:
+                        with safe_open(os.path.join(folder, files[names[id(t)]][0]), framework="pt") as f:
+                            value = f.get_tensor(names[id(t)]).to(device=device, dtype=t.dtype)
+                        made[id(t)] = (type(t)(value, requires_grad=t.requires_grad)
+                                       if isinstance(t, nn.Parameter) else value)
+                    table[key] = made[id(t)]
