@@ -24,19 +24,30 @@ from text_helpers import save_pretrained_bert, topic_texts
 pytestmark = pytest.mark.spark
 
 
+def bert_on_meta(path):
+    """The saved BERT's shape on the meta device: its weights are the fit's weights_folder."""
+    from transformers import AutoConfig
+
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        return AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path))
+
+
 @pytest.mark.connect
 def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_ddp_trains(spark, store, tmp_path,
                                                                                            monkeypatch, caplog):
-    """Rank 1 dies before optimizer step 13 (epoch 2); the retry loads the step-12 shards both ranks wrote (in the
-    foreground here: a background write that the kill cuts leaves the epoch-1 checkpoint, as it should). The
-    weights, the history (validation in lockstep over uneven shards) and the predictions are DDP's."""
+    """The sharded fit's model is built on the meta device, each rank reading its shards of the saved weights
+    (weights_folder); DDP's is from_pretrained on each rank. Rank 1 dies before optimizer step 13 (epoch 2); the
+    retry loads the step-12 shards both ranks wrote (in the foreground here: a background write that the kill cuts
+    leaves the epoch-1 checkpoint, as it should). The weights, the history (validation in lockstep over uneven
+    shards) and the predictions are DDP's."""
     rows = topic_texts(320, seed=7)
     path = save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in rows])
     df = spark.createDataFrame(rows, "text string, label long")
 
-    def estimator(run_id, **kw):
-        return TorchEstimator(num_proc=2, store=store, run_id=run_id,
-                              model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+    def estimator(run_id, model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path), **kw):
+        return TorchEstimator(num_proc=2, store=store, run_id=run_id, model=model,
                               optimizer=functools.partial(torch.optim.AdamW, lr=3e-3),
                               tokenizer=AutoTokenizer.from_pretrained(path), loss=nn.CrossEntropyLoss(),
                               metrics=["accuracy"], feature_cols=["text"], label_cols=["label"], batch_size=16,
@@ -45,7 +56,8 @@ def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_d
     ddp = estimator("bert-ddp", shared_memory_allreduce=False).fit(df)
     monkeypatch.setenv(ENV, json.dumps([{"point": "step", "rank": 1, "action": "exit", "step": 13, "attempt": 0}]))
     with caplog.at_level(logging.INFO, logger="estimator"):
-        pipeline = Pipeline(stages=[estimator("bert-fsdp", strategy="fsdp", checkpoint_steps=4, max_retries=1,
+        pipeline = Pipeline(stages=[estimator("bert-fsdp", functools.partial(bert_on_meta, path), weights_folder=path,
+                                              strategy="fsdp", checkpoint_steps=4, max_retries=1,
                                               checkpoint_async=False)]).fit(df)
     fsdp = pipeline.stages[0]
     monkeypatch.delenv(ENV)

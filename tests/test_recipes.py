@@ -85,11 +85,61 @@ def test_two_ranks_built_from_recipes_train_what_the_instances_train(store, digi
     assert len(pids) == 3 and pids[0] == os.getpid() and len(set(pids[1:])) == 2 and os.getpid() not in pids[1:]
 
 
-def test_a_factory_that_builds_on_the_meta_device_is_refused_by_name():
-    def on_meta():
-        with torch.device("meta"):
-            return MLP()
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, and a non-persistent buffer."""
 
-    with pytest.raises(ValueError, match=r"built a module on the meta device \(no weights: net.0.weight, net.0.bias, "
-                                         r"net.2.weight \.\.\.\); building on the meta device .* not served yet"):
-        model_of(on_meta)
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 6)
+        self.out = nn.Linear(6, 12, bias=False)
+        self.out.weight = self.embed.weight
+        self.register_buffer("positions", torch.arange(4), persistent=False)
+
+    def forward(self, x):
+        return self.out(self.embed(x))
+
+
+def on_meta(build, shared_buffers=True):
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta() if shared_buffers else torch.device("meta"):
+        return build()
+
+
+def test_a_factory_on_the_meta_device_is_read_from_its_folder_or_refused_by_name(tmp_path):
+    """model_of reads what the factory left on the meta device whole (the driver's copy); what is not there, or of
+    another shape, or not readable at all, is refused before any job with the names and the fix."""
+    from safetensors.torch import save_file, save_model
+
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    source = seeded(Tied)
+    save_model(source, str(folder / "model.safetensors"))  # the tied weight once, under one of its names
+    built, _ = model_of(functools.partial(on_meta, Tied), str(folder))
+    assert built.out.weight is built.embed.weight and torch.equal(built.embed.weight, source.embed.weight)
+    assert torch.equal(built.positions, torch.arange(4))
+    mlp = tmp_path / "mlp"
+    mlp.mkdir()
+    save_file({k: v for k, v in MLP().state_dict().items() if k != "net.2.bias"}, str(mlp / "a.safetensors"))
+    save_file({"net.2.bias": torch.zeros(5)}, str(mlp / "b.safetensors"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refusals = [
+        (functools.partial(on_meta, MLP), None, r"has 4 weights on the meta device \(no values: net.0.weight, "
+         r"net.0.bias, net.2.weight \.\.\.\): name the folder of .safetensors files holding them with weights_folder"),
+        (functools.partial(on_meta, Tied, False), str(folder), r"buffers on the meta device that no weights file "
+         r"holds \(non-persistent: positions\).* estimator.parameters_on_meta\(\)"),
+        (MLP, str(folder), r"names the weights of what the model factory leaves on the meta device, and the model it "
+         r"built has every weight: drop weights_folder"),
+        (functools.partial(on_meta, MLP), str(folder), r"4 weights the model leaves on the meta device are not in "
+         r".*: net.0.weight, net.0.bias, net.2.weight, net.2.bias\. Build those with values"),
+        (functools.partial(on_meta, MLP), str(mlp), r"do not have the model's shapes: net.2.bias \(5,\) in the folder, "
+         r"\(10,\) in the model"),
+        (functools.partial(on_meta, MLP), "s3://bucket/weights", r"must be a folder of .safetensors files on the "
+         r"driver's and every executor's file system"),
+        (functools.partial(on_meta, MLP), str(empty), r"holds no .safetensors files"),
+        (on_meta(MLP), None, r"is a module on the meta device \(no weights\): give the callable that builds it"),
+    ]
+    for model, weights, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            model_of(model, weights)

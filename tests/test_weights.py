@@ -53,6 +53,24 @@ def test_a_factory_model_saves_as_safetensors_and_rebuilds_through_its_factory(t
         load_module(fs, root, None)
 
 
+def meta_mlp():
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        return MLP()
+
+
+def test_a_model_whose_factory_builds_on_the_meta_device_loads_with_the_saved_weights(memory):
+    """A weights_folder fit's TorchModel: its factory builds on the meta device, and the saved weights fill it."""
+    fs, root = memory
+    model = seeded(MLP)
+    save_module(model, None, None, fs, root)
+    loaded, restored = load_module(fs, root, meta_mlp)
+    assert restored is None and all(not t.is_meta for t in loaded.state_dict().values())
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
 class Tied(nn.Module):
     """An embedding and an output layer sharing one matrix (as language models tie them)."""
 
