@@ -4,6 +4,11 @@ Ranks are local processes (estimator.launch.LocalLauncher: the ranks' own code, 
 over gloo. Numbers, not assertions (RESULTS.md by hand).
 
     .venv/bin/python benchmarks/bench_fsdp.py [--width 1024] [--blocks 8] [--json benchmarks/results_fsdp.json]
+    .venv/bin/python benchmarks/bench_fsdp.py --build [--width 2048] [--blocks 24] [--json ...]
+
+--build: each rank's peak resident memory (WorkerResult.peak_rss_mb, fresh processes) in a sharded fit whose model
+a factory builds either with its weights (loaded whole from a safetensors file, as from_pretrained does, then
+sharded) or on the meta device with weights_folder (each rank reads its own shards); one epoch of 512 rows.
 
 The model: an MLP of residual blocks in an nn.ModuleList (LayerNorm, Linear width x width, tanh), 64 inputs, 10
 classes; Adam (two state tensors per parameter: 3x the parameters' bytes in all). 4,096 random rows, batch 256
@@ -74,13 +79,88 @@ def make_spec(store, width, blocks, strategy, ranks, rows):
                      256 // ranks, 256, 1, strategy=strategy, shared_memory_allreduce=False, verbose=0), model
 
 
+def whole_blocks(folder: str, width: int, blocks: int) -> nn.Module:
+    """The model with its weights, as from_pretrained builds it: every rank holds it whole once."""
+    from safetensors.torch import load_model
+
+    model = Blocks(width, blocks)
+    load_model(model, os.path.join(folder, "model.safetensors"))
+    return model
+
+
+def meta_blocks(width: int, blocks: int) -> nn.Module:
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        return Blocks(width, blocks)
+
+
+def _build_peak(rank: int, how: str, ranks: int, folder: str, width: int, blocks: int, port: int, out: str) -> None:
+    """One rank: the model built (whole, or on meta), sharded and filled, then this process's peak resident memory
+    and its memory now - before any training allocates."""
+    import resource
+
+    import psutil
+    import torch.distributed as dist
+
+    from estimator.train.sharding import shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    model = whole_blocks(folder, width, blocks) if how == "whole" else meta_blocks(width, blocks)
+    shard(model, None, "32", torch.device("cpu"), ranks, weights_folder=None if how == "whole" else folder)
+    import gc
+
+    gc.collect()
+    with open(os.path.join(out, f"{how}-{ranks}-{rank}.json"), "w") as f:
+        json.dump({"before_mb": before, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "now_mb": psutil.Process().memory_info().rss / 2**20}, f)
+    dist.destroy_process_group()
+
+
+def build_memory(args: argparse.Namespace) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+    from safetensors.torch import save_model
+
+    folder, out = tempfile.mkdtemp(prefix="bench-fsdp-weights-"), tempfile.mkdtemp(prefix="bench-fsdp-build-")
+    torch.manual_seed(0)
+    save_model(Blocks(args.width, args.blocks), os.path.join(folder, "model.safetensors"))
+    params = sum(p.numel() for p in Blocks(args.width, 1).parameters()) + (args.blocks - 1) * (
+        args.width * args.width + 3 * args.width)
+    print(f"model: {params / 1e6:.1f}M parameters, {params * 4 / 1e6:.0f} MB in float32")
+    results = {}
+    for ranks in (2, 4):
+        for how in ("whole", "meta"):
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            mp.spawn(_build_peak, args=(how, ranks, folder, args.width, args.blocks, port, out), nprocs=ranks)
+            seen = [json.load(open(os.path.join(out, f"{how}-{ranks}-{r}.json"))) for r in range(ranks)]
+            grew = max(s["peak_mb"] - s["before_mb"] for s in seen)
+            peak = max(s["peak_mb"] for s in seen)
+            results[f"{how} x{ranks}"] = {"peak_mb": round(peak), "peak_growth_mb": round(grew),
+                                          "rss_after_mb": [round(s["now_mb"]) for s in seen]}
+            print(f"{how:5s} build on {ranks} ranks: peak resident memory {peak:.0f} MB per rank (+{grew:.0f} MB "
+                  f"while building and sharding), {max(s['now_mb'] for s in seen):.0f} MB resident after")
+    return {"parameters": params, "results": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--json")
+    parser.add_argument("--build", action="store_true", help="peak memory: a factory with weights vs on meta")
     args = parser.parse_args()
+    if args.build:
+        found = build_memory(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), **found}, f, indent=1)
+        return
 
     from estimator.launch.local import LocalLauncher
     from store import Store
