@@ -216,6 +216,9 @@ def _two_generations(process, port, folder):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    from torch.distributed.tensor import DTensor
+
+    from estimator.train.distributed import forget_sharding_specs
     from estimator.train.sharding import shard
 
     for generation, rank in enumerate((process, 1 - process)):
@@ -229,17 +232,23 @@ def _two_generations(process, port, folder):
         states = get_model_state_dict(model)
         get_optimizer_state_dict(model, optimizer)
         coordinates = {name: list(t.device_mesh.get_coordinate()) for name, t in states.items()}
-        with open(os.path.join(folder, f"{process}-{generation}.json"), "w") as out:
-            json.dump({"rank": rank, "coordinates": coordinates}, out)
         del model, optimizer, states
         gc.collect()
         dist.destroy_process_group()
+        cached = [DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize,
+                  torch._C._get_DTensor_sharding_propagator_cache_stats()]
+        forget_sharding_specs()  # as run_rank does after every fit
+        left = [DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize,
+                torch._C._get_DTensor_sharding_propagator_cache_stats()]
+        with open(os.path.join(folder, f"{process}-{generation}.json"), "w") as out:
+            json.dump({"rank": rank, "coordinates": coordinates, "cached": cached, "left": left}, out)
 
 
 def test_a_reused_process_with_another_rank_gives_its_shards_this_ranks_offsets(tmp_path):
     """DTensor caches each op's output spec per thread, and a mesh equals any other of its shape and names: without
     a mesh of its own per sharding, the second group's state dict came out on the first group's mesh, with the
-    first rank's coordinates (checkpoints then saved shards at another rank's offsets)."""
+    first rank's coordinates (checkpoints then saved shards at another rank's offsets). And the caches, which
+    would grow with every fit's mesh in a long-lived worker, are emptied at the teardown."""
     import json
     import socket
 
@@ -253,3 +262,4 @@ def test_a_reused_process_with_another_rank_gives_its_shards_this_ranks_offsets(
         for generation in (0, 1):
             seen = json.load(open(tmp_path / f"{process}-{generation}.json"))
             assert set(map(tuple, seen["coordinates"].values())) == {(seen["rank"],)}, (process, generation, seen)
+            assert sum(seen["cached"][1]) > 0 and seen["left"] == [0, [0, 0]], seen  # emptied after each fit

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -88,6 +89,26 @@ def shared_gpus(hosts: Sequence[str], devices: Sequence[str]) -> Dict[Tuple[str,
     return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
 
 
+def forget_sharding_specs() -> None:
+    """Empty DTensor's caches of each op's output spec (one in C++, one per thread in Python), whose keys hold the
+    meshes of a finished fit's process group: a Spark Python worker lives for many fits, and strategy='fsdp'
+    gives each sharding a mesh of its own (estimator.train.sharding.shard), so they would grow with every fit.
+    Nothing to do where DTensor was never imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
+    except (ImportError, AttributeError):  # another torch's internals: the caches stay
+        pass
+
+
 def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], T],
              timeout: timedelta = timedelta(minutes=30)) -> T:
     """Init the process group, run `work`, and always tear the group down cleanly.
@@ -116,6 +137,7 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     # The traceback (and the frames holding DDP) is released once the except block ends.
     gc.collect()
     dist.destroy_process_group()
+    forget_sharding_specs()
     if failure is not None:
         raise failure
     if dataclasses.is_dataclass(result) and hasattr(result, "teardown_seconds"):
