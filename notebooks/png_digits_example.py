@@ -92,7 +92,7 @@ def main(argv=None) -> float:
 
     # TorchModel.transform feeds numeric columns: decode the test images into one first.
     decode = F.pandas_udf(lambda contents: contents.map(decode_png), "array<float>")
-    test = test_df.withColumn("pixels", decode("content"))
+    test = test_df.coalesce(2).withColumn("pixels", decode("content"))  # binaryFile made ~150 small partitions
     predictions = fitted.setFeatureCols(["pixels"]).transform(test)
     accuracy = MulticlassClassificationEvaluator(labelCol="label", predictionCol="prediction",
                                                  metricName="accuracy").evaluate(predictions)

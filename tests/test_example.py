@@ -21,18 +21,9 @@ def run_example(name, *args, cwd):
 
 
 @pytest.mark.spark
-@pytest.mark.parametrize("session", ["classic", "connect"])
-def test_digits_example_reaches_90_percent(tmp_path, session):
-    from estimator.cluster import LocalConnectServer
-
-    server = LocalConnectServer(master="local[2]").start() if session == "connect" else None
-    try:
-        remote = ["--remote", server.url] if server is not None else []
-        stdout, _, accuracy = run_example("digits_example.py", "--store", str(tmp_path / "runs"), *remote,
-                                          cwd=tmp_path)
-    finally:
-        if server is not None:
-            server.stop()
+def test_digits_example_reaches_90_percent(tmp_path):
+    """(Through Spark Connect, with --remote, the example runs in .ci/check-wheel from the installed wheel.)"""
+    stdout, _, accuracy = run_example("digits_example.py", "--store", str(tmp_path / "runs"), cwd=tmp_path)
     assert accuracy >= 0.90
     assert re.search(r"^epoch 8: loss", stdout, re.MULTILINE)
 
@@ -40,7 +31,8 @@ def test_digits_example_reaches_90_percent(tmp_path, session):
 @pytest.mark.spark
 def test_png_digits_example_trains_on_decoded_image_bytes(tmp_path):
     """PNG files -> binaryFile -> transformation_fn decodes them while the ranks stream the rows."""
-    stdout, stderr, accuracy = run_example("png_digits_example.py", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    stdout, stderr, accuracy = run_example("png_digits_example.py", "--epochs", "2", "--workdir", str(tmp_path / "work"),
+                                           cwd=tmp_path)  # 0.92 after 2 epochs
     assert "PNG files written: 5000" in stdout
     assert accuracy >= 0.85
     assert "Ranks read their data: arrow streaming (inmemory_cache_all=False" in stderr
