@@ -14,14 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.spark
 
 
-def run_job(tmp_path, addresses, case, faults=None):
+def run_job(tmp_path, addresses, case):
     script = tmp_path / "gpus.sh"
     script.write_text("#!/bin/bash\necho '" + json.dumps({"name": "gpu", "addresses": addresses}) + "'\n")
     script.chmod(0o755)
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT)
     env.pop("SPARK_TORCH_ESTIMATOR_FAULTS", None)
-    if faults:
-        env["SPARK_TORCH_ESTIMATOR_FAULTS"] = json.dumps(faults)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "gpus_per_task_job.py"),
                              str(script), str(tmp_path / "store"), case], capture_output=True, text=True,
                             timeout=600, cwd=str(tmp_path), env=env)
@@ -29,6 +27,13 @@ def run_job(tmp_path, addresses, case, faults=None):
     out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert not _rank_processes(), "rank processes outlived the fit"
     return out
+
+
+@pytest.fixture(scope="module")
+def four_gpus(tmp_path_factory):
+    """One session (a local-cluster executor with 4 GPU addresses, 2 a task) for three fits: a plain one, one
+    whose rank 3 raises, one whose rank 2's process exits and is retried (one local-cluster start, not three)."""
+    return run_job(tmp_path_factory.mktemp("four-gpus"), ["3", "5", "6", "7"], "per_task")
 
 
 def _rank_processes():
@@ -42,8 +47,8 @@ def assigned(out):
                 for line in out["assigned"])
 
 
-def test_two_gpus_per_task_run_two_ranks_each_on_their_own_address(tmp_path):
-    out = run_job(tmp_path, ["3", "5", "6", "7"], "per_task")
+def test_two_gpus_per_task_run_two_ranks_each_on_their_own_address(four_gpus):
+    out = four_gpus["fit"]
     assert out["tasks"] == ["num_proc=4: 2 Spark tasks of 2 ranks each, a rank per GPU "
                             "(spark.task.resource.gpu.amount=2)"]
     ranks = assigned(out)
@@ -65,20 +70,18 @@ def test_two_gpus_per_task_run_two_ranks_each_on_their_own_address(tmp_path):
 
 
 def test_half_a_gpu_per_task_two_ranks_share_one_address(tmp_path):
-    out = run_job(tmp_path, ["3"], "shared")
+    out = run_job(tmp_path, ["3"], "shared")["fit"]
     assert assigned(out) == {"0": "3", "1": "3"} and out["tasks"] == []  # a rank per task, both on GPU 3
     assert out["val_accuracy"] >= 0.85
 
 
-def test_a_failing_rank_of_a_task_fails_the_fit_with_its_own_rank_number(tmp_path):
-    out = run_job(tmp_path, ["3", "5", "6", "7"], "failure",
-                  [{"point": "step", "rank": 3, "action": "raise", "step": 5}])
+def test_a_failing_rank_of_a_task_fails_the_fit_with_its_own_rank_number(four_gpus):
+    out = four_gpus["failure"]
     assert out["error"] == "rank 3: InjectedFault: injected fault at step on rank 3 (attempt 0, epoch 1, step 5)"
 
 
-def test_a_killed_rank_of_a_task_is_retried_from_the_checkpoint(tmp_path):
-    out = run_job(tmp_path, ["3", "5", "6", "7"], "retry",
-                  [{"point": "step", "rank": 2, "action": "exit", "step": 5, "attempt": 0}])
+def test_a_killed_rank_of_a_task_is_retried_from_the_checkpoint(four_gpus):
+    out = four_gpus["retry"]
     assert "error" not in out, out
     assert len(out["retried"]) == 1 and "rank 2: its process exited (code 17) without a result" in out["retried"][0]
     assert out["val_accuracy"] >= 0.85
