@@ -184,7 +184,7 @@ ESTIMATOR_PARAMS = [
               "executor's file system, holding by state-dict name the weights a `model` factory leaves on the meta "
               "device (estimator.parameters_on_meta()): each rank reads only its own shards of them with "
               "strategy='fsdp', the whole with 'ddp', and what the factory built with values is kept (docs/gpus.md "
-              "'Models larger than a host's memory'). None: the model has all its weights",
+              "'Models built on the meta device'). None: the model has all its weights",
               None, optional(lambda v: isinstance(v, str) and v != ""), "a folder path, or None"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
