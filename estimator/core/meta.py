@@ -133,15 +133,18 @@ def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "c
     state = model.state_dict(keep_vars=True)
     names = {id(state[n]): n for n in meta_names(model, files)}
     made: Dict[int, torch.Tensor] = {}
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        opened: Dict[str, object] = {}  # each file opened once
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for key, t in list(table.items()):
                     if t is None or not t.is_meta:
                         continue
                     if id(t) not in made:
-                        with safe_open(os.path.join(folder, files[names[id(t)]][0]), framework="pt") as f:
-                            value = f.get_tensor(names[id(t)]).to(device=device, dtype=t.dtype)
+                        file = files[names[id(t)]][0]
+                        if file not in opened:
+                            opened[file] = stack.enter_context(safe_open(os.path.join(folder, file), framework="pt"))
+                        value = opened[file].get_tensor(names[id(t)]).to(device=device, dtype=t.dtype)
                         made[id(t)] = (type(t)(value, requires_grad=t.requires_grad)
                                        if isinstance(t, nn.Parameter) else value)
                     table[key] = made[id(t)]
