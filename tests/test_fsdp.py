@@ -54,13 +54,20 @@ def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_
     assert fsdp[0].allreduce == "gloo reduce-scatter (fsdp: model, gradients and optimizer state in 2 shards)"
 
 
+class Prefixed(BlockMLP):
+    """Declares the prefix its weights have in a folder of a larger model, as transformers' base models do: read
+    from a folder naming them mlp.<name>, as from_pretrained reads a BertModel from a BertForMaskedLM's folder."""
+    base_model_prefix = "mlp"
+
+
 def meta_block_mlp():
-    """A BlockMLP whose blocks and embedding are on the meta device (their weights are read from a folder) and
-    whose head is built with values - by each rank, from its own generator."""
+    """A BlockMLP whose blocks and embedding are on the meta device (their weights are read from a folder, where
+    their names have the prefix it declares) and whose head is built with values - by each rank, from its own
+    generator."""
     from estimator import parameters_on_meta
 
     with parameters_on_meta():
-        model = BlockMLP()
+        model = Prefixed()
     model.head = nn.Linear(48, 10)
     return model
 
@@ -74,7 +81,8 @@ def recorded(folder, build):
 
 def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_from_rank_0s_head(store, digits,
                                                                                                  tmp_path):
-    """The factory's meta tensors come from the folder (each fsdp rank reads its own shards), and its head, built
+    """The factory's meta tensors come from the folder (each fsdp rank reads its own shards, named with the prefix
+    the model declares), and its head, built
     with values that differ on each rank, is rank 0's on every rank, as DDP starts: with lr=0 the run's checkpoint
     is the folder's weights and one rank's whole head (each rank keeping its slice of its own head would mix
     them); so is a whole model a factory draws anew on each rank. Seeded alike, 2 fsdp ranks then train what 2
@@ -86,7 +94,7 @@ def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_fro
     weights, starts = tmp_path / "weights", tmp_path / "starts"
     weights.mkdir(), starts.mkdir()
     body = {k: v for k, v in seeded(BlockMLP).state_dict().items() if not k.startswith("head.")}
-    save_file(body, str(weights / "model.safetensors"))
+    save_file({f"mlp.{k}": v for k, v in body.items()}, str(weights / "model.safetensors"))
     factory = functools.partial(recorded, str(starts), meta_block_mlp)
     driver, _ = model_of(factory, str(weights))  # the driver's copy, read whole
     for name, value in body.items():

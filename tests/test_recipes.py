@@ -143,3 +143,39 @@ def test_a_factory_on_the_meta_device_is_read_from_its_folder_or_refused_by_name
     for model, weights, message in refusals:
         with pytest.raises(ValueError, match=message):
             model_of(model, weights)
+
+
+def test_a_base_models_folder_fills_a_model_with_a_head_as_from_pretrained_reads_it(tmp_path):
+    """transformers' base_model_prefix, as from_pretrained applies it: a BertModel's folder (encoder...) fills a
+    BertForSequenceClassification built on the meta device (bert.encoder...) whose new head is built with values;
+    a BertForMaskedLM's folder (bert..., cls...) fills a BertModel. The weights read are from_pretrained's; a head
+    left on the meta device is refused by name."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel
+
+    from estimator import parameters_on_meta
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(tmp_path / "base")
+    BertForMaskedLM(config).save_pretrained(tmp_path / "mlm")
+
+    def classifier():
+        with parameters_on_meta():
+            model = BertForSequenceClassification(config)
+        model.classifier = nn.Linear(16, 2)  # a new head, with values
+        return model
+
+    built, _ = model_of(classifier, str(tmp_path / "base"))
+    reference = BertForSequenceClassification.from_pretrained(tmp_path / "base").bert.state_dict()
+    assert set(built.bert.state_dict()) == set(reference)
+    for name, value in reference.items():
+        assert torch.equal(built.bert.state_dict()[name], value), name
+    base, _ = model_of(functools.partial(on_meta, functools.partial(BertModel, config, add_pooling_layer=False)),
+                       str(tmp_path / "mlm"))
+    for name, value in BertModel.from_pretrained(tmp_path / "mlm", add_pooling_layer=False).state_dict().items():
+        assert torch.equal(base.state_dict()[name], value), name
+    with pytest.raises(ValueError, match=r"2 weights the model leaves on the meta device are not in .*: "
+                                         r"classifier.weight, classifier.bias\. Build those with values"):
+        model_of(functools.partial(on_meta, functools.partial(BertForSequenceClassification, config)),
+                 str(tmp_path / "base"))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Iterable, Iterator, List, Tuple
+import socket
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -57,10 +58,28 @@ def meta_tensors(model: nn.Module) -> List[List[str]]:
     return list(names.values())
 
 
-def meta_names(model: nn.Module, available: Iterable[str] = ()) -> List[str]:
-    """One state-dict name per tensor on the meta device: the first of its names in `available`, else its first."""
-    there = set(available)
-    return [next((n for n in names if n in there), names[0]) for names in meta_tensors(model)]
+def weight_keys(model: nn.Module, keys: Iterable[str] = ()) -> Dict[str, Optional[str]]:
+    """{a state-dict name of each tensor on the meta device: its key among a weights folder's `keys`, or None}.
+    A name is its own key. A model that declares `base_model_prefix` (transformers' models do) also finds its
+    weights as from_pretrained does: without the prefix (a base model's folder read into a model with a head:
+    bert.encoder... from encoder...) or with it (a folder of a model with a head read into its base model).
+    Tensors shared by several names (tied weights) take the first name that has a key, else their first name."""
+    there = set(keys)
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if isinstance(prefix, str) and prefix else ""
+
+    def key(name: str) -> Optional[str]:
+        if name in there:
+            return name
+        if prefix and name.startswith(prefix) and name[len(prefix):] in there:
+            return name[len(prefix):]
+        return prefix + name if prefix and prefix + name in there else None
+
+    found: Dict[str, Optional[str]] = {}
+    for names in meta_tensors(model):
+        name = next((n for n in names if key(n) is not None), names[0])
+        found[name] = key(name)
+    return found
 
 
 def unloadable(model: nn.Module) -> List[str]:
@@ -81,10 +100,11 @@ def folder_entries(folder: str) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
     return entries
 
 
-def check_weights(model: nn.Module, folder: "str | None", owner: str) -> List[str]:
-    """The meta names of `model`, after checking that `folder` gives each of them a value of its shape; a clear
-    error otherwise (before any Spark job). An empty list: the model has its weights, and `folder` must be None."""
-    meta = meta_names(model)
+def check_weights(model: nn.Module, folder: "str | None", owner: str) -> Dict[str, str]:
+    """{each meta name of `model`: its key in `folder`} (weight_keys), after checking that the folder gives each a
+    value of its shape; a clear error otherwise (before any Spark job). Empty: the model has its weights, and
+    `folder` must be None."""
+    meta = list(weight_keys(model))
     if not meta and not unloadable(model):
         if folder is not None:
             raise ValueError(f"The 'weights_folder' parameter of {owner} ({folder!r}) names the weights of what the "
@@ -110,18 +130,33 @@ def check_weights(model: nn.Module, folder: "str | None", owner: str) -> List[st
         raise ValueError(f"The 'weights_folder' parameter of {owner} ({folder!r}) holds no {SUFFIX} files: save "
                          "the weights with save_pretrained(folder) or safetensors.torch.save_file.")
     state = model.state_dict(keep_vars=True)
-    meta = meta_names(model, entries)
-    missing = [n for n in meta if n not in entries]
+    keys = weight_keys(model, entries)
+    missing = [n for n, k in keys.items() if k is None]
     if missing:
         raise ValueError(f"{len(missing)} weights the model leaves on the meta device are not in {folder!r} (by "
-                         f"state-dict name): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Build "
-                         "those with values in the factory (a new head: assign it after the parameters_on_meta "
-                         "block), or save a folder that has them.")
-    wrong = [f"{n} {entries[n][1]} in the folder, {tuple(state[n].shape)} in the model" for n in meta
-             if entries[n][1] != tuple(state[n].shape)]
+                         f"state-dict name, or base_model_prefix as from_pretrained reads them): "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Build those with values in "
+                         "the factory (a new head: assign it after the parameters_on_meta block), or save a folder "
+                         "that has them.")
+    wrong = [f"{k} {entries[k][1]} in the folder, {n} {tuple(state[n].shape)} in the model" if n != k else
+             f"{n} {entries[k][1]} in the folder, {tuple(state[n].shape)} in the model"
+             for n, k in keys.items() if k is not None and entries[k][1] != tuple(state[n].shape)]
     if wrong:
         raise ValueError(f"Weights in {folder!r} do not have the model's shapes: {'; '.join(wrong[:3])}.")
-    return meta
+    return {n: k for n, k in keys.items() if k is not None}
+
+
+def found_keys(model: nn.Module, folder: str, entries: "Dict[str, Tuple[str, Tuple[int, ...]]] | None" = None
+               ) -> Dict[str, str]:
+    """weight_keys of `model` in `folder` as this host sees it, every one found (the driver checked its own folder
+    before the job: an executor's may differ)."""
+    keys = weight_keys(model, folder_entries(folder) if entries is None else entries)
+    lost = [n for n, k in keys.items() if k is None]
+    if lost:
+        raise ValueError(f"{len(lost)} weights the model leaves on the meta device are not in {folder!r} on "
+                         f"{socket.gethostname()}: {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} (the "
+                         "driver's folder has them): give every executor the same weights_folder.")
+    return {n: k for n, k in keys.items() if k is not None}
 
 
 def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "cpu") -> None:
@@ -131,7 +166,7 @@ def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "c
 
     files = folder_entries(folder)
     state = model.state_dict(keep_vars=True)
-    names = {id(state[n]): n for n in meta_names(model, files)}
+    names = {id(state[n]): k for n, k in found_keys(model, folder, files).items()}
     made: Dict[int, torch.Tensor] = {}
     with torch.no_grad(), contextlib.ExitStack() as stack:
         opened: Dict[str, object] = {}  # each file opened once

@@ -181,8 +181,9 @@ ESTIMATOR_PARAMS = [
                   and all(inspect.isclass(c) and issubclass(c, nn.Module) for c in v))),
               "None, a list of nn.Module classes, or a callable(module) -> bool", json=False),
     ParamSpec("weights_folder", "a folder of .safetensors files (a save_pretrained folder) on the driver's and every "
-              "executor's file system, holding by state-dict name the weights a `model` factory leaves on the meta "
-              "device (estimator.parameters_on_meta()): each rank reads only its own shards of them with "
+              "executor's file system, holding by state-dict name (or through base_model_prefix, as from_pretrained "
+              "reads) the weights a `model` factory leaves on the meta device (estimator.parameters_on_meta()): "
+              "each rank reads only its own shards of them with "
               "strategy='fsdp', the whole with 'ddp', and what the factory built with values is kept (docs/gpus.md "
               "'Models built on the meta device'). None: the model has all its weights",
               None, optional(lambda v: isinstance(v, str) and v != ""), "a folder path, or None"),

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from estimator.core.meta import folder_entries, meta_names
+from estimator.core.meta import found_keys
 
 DEFAULT_UNITS = "the items of every nn.ModuleList (a transformer's blocks), then the whole model"
 # A LightningModule's steps call its submodules (or self(...)) from these methods, not only from forward.
@@ -54,7 +54,7 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    meta = meta_names(model, folder_entries(weights_folder)) if weights_folder else []
+    meta = found_keys(model, weights_folder) if weights_folder else {}
     with torch.no_grad():  # what has values, on the device; then rank 0's everywhere (fully_shard keeps each
         for t in _valued(model, device):  # rank's slice of its own values: a factory's random head would mix)
             dist.broadcast(t, src=0)
@@ -99,7 +99,7 @@ def _valued(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
     return [t.data if isinstance(t, nn.Parameter) else t for t in seen.values()]
 
 
-def _read_shards(model: nn.Module, meta: List[str], folder: str, device: torch.device,
+def _read_shards(model: nn.Module, meta: Dict[str, str], folder: str, device: torch.device,
                  kept: Dict[str, torch.Tensor], buffers: list) -> None:
     """The sharded model's tensors on the device (to_empty), each rank's shards of the meta ones read from the
     folder's .safetensors files (DCP's HuggingFaceStorageReader reads a slice per shard), the others put back."""
@@ -111,7 +111,7 @@ def _read_shards(model: nn.Module, meta: List[str], folder: str, device: torch.d
         if not value.is_meta:
             module._buffers[key] = value
     state = get_model_state_dict(model)  # this rank's shards (DTensors), in place
-    load({name: state[name] for name in meta}, storage_reader=HuggingFaceStorageReader(folder))
+    load({key: state[name] for name, key in meta.items()}, storage_reader=HuggingFaceStorageReader(folder))
     if kept:  # whole on every rank (rank 0's): each keeps its slice
         set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True, strict=False))
 
