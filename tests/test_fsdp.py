@@ -82,7 +82,7 @@ def recorded(folder, build):
 def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_from_rank_0s_head(store, digits,
                                                                                                  tmp_path):
     """The factory's meta tensors come from the folder (each fsdp rank reads its own shards, named with the prefix
-    the model declares), and its head, built
+    the model declares, in bfloat16), and its head, built
     with values that differ on each rank, is rank 0's on every rank, as DDP starts: with lr=0 the run's checkpoint
     is the folder's weights and one rank's whole head (each rank keeping its slice of its own head would mix
     them); so is a whole model a factory draws anew on each rank. Seeded alike, 2 fsdp ranks then train what 2
@@ -93,8 +93,9 @@ def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_fro
 
     weights, starts = tmp_path / "weights", tmp_path / "starts"
     weights.mkdir(), starts.mkdir()
-    body = {k: v for k, v in seeded(BlockMLP).state_dict().items() if not k.startswith("head.")}
-    save_file({f"mlp.{k}": v for k, v in body.items()}, str(weights / "model.safetensors"))
+    # saved in bfloat16, as most published checkpoints are (the float32 model reads them cast): these values
+    body = {k: v.to(torch.bfloat16).float() for k, v in seeded(BlockMLP).state_dict().items() if k[:5] != "head."}
+    save_file({f"mlp.{k}": v.to(torch.bfloat16) for k, v in body.items()}, str(weights / "model.safetensors"))
     factory = functools.partial(recorded, str(starts), meta_block_mlp)
     driver, _ = model_of(factory, str(weights))  # the driver's copy, read whole
     for name, value in body.items():
