@@ -14,11 +14,13 @@ from estimator.train.sharding import unit_modules
 from helpers import BlockMLP, make_spec, metrics, seeded
 
 
-def trained(store, run, optimizer_cls=torch.optim.AdamW):
-    """The run's checkpoint as a plain BlockMLP and its optimizer (fsdp's shards gathered on this process)."""
+def trained(store, run, optimizer_cls=torch.optim.AdamW, epoch=None):
+    """The run's checkpoint (or its best one of `epoch`) as a plain BlockMLP and its optimizer (fsdp's shards
+    gathered on this process)."""
     model = BlockMLP()
     optimizer = optimizer_cls(model.parameters(), lr=0.01)
-    state = restore(store, store.run(run), store.run(run).checkpoint, model, optimizer)
+    layout = store.run(run)
+    state = restore(store, layout, layout.checkpoint if epoch is None else layout.best(epoch), model, optimizer)
     return model, optimizer, state
 
 
@@ -46,6 +48,11 @@ def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_
     for index, value in plain_opt.state_dict()["state"].items():
         assert torch.allclose(sharded_opt.state_dict()["state"][index]["exp_avg_sq"], value["exp_avg_sq"], atol=1e-7)
     assert "model" not in state and state["strategy"] == "fsdp"
+    best = [e for e in range(1, 3) if store.exists(store.run("fsdp").best(e))]  # save_top_k=1: what restore_best reads
+    assert len(best) == 1 and store.exists(store.run("ddp").best(best[0]))
+    best_ddp, best_fsdp = (trained(store, run, epoch=best[0])[0].state_dict() for run in ("ddp", "fsdp"))
+    for name, value in best_ddp.items():
+        assert torch.allclose(best_fsdp[name], value, atol=1e-6), name
     folder = store.run("fsdp").root + "/sharded/" + state["sharded"]
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
     whole = ddp[0].state_bytes
