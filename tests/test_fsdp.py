@@ -11,7 +11,7 @@ from torch import nn
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import load_checkpoint, restore
 from estimator.train.sharding import unit_modules
-from helpers import BlockMLP, make_spec, metrics, seeded
+from helpers import MLP, BlockMLP, Residual, make_spec, metrics, seeded
 
 
 def trained(store, run, optimizer_cls=torch.optim.AdamW, epoch=None):
@@ -55,6 +55,9 @@ def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_
         assert torch.allclose(best_fsdp[name], value, atol=1e-6), name
     folder = store.run("fsdp").root + "/sharded/" + state["sharded"]
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    LocalLauncher().run(spec(store, digits, "compiled", strategy="fsdp", compile={"backend": "aot_eager"}), 2)
+    for name, value in trained(store, "compiled")[0].state_dict().items():  # each block compiled, then sharded
+        assert torch.allclose(value, sharded.state_dict()[name], atol=1e-6), name
     whole = ddp[0].state_bytes
     assert whole > 0 and all(r.state_bytes == pytest.approx(whole / 2, rel=0.1) for r in fsdp), \
         (whole, [r.state_bytes for r in fsdp])
@@ -131,6 +134,39 @@ def test_a_model_built_on_the_meta_device_reads_each_ranks_shards_and_starts_fro
     for name, value in ddp.items():
         assert torch.allclose(fsdp[name], value, atol=1e-6), name
     assert not torch.allclose(fsdp["head.weight"], start["head.weight"])
+
+
+class Breaking(Residual):
+    """A graph break: torch.compile(fullgraph=True) refuses it, so a refusal shows that compile ran on it."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+class BreakingBlocks(BlockMLP):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Breaking(48) for _ in self.blocks])
+
+
+class BreakingMLP(MLP):
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("build", [BreakingBlocks, BreakingMLP], ids=["each block", "a model without units, whole"])
+def test_the_sharded_ranks_really_compile(store, digits, build):
+    """compile with fsdp compiles each unit before sharding it, or the whole model when it has no other unit."""
+    from estimator.failures import RankFailed
+
+    model = seeded(build)
+    fullgraph = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200,
+                          val_rows=50, batch=50, epochs=1, run=f"full-{build.__name__}", strategy="fsdp",
+                          compile={"backend": "aot_eager", "fullgraph": True}, collective_timeout=20.0)
+    with pytest.raises(RankFailed, match=r"graph_break|graph break"):
+        LocalLauncher().run(fullgraph, 2)
 
 
 def cut_at_step_8(store, digits, run, strategy):

@@ -80,8 +80,9 @@ def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_d
 
 
 def test_accumulation_validation_bf16_mixed_and_a_lightning_module_sharded(spark, store, digits):
-    """backward_passes_per_step=2 without gradient sync in between: DDP's weights and exact metrics. bf16-mixed:
-    bfloat16 compute, float32 master weights: the TorchModel's weights are float32 and it learns."""
+    """backward_passes_per_step=2 without gradient sync in between: DDP's weights and exact metrics. bf16-mixed
+    (with its blocks compiled): bfloat16 compute, float32 master weights: the TorchModel's weights are float32 and
+    it learns."""
     df = digits_frame(spark, digits)
 
     def fit(run_id, **kw):
@@ -96,7 +97,8 @@ def test_accumulation_validation_bf16_mixed_and_a_lightning_module_sharded(spark
         assert metrics(a) == pytest.approx(metrics(b), rel=1e-5)
     for name, value in ddp.getModel().state_dict().items():
         assert torch.allclose(fsdp.getModel().state_dict()[name], value, atol=1e-6), name
-    bf16 = fit("acc-bf16", strategy="fsdp", precision="bf16-mixed")
+    # compiled too: each block before it is sharded (fullgraph: FSDP's hooks are outside the blocks' graphs)
+    bf16 = fit("acc-bf16", strategy="fsdp", precision="bf16-mixed", compile={"backend": "aot_eager", "fullgraph": True})
     assert {p.dtype for p in bf16.getModel().parameters()} == {torch.float32}
     assert bf16.getHistory()[-1]["val_accuracy"] >= 0.85, bf16.getHistory()
 
@@ -127,7 +129,6 @@ def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digi
     base = dict(num_proc=2, store=store, model=model, loss=nn.CrossEntropyLoss(), feature_cols=["features"],
                 label_cols=["label"], strategy="fsdp")
     cases = [(dict(precision="16-mixed"), r"takes no precision='16-mixed': float16 with a GradScaler is DDP's"),
-             (dict(compile=True), r"takes no compile=True: PyTorch compiles each block before fully_shard"),
              (dict(model=nn.Sequential(nn.Flatten())), r"has no parameters to shard. Use strategy='ddp'"),
              (dict(), r"has taken steps already"),
              (dict(strategy="ddp", shard_units=[nn.Linear]), r"shard_units says what strategy='fsdp' shards")]

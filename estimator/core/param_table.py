@@ -164,9 +164,10 @@ ESTIMATOR_PARAMS = [
     ParamSpec("precision", "'32'; 'bf16-mixed': forward and loss under torch.autocast in bfloat16 (CPU or GPU); "
               "'16-mixed': float16 autocast with a GradScaler (CUDA only)", "32",
               lambda v: v in ("32", "bf16-mixed", "16-mixed"), "'32', 'bf16-mixed' or '16-mixed'"),
-    ParamSpec("compile", "torch.compile the model on every rank before DistributedDataParallel wraps it: False, True, "
-              "or a dict of torch.compile keyword arguments (e.g. {'mode': 'max-autotune'}); checkpoints and the "
-              "TorchModel hold the plain module's weights", False,
+    ParamSpec("compile", "torch.compile the model on every rank before DistributedDataParallel wraps it (with "
+              "strategy='fsdp': each unit before it is sharded): False, True, or a dict of torch.compile keyword "
+              "arguments (e.g. {'mode': 'max-autotune'}); checkpoints and the TorchModel hold the plain module's "
+              "weights", False,
               lambda v: isinstance(v, bool) or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
               "True, False or a dict of torch.compile keyword arguments"),
     ParamSpec("strategy", "'ddp': every rank holds the whole model, its gradients and the optimizer's state, and "

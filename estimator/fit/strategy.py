@@ -19,8 +19,6 @@ def check_strategy(p: Dict[str, Any]) -> None:
     refused = {
         "precision": (p["precision"] == "16-mixed", "float16 with a GradScaler is DDP's; FSDP2 trains in "
                       "precision='bf16-mixed' (bfloat16 compute, float32 reduction and master weights)"),
-        "compile": (p["compile"] is not False, "PyTorch compiles each block before fully_shard, which this "
-                    "estimator does not do yet: set compile=False with strategy='fsdp'"),
         "gradient_compression": (getattr(p["gradient_compression"], "name", p["gradient_compression"])
                                  not in (None, "none"), "FSDP reduce-scatters the gradients itself; "
                                  "precision='bf16-mixed' halves what it gathers"),

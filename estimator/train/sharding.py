@@ -45,11 +45,14 @@ def mixed_precision(precision: str) -> Any:
 
 
 def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, world_size: int,
-          lightning: bool = False, weights_folder: Optional[str] = None) -> int:
+          lightning: bool = False, weights_folder: Optional[str] = None, compile_setting: Any = False) -> int:
     """fully_shard every unit of `model`, then `model` itself (in place: its class becomes an FSDPModule), over
     all ranks of the process group, from rank 0's values (as DDP starts). What the model has on the meta device
-    is read from `weights_folder`, each rank its own shards only (estimator.core.meta). Returns the number of
-    units, the whole model included."""
+    is read from `weights_folder`, each rank its own shards only (estimator.core.meta). `compile_setting` (the
+    compile param: True or torch.compile's keyword arguments): each unit is compiled before it is sharded, as
+    PyTorch compiles a sharded model (FSDP's hooks stay outside the compiled graphs); the root's own layers run
+    eagerly, unless the model has no other unit (then it is compiled whole). Returns the number of units, the
+    whole model included."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -68,8 +71,13 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"ranks-{uuid.uuid4().hex[:12]}",))
     policy = mixed_precision(precision)
     units = unit_modules(model, rule)
+    options = None if compile_setting is False else compile_setting if isinstance(compile_setting, dict) else {}
     for unit in units:
+        if options is not None:
+            unit.compile(**options)  # in place: the state dict keeps its names
         fully_shard(unit, mesh=mesh, mp_policy=policy)
+    if options is not None and not units:
+        model.compile(**options)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if meta:
         _read_shards(model, meta, weights_folder, device, kept, buffers)
@@ -128,7 +136,7 @@ class Sharded(nn.Module):
         self.steps = steps if steps is not None and steps is not module else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.steps or self.module)(*args, **kwargs)
+        return (self.module if self.steps is None else self.steps)(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -52,7 +52,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                              "other ranks (spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one GPU. "
                              "Give each task a whole GPU, or use strategy='ddp'.")
         units = shard(model, objs.shard_units, spec.precision, device, ctx.world_size, objs.lightning,
-                      objs.weights_folder)
+                      objs.weights_folder, spec.compile)
         log.debug("rank %d: %d units sharded", ctx.rank, units)
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
                                                                run_optimizer_steps(spec, ctx.world_size))
@@ -65,7 +65,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         scheduler.load_state_dict(state["lr_scheduler"])
     history = [dict(row) for row in state["history"]] if state is not None else []
     # A LightningModule's training_step runs inside DDP's forward (LightningSteps), as a module's forward would.
-    wrapped = lightning.LightningSteps(model) if objs.lightning else compiled(model, spec.compile)
+    wrapped = (lightning.LightningSteps(model) if objs.lightning  # fsdp: shard compiled the units
+               else model if sharded else compiled(model, spec.compile))
     comm, allreduce, shard_group = None, ctx.backend, None
     if sharded:
         ddp: nn.Module = Sharded(model, wrapped)

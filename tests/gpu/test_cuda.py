@@ -92,6 +92,18 @@ def test_fsdp_bf16_mixed_on_cuda_checkpoints_its_shards_and_resumes_where_an_uni
         assert torch.allclose(b[name], value, atol=1e-5), (name, (b[name] - value).abs().max())
 
 
+def test_fsdp_with_its_blocks_compiled_by_inductor_on_cuda_trains_what_eager_fsdp_trains(store, digits):
+    """compile=True with fsdp: each block compiled by inductor (triton kernels on the GPU) before it is sharded;
+    float32, one rank: the weights of the eager run to a kernel's rounding."""
+    eager, fast = fsdp_spec(store, digits, "fsdp-eager", 1), fsdp_spec(store, digits, "fsdp-inductor", 1, compile=True)
+    LocalLauncher().run(eager, 1)
+    (result,) = LocalLauncher().run(fast, 1)
+    assert result.history[-1]["val_accuracy"] >= 0.80
+    expected = restored(store, eager)
+    for name, value in restored(store, fast).items():
+        assert torch.allclose(value, expected[name], atol=1e-3), (name, (value - expected[name]).abs().max())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks on nccl need two GPUs")
 def test_fsdp_on_two_gpus_trains_the_weights_of_ddp_on_two_gpus(store, digits):
     fsdp = fsdp_spec(store, digits, "fsdp-two", 2)
