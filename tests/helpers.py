@@ -20,6 +20,14 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class BreakingMLP(MLP):
+    """A graph break in forward: torch.compile(fullgraph=True) refuses it, so the refusal shows compile ran."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
 class Residual(nn.Module):
     def __init__(self, width: int):
         super().__init__()

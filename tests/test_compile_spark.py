@@ -8,7 +8,7 @@ from torch import nn
 
 from estimator import TorchEstimator
 from estimator.fit.checks import check_compile
-from helpers import MLP, metrics, seeded
+from helpers import MLP, BreakingMLP, metrics, seeded
 from spark_helpers import digits_frame
 
 pytestmark = pytest.mark.spark
@@ -40,18 +40,6 @@ def test_a_compiled_fit_trains_the_weights_of_an_uncompiled_one(spark, store, df
     state = torch.load(io.BytesIO(store.read_bytes(store.run("compiled").checkpoint)), weights_only=True)
     assert list(state["model"]) == list(plain.getModel().state_dict())  # no "_orig_mod." keys
     assert fast.getCompile() == setting
-
-
-class BreakingMLP(nn.Module):
-    """A graph break in forward: torch.compile(fullgraph=True) refuses it, so the refusal shows compile ran."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-    def forward(self, x):
-        torch._dynamo.graph_break()
-        return self.net(x)
 
 
 def test_the_ranks_really_compile(spark, store, df):

@@ -11,7 +11,7 @@ from torch import nn
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import load_checkpoint, restore
 from estimator.train.sharding import unit_modules
-from helpers import MLP, BlockMLP, Residual, make_spec, metrics, seeded
+from helpers import BlockMLP, BreakingMLP, Residual, make_spec, metrics, seeded
 
 
 def trained(store, run, optimizer_cls=torch.optim.AdamW, epoch=None):
@@ -148,12 +148,6 @@ class BreakingBlocks(BlockMLP):
     def __init__(self):
         super().__init__()
         self.blocks = nn.ModuleList([Breaking(48) for _ in self.blocks])
-
-
-class BreakingMLP(MLP):
-    def forward(self, x):
-        torch._dynamo.graph_break()
-        return super().forward(x)
 
 
 @pytest.mark.parametrize("build", [BreakingBlocks, BreakingMLP], ids=["each block", "a model without units, whole"])

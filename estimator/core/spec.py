@@ -10,6 +10,11 @@ from store import RunLayout, Store
 Shape = Tuple[int, ...]
 
 
+def compile_options(setting: Any) -> Optional[Dict[str, Any]]:
+    """torch.compile's keyword arguments for the `compile` param (True: none), or None when it is False."""
+    return None if setting is False else dict(setting) if isinstance(setting, dict) else {}
+
+
 @dataclass(frozen=True)
 class Piece:
     """One Parquet row group: the unit a rank reads."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from estimator.core.params import param_error
+from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
 from estimator.fit.strategy import check_strategy
 from estimator.train.lightning import is_lightning_module
@@ -272,10 +273,11 @@ def lightning_monitor(p: Dict[str, Any], train_keys: Sequence[str], val_keys: Se
 def check_compile(setting: Any, model: nn.Module) -> None:
     """torch.compile checks its mode, backend and keyword names when it wraps a module (lazily: nothing is
     compiled here), so a typo fails on the driver, not on every rank."""
-    if setting is False:
+    options = compile_options(setting)
+    if options is None:
         return
     try:
-        torch.compile(model, **(setting if isinstance(setting, dict) else {}))
+        torch.compile(model, **options)
     except Exception as exc:  # noqa: BLE001 - torch's own message says what it accepts
         raise ValueError(f"The 'compile' parameter of {OWNER} was refused by torch.compile: {type(exc).__name__}: "
                          f"{exc}") from None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from estimator.core.meta import found_keys
+from estimator.core.spec import compile_options
 
 DEFAULT_UNITS = "the items of every nn.ModuleList (a transformer's blocks), then the whole model"
 # A LightningModule's steps call its submodules (or self(...)) from these methods, not only from forward.
@@ -71,7 +72,7 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"ranks-{uuid.uuid4().hex[:12]}",))
     policy = mixed_precision(precision)
     units = unit_modules(model, rule)
-    options = None if compile_setting is False else compile_setting if isinstance(compile_setting, dict) else {}
+    options = compile_options(compile_setting)
     for unit in units:
         if options is not None:
             unit.compile(**options)  # in place: the state dict keeps its names

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from estimator.core.faults import Fault
 from estimator.core.meta import materialize
 from estimator.core.pickling import optimizer_from_factory, rebuild_optimizer
-from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.core.spec import TrainSpec, UserObjects, WorkerResult, compile_options
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
 from estimator.train import lightning
@@ -137,9 +137,8 @@ def compiled(model: nn.Module, setting: Any) -> nn.Module:
     its parameters (the checkpoints save `model`, so they hold the plain module's keys). Compiling the inner
     module, not the DDP wrapper, keeps DDP's gradient hooks (and the shared-memory averaging) outside the
     compiled graph."""
-    if setting is False:
-        return model
-    return torch.compile(model, **(setting if isinstance(setting, dict) else {}))
+    options = compile_options(setting)
+    return model if options is None else torch.compile(model, **options)
 
 
 def gradient_bytes(model: nn.Module) -> int:
