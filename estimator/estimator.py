@@ -21,6 +21,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from estimator.compression import compression_name
+from estimator.core.adapters import check_peft_config, with_adapters
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps, user_objects
@@ -33,6 +34,7 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
+from estimator.fit.language import check_max_length, lm_spec
 from estimator.fit.recipes import check_optimizer, model_of
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
@@ -85,7 +87,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         checks.check_dataframe(df)
         p = self._checked()
         checks.check_schema(p, df.schema)
-        p["text_cols"] = checks.text_columns(p, df.schema)
+        p["text_cols"], p["lm"] = checks.text_columns(p, df.schema), lm_spec(p, df.schema)
         run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))
         columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
                                                                       else [])
@@ -118,8 +120,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if missing:
             raise ValueError(f"Columns {missing} are not in the Parquet files under {train_path!r}. "
                              f"Available columns: {', '.join(available)}.")
-        p["text_cols"] = checks.text_columns(p, from_arrow_schema(parquet_schema(store, data.train[0])))
-        return self._train(p, run, replace(data, text_cols=p["text_cols"]), spark)
+        schema = from_arrow_schema(parquet_schema(store, data.train[0]))
+        p["text_cols"], p["lm"] = checks.text_columns(p, schema), lm_spec(p, schema)
+        return self._train(p, run, replace(data, text_cols=p["text_cols"], lm=p["lm"]), spark)
 
     # -- steps ---------------------------------------------------------------------------------
     def _checked(self) -> Dict[str, Any]:
@@ -127,7 +130,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
         # a factory is called here once, then on each rank; what it left on the meta device read here whole
         p["model"], p["model_factory"] = model_of(p["model"], p["weights_folder"])
+        p["model"] = adapted(p)
         checks.check_params(p)
+        check_max_length(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
         for name, why in checks.ignored_params(p):
@@ -148,7 +153,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def _prepare(self, p: Dict[str, Any], spark: SparkSession, has_validation: bool) -> RunPlan:
         """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
         losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else \
-            [ModelsOwnLoss()] if checks.own_loss(p) else []
+            [ModelsOwnLoss()] if checks.own_loss(p) and not p.get("lm") else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
         labels = len(p["label_cols"])
@@ -158,12 +163,14 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
         else:  # train_step's keys are known after its dry run
+            names = (["loss", "perplexity"] if p.get("lm") else
+                     checks.metric_names(p, losses or [make() for make in constructors]))
             monitor = None if p["train_step"] is not None or objs.lightning else checks.monitor_for(
-                p, checks.metric_names(p, losses or [make() for make in constructors]), has_validation)
+                p, names, has_validation)
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
-        objs.shard_units, objs.weights_folder = p["shard_units"], p["weights_folder"]
+        objs.shard_units, objs.weights_folder, objs.peft_config = p["shard_units"], p["weights_folder"], p["peft_config"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
@@ -282,7 +289,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
-                          tokenizer=p["tokenizer"],
+                          tokenizer=p["tokenizer"], output_kind="generate" if p.get("lm") else None,
                           **{s.name: p[s.name] for s in TRAINING_PARAMS})
 
 
@@ -295,7 +302,23 @@ def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val:
     return DataSpec(store, train, val, tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
                     checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                     materialize_seconds=materialize_seconds, text_cols=tuple(p.get("text_cols", ())),
-                    max_length=p["max_length"])
+                    max_length=p["max_length"], lm=p.get("lm"))
+
+
+def adapted(p: Dict[str, Any]) -> Any:
+    """The driver's model with the adapters of peft_config (a copy: fit never changes the user's module)."""
+    if p["peft_config"] is None:
+        return p["model"]
+    check_peft_config(p["peft_config"])
+    if p["weights_folder"] is not None:
+        raise ValueError("peft_config with weights_folder is not supported yet: the adapters rename the base's "
+                         "weights. Load the base in the model factory (from_pretrained), or leave peft_config unset.")
+    if hasattr(p["optimizer"], "param_groups"):  # an optimizer instance
+        raise ValueError("peft_config trains the adapters only, so the optimizer must be built over them on each "
+                         "rank: pass it as a callable, optimizer=functools.partial(torch.optim.AdamW, lr=2e-4), not "
+                         "an optimizer built over the base model's parameters.")
+    return with_adapters(p["model"] if p["model_factory"] is not None else copy.deepcopy(p["model"]),
+                         p["peft_config"])
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

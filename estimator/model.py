@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -21,12 +22,15 @@ from pyspark.sql.types import (ArrayType, BinaryType, DataType, DoubleType, Floa
                                StructType)
 from torch import nn
 
+from estimator.core import adapters
+from estimator.core.adapters import can_generate
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
+from estimator.fit.language import check_max_length, is_chat
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
@@ -51,6 +55,10 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
     def __init__(self, **kwargs: Any):
         kwargs = {HOROVOD_NAMES.get(k, k): v for k, v in kwargs.items() if k not in HOROVOD_UNUSED}
+        if callable(kwargs.get("model")) and not isinstance(kwargs["model"], nn.Module):
+            # a factory (inference over a table with a pretrained model, no fit): built once here; save writes
+            # its weights and load rebuilds it through the factory, as for a fitted model built by one
+            kwargs["model_factory"], kwargs["model"] = kwargs["model"], built_model(kwargs["model"])
         if "history" in kwargs and kwargs["history"] is None:
             kwargs["history"] = []
         super().__init__(**kwargs)
@@ -78,6 +86,11 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
     def _added(self, p: Dict[str, Any], layout: InferenceLayout) -> List[Tuple[StructField, str]]:
         """Each added column with the field of the inference struct it comes from."""
+        if layout.kind == "generate":  # the text in each output column and in prediction_col
+            added = [(StructField(name, StringType(), True), field)
+                     for name, field in zip(self.getOutputColumns(), layout.output_names)]
+            return added + ([(StructField(p["prediction_col"], StringType(), True), PREDICTION_FIELD)]
+                            if p["prediction_col"] else [])
         added = [(StructField(name, ArrayType(FloatType(), False) if vec else DoubleType(), False), field)
                  for name, vec, field in zip(self.getOutputColumns(), layout.output_is_vector, layout.output_names)]
         names = {PREDICTION_FIELD: p["prediction_col"], RAW_FIELD: p["raw_prediction_col"],
@@ -89,6 +102,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
         return added
 
     def _layout(self, p: Dict[str, Any], torch_threads: Optional[int] = None) -> InferenceLayout:
+        if p["output_kind"] is not None:
+            return self._kind_layout(p, torch_threads)
         for_inference(p["model"])  # a LightningModule with neither forward() nor predict_step() is refused here
         outputs = self.getOutputColumns()
         if p["label_cols"] and len(outputs) != len(p["label_cols"]):
@@ -109,9 +124,32 @@ class TorchModel(DeclaredParams, Model, Persistable):
             feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]),
             tokenize=Tokenize(p["tokenizer"], (), p["max_length"]) if p["tokenizer"] is not None else None)
 
+    def _kind_layout(self, p: Dict[str, Any], torch_threads: Optional[int]) -> InferenceLayout:
+        """output_kind 'generate' or 'embedding' (estimator.predict.generation): one text or chat column."""
+        kind, outputs = p["output_kind"], self.getOutputColumns()
+        if p["tokenizer"] is None:
+            raise ValueError(f"TorchModel with output_kind={kind!r} tokenizes its feature column: set tokenizer (the "
+                             "model's Hugging Face tokenizer).")
+        if len(p["feature_cols"]) != 1:
+            raise ValueError(f"TorchModel with output_kind={kind!r} reads one column (the text, or a chat's "
+                             f"messages); got feature_cols={list(p['feature_cols'])}.")
+        if kind == "generate" and not can_generate(p["model"]):
+            raise ValueError(f"TorchModel with output_kind='generate' needs a model that generates (a causal LM, "
+                             f"AutoModelForCausalLM); {type(p['model']).__name__} does not.")
+        check_max_length(p, "TorchModel")
+        return InferenceLayout(
+            feature_cols=tuple(p["feature_cols"]), input_shapes=None,
+            output_names=tuple(f"_{i}" for i in range(len(outputs))),
+            output_is_vector=(kind == "embedding",) * len(outputs), head=None, batch_size=p["inference_batch_size"],
+            use_gpu=p["use_gpu"], torch_threads=torch_threads,
+            tokenize=Tokenize(p["tokenizer"], (), p["max_length"]), kind=kind,
+            max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
+
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
         layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
+        if layout.kind == "generate" and p["feature_cols"][0] in df.columns:
+            layout = dataclasses.replace(layout, chat=is_chat(df.schema[p["feature_cols"][0]].dataType))
         ship_package(df.sparkSession)
         added = self._added(p, layout)
         schema = StructType([field for field, _ in added])
@@ -124,6 +162,10 @@ class TorchModel(DeclaredParams, Model, Persistable):
                                  "numbers to the model and does not run transformation_fn. Decode the column into an "
                                  "array column first (e.g. a pandas_udf around your decoding function, as in "
                                  "notebooks/png_digits_example.py) and pass that with setFeatureCols([...]).")
+            if is_chat(df.schema[column].dataType) and p["output_kind"] != "generate":
+                raise ValueError(f"Column {column!r} (from feature_cols) holds chats (a list of messages): transform "
+                                 "generates the assistant's reply to them with output_kind='generate', a causal LM "
+                                 "and its tokenizer.")
             if isinstance(df.schema[column].dataType, StringType) and p["tokenizer"] is None:
                 raise ValueError(f"Column {column!r} (from feature_cols) holds strings and this TorchModel has no "
                                  "tokenizer: setTokenizer(...) with the one it was trained with.")
@@ -176,16 +218,31 @@ class TorchModel(DeclaredParams, Model, Persistable):
             outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
         return [list(o.shape[1:]) for o in outputs]
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write a folder that Hugging Face's `from_pretrained` loads (config.json, model.safetensors) with the
         tokenizer's files when it is a Hugging Face tokenizer: a local path or a store URL. For a
-        transformers PreTrainedModel only; `save(path)` saves any TorchModel."""
-        save_pretrained_to(self.getModel(), self.getTokenizer(), path)
+        transformers PreTrainedModel only; `save(path)` saves any TorchModel. A model with adapters (peft_config):
+        with `merged`, the adapters merged into the base weights (a plain model for serving); else the adapter
+        folder that peft's PeftModel.from_pretrained(base, path) loads."""
+        model = self.getModel()
+        save_pretrained_to(adapters.merged(model) if merged else model, self.getTokenizer(), path)
 
     def _model_blob(self) -> bytes:
         model = self.getModel()
         return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 
+
+
+def built_model(factory: Any) -> nn.Module:
+    try:
+        model = factory()
+    except Exception as exc:
+        raise ValueError(f"The 'model' parameter of TorchModel is a callable, which is called once with no arguments "
+                         f"to build the module; it raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"The 'model' parameter of TorchModel must be a torch.nn.Module, or a zero-argument callable "
+                        f"returning one; the callable returned {type(model).__name__}.")
+    return model.eval()
 
 
 def ship_model_file(spark: Any, key: str, blob: bytes) -> inference.ModelFile:

@@ -188,6 +188,22 @@ ESTIMATOR_PARAMS = [
               "strategy='fsdp', the whole with 'ddp', and what the factory built with values is kept (docs/gpus.md "
               "'Models built on the meta device'). None: the model has all its weights",
               None, optional(lambda v: isinstance(v, str) and v != ""), "a folder path, or None"),
+    ParamSpec("peft_config", "a peft config (LoraConfig(r=16, lora_alpha=32, target_modules='all-linear', "
+              "task_type='CAUSAL_LM')): its adapters are added to the model on every rank, the base is frozen, and "
+              "only the trainable parameters reach the optimizer, the gradient averaging, the checkpoints and the "
+              "resume (docs/language-models.md)", None, lambda v: v is None or hasattr(v, "peft_type"),
+              "a peft config such as peft.LoraConfig(...), or None", json=False),
+    ParamSpec("gradient_checkpointing", "recompute activations in backward instead of keeping them (less memory, "
+              "about a third more compute): a Hugging Face model through its own gradient_checkpointing_enable(), "
+              "other models per unit (the items of every nn.ModuleList, or shard_units)", False, is_bool,
+              "True or False"),
+    ParamSpec("max_new_tokens", "transform of a causal LM (fitted on a string label, or output_kind='generate'): "
+              "the most tokens generated per row (generation also stops at eos)", 64, is_int(1), "an int >= 1"),
+    ParamSpec("generate_kwargs", "transform of a causal LM: keyword arguments of model.generate, e.g. "
+              "{'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'seed': 0} ('seed' seeds the sampling of each "
+              "batch of prompts: the same prompts give the same text); default greedy decoding", None,
+              optional(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+              "a dict of model.generate keyword arguments, or None"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "
@@ -273,6 +289,11 @@ MODEL_PARAMS = [
     ParamSpec("best_epoch", "the best epoch (1-based) by the estimator's `monitor`, also when restore_best is False",
               None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("inference_batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
+    ParamSpec("output_kind", "what transform adds: None, the model's outputs (and the prediction columns of a "
+              "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
+              "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "
+              "model whose output is hidden states (the mean over the attention mask of the last hidden state)",
+              None, lambda v: v in (None, "generate", "embedding"), "None, 'generate' or 'embedding'"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
     TOKENIZER,

@@ -92,8 +92,11 @@ class NotAnOptimizer(TypeError):
 
 def optimizer_from_factory(factory: Any, model: nn.Module, lr: Optional[float] = None) -> torch.optim.Optimizer:
     """`factory(model.parameters())`, with `lr` (the estimator's param) over every group and the hyperparameters
-    as Python numbers (a partial with numpy numbers would make checkpoints unloadable with weights_only=True)."""
-    optimizer = factory(model.parameters())
+    as Python numbers (a partial with numpy numbers would make checkpoints unloadable with weights_only=True). A
+    model with adapters (peft_config) gives the factory its trainable parameters only (estimator.core.adapters)."""
+    from estimator.core.adapters import is_adapted, trainable_parameters
+
+    optimizer = factory(trainable_parameters(model) if is_adapted(model) else model.parameters())
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise NotAnOptimizer("The 'optimizer' parameter of TorchEstimator is a callable, which is called with the "
                         f"model's parameters; it returned {type(optimizer).__name__}, not a torch.optim.Optimizer. "

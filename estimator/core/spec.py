@@ -30,6 +30,24 @@ def total_rows(pieces: Tuple[Piece, ...]) -> int:
 
 
 @dataclass(frozen=True)
+class LMSpec:
+    """What the rows of a causal LM fine-tuning are: a prompt column with a response (label) column, or a chat
+    column (response None)."""
+
+    column: str  # the prompt, or the chat's messages
+    response: Optional[str] = None  # the string label column; None for a chat column
+
+    @property
+    def chat(self) -> bool:
+        return self.response is None
+
+    @property
+    def labels_key(self) -> str:
+        """Where the batch holds the labels: the response column's place, or `<chat column>.labels`."""
+        return self.response if self.response is not None else f"{self.column}.labels"
+
+
+@dataclass(frozen=True)
 class DataSpec:
     store: Store
     train: Tuple[Piece, ...]
@@ -44,6 +62,7 @@ class DataSpec:
     largest_shard: int = 0  # direct mode: the most training rows a rank holds (each rank draws that many)
     text_cols: Tuple[str, ...] = ()  # string feature columns, tokenized per batch (estimator.data.text)
     max_length: Optional[int] = None  # tokens kept per text (None: the tokenizer's model maximum)
+    lm: Optional[LMSpec] = None  # a causal LM's fine-tuning rows (estimator.data.lm): tokenized with their labels
 
     @property
     def source(self) -> Store:
@@ -126,6 +145,7 @@ class TrainSpec:
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
     strategy: str = "ddp"  # "ddp" or "fsdp": the model sharded over the ranks (estimator.train.sharding)
+    gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)
     step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 
@@ -155,6 +175,7 @@ class UserObjects:
     tokenizer: Any = None  # tokenizes DataSpec.text_cols per batch (estimator.data.text)
     shard_units: Any = None  # strategy='fsdp': what is sharded as a unit (estimator.train.sharding.unit_modules)
     weights_folder: Optional[str] = None  # what model_factory leaves on the meta device, read there (estimator.core.meta)
+    peft_config: Any = None  # adapters added to the model where it is built (estimator.core.adapters)
 
     def __getstate__(self) -> Dict[str, Any]:
         """A model built by a factory travels as its factory: the weights load on each rank, never through the
@@ -167,7 +188,9 @@ class UserObjects:
     def module(self) -> Any:
         """The model to train: the instance sent, or, where only the factory came (a rank), the factory's."""
         if self.model is None:
-            self.model = self.model_factory()
+            from estimator.core.adapters import with_adapters
+
+            self.model = with_adapters(self.model_factory(), self.peft_config)
         return self.model
 
     def build_losses(self) -> List[Any]:

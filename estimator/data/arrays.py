@@ -33,6 +33,10 @@ def column_to_numpy(column: pa.ChunkedArray, name: str) -> np.ndarray:
     arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     if pa.types.is_fixed_size_list(arr.type):
         return arr.flatten().to_numpy(zero_copy_only=False).reshape(len(arr), arr.type.list_size)
+    if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and pa.types.is_struct(arr.type.value_type):
+        out = np.empty(len(arr), dtype=object)  # a chat column: each row a list of {role, content} dicts
+        out[:] = arr.to_pylist()
+        return out
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         offsets = arr.offsets.to_numpy()
         lengths = np.diff(offsets)
@@ -92,7 +96,7 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
     """The batch's features, labels and weights as tensors on `device` (pinned host memory with `pin`,
     so that a later non_blocking copy to the GPU overlaps the computation)."""
     def encoded(column: str) -> Dict[str, torch.Tensor]:  # a tokenized text column: forward's keyword inputs
-        keys = encoded_keys(batch, column)
+        keys = {k: v for k, v in encoded_keys(batch, column).items() if lm is None or v != lm.labels_key}
         if not keys:
             raise TypeError(f"Column {column!r} holds strings and no tokenizer tokenized it: set tokenizer.")
         return {key: t(name, None) for key, name in keys.items()}
@@ -105,9 +109,11 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
         tensor = torch.from_numpy(np.ascontiguousarray(values))
         return tensor.pin_memory() if pin else tensor.to(device, non_blocking=True)
 
-    features = [encoded(c) if c in data.text_cols else t(c, data.input_shapes[i] if data.input_shapes else None)
-                for i, c in enumerate(data.feature_cols)]
-    labels = [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)]
+    lm = data.lm  # a causal LM's rows: the labels are the token labels (estimator.data.lm)
+    features = [encoded(c) if c in data.text_cols or (lm is not None and c == lm.column)
+                else t(c, data.input_shapes[i] if data.input_shapes else None) for i, c in enumerate(data.feature_cols)]
+    labels = ([t(lm.labels_key, None)] if lm is not None else
+              [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)])
     weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
     return features, labels, weights
 

@@ -12,6 +12,7 @@ from torch import nn
 from estimator.core.params import param_error
 from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
+from estimator.fit.language import check_lm_params, is_chat, is_lm_fit, string_label_error
 from estimator.fit.strategy import check_strategy
 from estimator.train.lightning import is_lightning_module
 from estimator.train.losses import ModelsOwnLoss, Objective, check_metrics, takes_labels
@@ -22,10 +23,11 @@ OWNER = "TorchEstimator"
 def check_params(p: Dict[str, Any]) -> None:
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
     own = "train_fn" if p["train_fn"] is not None else "train_step" if p["train_step"] is not None else None
+    lm = is_lm_fit(p)  # a causal LM's fine-tuning: its loss is the next-token loss over the labelled tokens
     if p["train_fn"] is not None and p["train_step"] is not None:
         raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
                          "its own step.")
-    if not p["label_cols"] and own is None and not is_lightning_module(p["model"]):
+    if not p["label_cols"] and own is None and not is_lightning_module(p["model"]) and not lm:
         raise ValueError(param_error(OWNER, "label_cols", "a non-empty list of distinct column names with the built-in "
                                      "loop (loss=...); only a LightningModule, train_step or train_fn, which compute "
                                      "their own loss, train without labels", None))
@@ -45,6 +47,8 @@ def check_params(p: Dict[str, Any]) -> None:
     elif p["loss"] is not None and p["loss_constructors"] is not None:
         raise ValueError(f"{OWNER} takes one of 'loss' and 'loss_constructors', not both. Got loss={p['loss']!r}, "
                          f"loss_constructors={p['loss_constructors']!r}.")
+    elif lm:
+        check_lm_params(p)
     elif p["loss"] is None and p["loss_constructors"] is None:
         if not takes_labels(p["model"]):
             raise ValueError(f"{OWNER} needs 'loss' (or 'loss_constructors', a train_step, a train_fn), unless the "
@@ -159,6 +163,12 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
             if p["tokenizer"] is None:
                 raise ValueError(needs_tokenizer(column))
             continue
+        if isinstance(dtype, StringType) and param == "label_cols":
+            if not is_lm_fit(p):
+                raise ValueError(string_label_error(column, p))
+            continue
+        if is_chat(dtype) and param == "feature_cols" and is_lm_fit(p):
+            continue  # its fields: language.lm_spec
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only
@@ -176,6 +186,8 @@ def needs_tokenizer(column: str) -> str:
 
 def text_columns(p: Dict[str, Any], schema: StructType) -> Tuple[str, ...]:
     """The string feature columns (tokenized per batch); refused when training cannot read them by keyword."""
+    if is_lm_fit(p):  # the prompt or chat column is tokenized with its labels (estimator.data.lm)
+        return ()
     text = tuple(c for c in p["feature_cols"] if isinstance(schema[c].dataType, StringType))
     if text and p["tokenizer"] is None:
         raise ValueError(needs_tokenizer(text[0]))

@@ -18,10 +18,11 @@ from estimator.core.spec import DataSpec, UserObjects
 from estimator.core.outputs import forward as call_forward, outputs_of
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
-from estimator.data.text import Tokenize
+from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
 from estimator.train.losses import Objective, loss_kind, loss_name
+from estimator.train.objectives import TokenObjective
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
 
@@ -32,6 +33,8 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     arrays = head_arrays(objs, data, head)
     rows = len(next(iter(arrays.values())))
     model = copy.deepcopy(objs.model).eval()
+    if data.lm is not None:  # a causal LM's fine-tuning: its loss on a few rows (transform generates text)
+        return dry_lm(model, data, arrays, rows)
     if objs.lightning:
         try:
             model = lightning.for_inference(model)
@@ -65,6 +68,20 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
                          f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, label_cols, label_shapes and the model's "
                          "output shape.") from None
     return [tuple(o.shape[1:]) for o in outputs]
+
+
+def dry_lm(model: torch.nn.Module, data: DataSpec, arrays: Arrays, rows: int) -> List[tuple]:
+    tensors = to_tensors(arrays, data)
+    try:
+        with torch.no_grad():
+            _, sums = TokenObjective().on_batch(model, tensors)
+    except Exception as exc:  # noqa: BLE001 - the user's model
+        raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
+                         f"{shape_of(tensors[0][0])}): {type(exc).__name__}: {exc}") from None
+    if not float(sums[1]):
+        raise ValueError(f"The first {rows} training rows have no response token left after max_length="
+                         f"{data.max_length}: the prompts fill it. Raise max_length or shorten the prompts.")
+    return []
 
 
 def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Tuple[str, ...]:
@@ -137,12 +154,13 @@ def head_arrays(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None
         except Exception as exc:  # noqa: BLE001 - the user's function
             raise ValueError(f"transformation_fn failed on {len(head[data.columns[0]])} training rows (a pandas "
                              f"DataFrame with columns {list(arrays)}): {type(exc).__name__}: {exc}") from None
-    if data.text_cols:
+    tokenize = batch_tokenizer(objs.tokenizer, data)
+    if tokenize is not None:
         try:
-            arrays = Tokenize(objs.tokenizer, data.text_cols, data.max_length)(arrays)
+            arrays = tokenize(arrays)
         except Exception as exc:  # noqa: BLE001 - the user's tokenizer
             raise ValueError(f"The tokenizer failed on {len(head[data.columns[0]])} training texts of "
-                             f"{list(data.text_cols)}: {type(exc).__name__}: {exc}") from None
+                             f"{list(data.text_cols) or [data.lm.column]}: {type(exc).__name__}: {exc}") from None
     return arrays
 
 

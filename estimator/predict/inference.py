@@ -20,6 +20,7 @@ from torch import nn
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
+from estimator.predict.generation import embeddings, generate_texts
 from estimator.train.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
@@ -48,6 +49,10 @@ class InferenceLayout:
     torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
     feature_sizes: Optional[Tuple[int, ...]] = None  # values per row the model was trained on; None: not checked
     tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
+    kind: Optional[str] = None  # output_kind: None (forward's outputs), 'generate' or 'embedding' (predict.generation)
+    chat: bool = False  # 'generate': the feature column holds chats (rendered with the chat template)
+    max_new_tokens: int = 64
+    generate_kwargs: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,9 @@ def predict_columns(key: str, blob: Pickled, layout: InferenceLayout, columns: S
     if layout.torch_threads and torch.get_num_threads() != layout.torch_threads:
         torch.set_num_threads(layout.torch_threads)  # every task of an executor runs its own forward passes
     model = cached_model(key, blob, device)
+    if layout.kind == "generate":
+        return [generate_texts(model, layout.tokenize.tokenizer, columns[0], layout.chat, layout.feature_cols[0],
+                               layout.batch_size, device, layout.max_new_tokens, layout.generate_kwargs)]
     arrays = []
     for i, (name, values) in enumerate(zip(layout.feature_cols, columns)):
         found = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
@@ -113,12 +121,13 @@ def predict_columns(key: str, blob: Pickled, layout: InferenceLayout, columns: S
                              f"{layout.feature_sizes[i]}: give transform the column as it was at fit.")
         shape = layout.input_shapes[i] if layout.input_shapes else None
         arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
-    return predict_numpy(model, arrays, layout.batch_size, device, layout.tokenize)
+    return predict_numpy(model, arrays, layout.batch_size, device, layout.tokenize, layout.kind == "embedding")
 
 
 def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str,
-                  tokenize: Any = None):
-    """Outputs batch by batch; a text column (strings, with `tokenize`) becomes forward's keyword inputs."""
+                  tokenize: Any = None, embed: bool = False):
+    """Outputs batch by batch; a text column (strings, with `tokenize`) becomes forward's keyword inputs. `embed`:
+    one vector per row from the hidden states (estimator.predict.generation.embeddings)."""
     rows = arrays[0].shape[0] if arrays else 0
     chunks = []
 
@@ -130,7 +139,9 @@ def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: in
     with torch.inference_mode():
         for start in range(0, rows, batch_size):
             batch = [tensors(a[start:start + batch_size]) for a in arrays]
-            out = outputs_of(forward(model, batch))
+            raw = forward(model, batch)
+            masks = [b["attention_mask"] for b in batch if isinstance(b, dict) and "attention_mask" in b]
+            out = (embeddings(raw, masks[0] if masks else None),) if embed else outputs_of(raw)
             chunks.append([o.detach().float().reshape(o.shape[0], -1).cpu().numpy() for o in out])
     if not chunks:
         return []
@@ -185,6 +196,8 @@ def _unknown_where_not_finite(columns: Dict[str, np.ndarray], out: np.ndarray) -
 
 
 def arrow_type(layout: InferenceLayout) -> pa.StructType:
+    if layout.kind == "generate":  # the generated text, in each output column and the prediction
+        return pa.struct([pa.field(n, pa.string()) for n in (*layout.output_names, PREDICTION_FIELD)])
     fields = [pa.field(n, _rows_type(pa.float32()) if v else pa.float64())
               for n, v in zip(layout.output_names, layout.output_is_vector)]
     fields += [pa.field(n, pa.float64() if n == PREDICTION_FIELD else _rows_type(pa.float64()))
@@ -199,6 +212,9 @@ def _rows_type(dtype: pa.DataType) -> pa.ListType:
 def to_struct(outputs: Sequence[np.ndarray], layout: InferenceLayout) -> pa.StructArray:
     if not outputs:
         return pa.array([], type=arrow_type(layout))
+    if layout.kind == "generate":
+        text = pa.array(list(outputs[0]), pa.string())
+        return pa.StructArray.from_arrays([text] * (len(layout.output_names) + 1), fields=list(arrow_type(layout)))
     fields = []
     for values, is_vector in zip(outputs, layout.output_is_vector):
         fields.append(_arrow_rows(values, pa.float32()) if is_vector else pa.array(values.reshape(-1), pa.float64()))
@@ -249,6 +265,9 @@ def make_predict_pandas(key: str, blob: Pickled, layout: InferenceLayout):
             outputs = predict_columns(key, blob, layout, values)
         except Exception as exc:  # noqa: BLE001 - as in make_predict
             raise transform_failed(exc) from None
+        if layout.kind == "generate":
+            texts = list(outputs[0]) if outputs else []
+            return pd.DataFrame({name: texts for name in (*layout.output_names, PREDICTION_FIELD)})
         frame = pd.DataFrame({name: list(out) if vec else out.reshape(-1).astype(np.float64)
                               for name, vec, out in zip(layout.output_names, layout.output_is_vector, outputs)})
         for name, values in head_columns(layout.head, outputs[0] if outputs else np.empty((0, 1))).items():

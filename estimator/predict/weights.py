@@ -4,6 +4,8 @@ A TorchModel whose module came from a `model` factory is saved as its weights pl
   - a Hugging Face `PreTrainedModel`: `pretrained/`, the folder its own `save_pretrained` writes (config.json and
     model.safetensors; the tokenizer too when it is a Hugging Face one), rebuilt by the class's `from_pretrained`
     from that folder alone: the path the factory read at fit time need not exist where the model is loaded;
+  - a model with adapters (peft_config): `adapter/`, peft's own folder (adapter_config.json and the adapters'
+    weights), rebuilt by calling the factory (the base) and peft's PeftModel.from_pretrained over it;
   - any other module: `model.safetensors` (the state_dict; tied weights stored once), rebuilt by calling the
     factory (pickled with the other params) and loading those weights over what it built.
 The optimizer at the end of training goes to `optimizer.pt` as its class, groups, hyperparameters and state (a
@@ -24,12 +26,14 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import nn
 
+from estimator.core.adapters import is_adapted
 from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 
 MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
+ADAPTER_FOLDER = "adapter"
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -45,7 +49,11 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
                 root: str) -> None:
     """Write the trained weights, the optimizer and `module.json` under `root`."""
     with tempfile.TemporaryDirectory() as local:
-        if is_hugging_face_model(model):
+        if is_adapted(model):  # the adapters alone (peft's folder); the base is rebuilt by the factory
+            model.save_pretrained(local)
+            put_folder(local, fs, posixpath.join(root, ADAPTER_FOLDER))
+            kind = {"format": "peft", "folder": ADAPTER_FOLDER, "class": qualified_name(type(model))}
+        elif is_hugging_face_model(model):
             save_pretrained_folder(model, tokenizer, local)
             put_folder(local, fs, posixpath.join(root, HUGGING_FACE_FOLDER))
             kind = {"format": "hugging_face", "folder": HUGGING_FACE_FOLDER, "class": qualified_name(type(model))}
@@ -74,13 +82,18 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
         return None
     with fs.open(path, "r") as f:
         kind = json.load(f)
+    if kind["format"] in ("peft", "safetensors") and factory is None:
+        raise ValueError(f"{root} holds the weights of a model built by a factory, but not the factory (its "
+                         "objects.pkl lacks model_factory): it was not saved by TorchModel.save.")
     with tempfile.TemporaryDirectory() as local:
-        if kind["format"] == "hugging_face":
+        if kind["format"] == "peft":
+            from peft import PeftModel
+
+            get_folder(fs, posixpath.join(root, kind["folder"]), local)
+            model = PeftModel.from_pretrained(factory(), local, is_trainable=True)
+        elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)
-        elif factory is None:
-            raise ValueError(f"{root} holds the weights of a model built by a factory, but not the factory (its "
-                             "objects.pkl lacks model_factory): it was not saved by TorchModel.save.")
         else:
             from safetensors.torch import load_model
 

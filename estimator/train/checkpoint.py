@@ -11,11 +11,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from estimator.core.adapters import is_adapted, load_trainable, trainable_state
 from estimator.core.numbers import plain
 from estimator.failures import FailureKind
 from estimator.train.sharded_checkpoint import SHARDED, folder, load_shards
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
+TRAINABLE = "trainable"  # "contents" of a checkpoint holding only the trainable parameters (adapters)
 
 
 @dataclass
@@ -41,7 +43,10 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history
     state_dict()s. `sharded`: strategy='fsdp''s folder of shards (estimator.train.sharded_checkpoint), which
     holds the model's and the optimizer's tensors in place of this file."""
     tensors = ({SHARDED: sharded, "strategy": "fsdp"} if sharded is not None
-               else {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+               else {"model": trainable_state(model) if is_adapted(model) else model.state_dict(),
+                     "optimizer": optimizer.state_dict()})
+    if is_adapted(model):  # the adapters only: the frozen base comes from the model's factory
+        tensors["contents"] = TRAINABLE
     state = {**tensors, "epoch": position.epochs,
              "global_step": position.global_step, "history": [dict(row) for row in history],
              "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
@@ -150,6 +155,10 @@ def restore(store: Any, run: Any, path: str, model: nn.Module, optimizer: Option
     state = load_checkpoint(store, path, device)
     if state.get(SHARDED):
         load_shards(store, folder(run, state[SHARDED]), model, optimizer)
+    elif state.get("contents") == TRAINABLE:
+        load_trainable(model, state["model"], f"the checkpoint {path}")
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
     else:
         model.load_state_dict(state["model"])
         if optimizer is not None:

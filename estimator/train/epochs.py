@@ -19,13 +19,14 @@ from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, feed_workers
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
-from estimator.data.text import Tokenize
+from estimator.data.lm import batch_tokenizer
 from estimator.train.checkpoint import (CheckpointWriter, Position, checkpoint_state, describe, load_checkpoint,
                                         write_checkpoint)
 from estimator.train.distributed import RankContext
 from estimator.train.lightning import LightningObjective
 from estimator.train.loop import TrainLoop, reduce_sums
 from estimator.train.losses import Objective
+from estimator.train.objectives import TokenObjective
 from estimator.train.sharded_checkpoint import SHARDED, remove_unused, save_shards
 from estimator.train.sharded_checkpoint import folder as sharded_folder
 from estimator.train.sharding import local_bytes
@@ -47,6 +48,7 @@ class Run:
         self.objective = (None if objs.train_fn is not None  # train_fn computes its own loss
                           else StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
                           else LightningObjective(model, spec.step_metrics, spec.val_metrics, trainer) if objs.lightning
+                          else TokenObjective() if spec.data.lm is not None  # a causal LM's fine-tuning
                           else Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
                                          weighted=spec.data.sample_weight_col is not None))
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
@@ -180,7 +182,7 @@ class Run:
 
     def open_decoders(self, training: bool) -> Decoders:
         reader, fn, data = self.spec.reader, self.objs.transformation_fn, self.spec.data
-        tokenize = Tokenize(self.objs.tokenizer, data.text_cols, data.max_length) if data.text_cols else None
+        tokenize = batch_tokenizer(self.objs.tokenizer, data)
         workers = feed_workers(reader.train_workers if training else reader.val_workers,
                                fn is not None or tokenize is not None)
         pool = reader.pool_type if reader.kind == "arrow" else "thread"  # petastorm's pool type is its readers'

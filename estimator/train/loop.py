@@ -61,6 +61,8 @@ class TrainLoop:
         if inside is not None and inside.sums and self.ctx.rank == 0:
             sums += torch.tensor(inside.sums[:self.objective.width], dtype=torch.float64, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
+        tokens = getattr(self.objective, "token_weighted", False)  # a loss summed over tokens (objectives.py)
+        window = torch.zeros((), dtype=torch.float64, device=self.device)  # its labelled tokens, this window
         # Each batch's randomness (dropout) depends only on (seed, epoch, rank, step): a resumed run draws
         # what an uninterrupted one did, wherever it resumed.
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
@@ -76,24 +78,44 @@ class TrainLoop:
                     loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
                         step_ctx, batch_idx=step, global_step=self.global_step))
                 self.finite.loss(loss, epoch, step)
-                scaled = loss / every if every > 1 else loss
+                scaled = loss / every if every > 1 and not tokens else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums += batch_sums
+            if tokens:
+                window += batch_sums[1]
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, sums)
             if stepping:
+                if tokens:
+                    self.normalize(window)
+                    window = torch.zeros_like(window)
                 self.step()
                 if self.after_step is not None:
                     self.after_step()
                 self.global_step += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.on_step is not None:
-                    self.on_step(self.global_step, loss.detach())
+                    self.on_step(self.global_step, loss.detach() / batch_sums[1].clamp_min(1) if tokens
+                                 else loss.detach())
                 steps = self.spec.checkpoint_steps
                 if steps and self.global_step % steps == 0 and not last and self.checkpoint is not None:
                     self.checkpoint(epoch, step + 1, sums)
         self.finite.flush(epoch)
         return sums
+
+    def normalize(self, window: torch.Tensor) -> None:
+        """A token-weighted objective's gradients (of its summed losses, averaged over the ranks by DDP or FSDP)
+        divided by the mean labelled tokens per rank of this window: the gradient of the loss summed over every
+        rank's labelled tokens over their count, as one process computes it over the same rows. One small
+        all_reduce on the device, no wait on the host."""
+        total = window.clone()
+        if self.ctx.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        factor = (self.ctx.world_size / total.clamp_min(1.0)).float()
+        for p in self.ddp.parameters():
+            if p.grad is not None:
+                grad = getattr(p.grad, "_local_tensor", p.grad)  # fsdp: this rank's shard of a DTensor
+                grad.mul_(factor.to(grad.dtype))
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from estimator.core.adapters import is_adapted
+
 SHARDED = "sharded"  # the checkpoint file's key naming its folder of shards (in the run's sharded/ folder)
 
 
@@ -43,9 +45,11 @@ def storage_reader(store: Any, path: str) -> Any:
 def shard_states(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     """This rank's shards (a plain module's whole tensors on the driver), keyed by parameter name: what DCP writes,
     and the template it loads into (the optimizer's state created first when it has none yet)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
-    states = {"model": get_model_state_dict(model)}
+    # a model with adapters: its trainable parameters only (the frozen base comes from the model's factory)
+    states = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=is_adapted(model)))}
     if optimizer is not None:
         states["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return states
@@ -69,7 +73,8 @@ def load_shards(store: Any, path: str, model: nn.Module, optimizer: Optional[tor
     """The folder's shards loaded into `model` (sharded over this launch's ranks, or a plain module where no
     process group is up) and into `optimizer`'s state: DCP reads each rank's part, whatever rank count wrote it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -83,7 +88,7 @@ def load_shards(store: Any, path: str, model: nn.Module, optimizer: Optional[tor
         cause = first[0] if isinstance(first, tuple) else getattr(first, "exc", first)
         raise RuntimeError(f"the checkpoint's shards at {store.url(path)} do not fit this model: "
                            f"{str(cause).splitlines()[0]}") from None
-    set_model_state_dict(model, states["model"])
+    set_model_state_dict(model, states["model"], options=StateDictOptions(strict=not is_adapted(model)))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states["optimizer"])
 

@@ -29,6 +29,7 @@ from estimator.train.checkpoint import position_of, restore
 from estimator.train.distributed import RankContext
 from estimator.train.epochs import Run
 from estimator.train.host_allreduce import HostAllreduce
+from estimator.train.memory import checkpoint_activations
 from estimator.train.sharding import Sharded, shard
 
 log = logging.getLogger("estimator")
@@ -40,7 +41,12 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     started = time.perf_counter()
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
-    model = objs.module()  # a model_factory builds it here, on the rank
+    with torch.random.fork_rng(devices=[]):  # what the factory and the adapters draw is the run's seed's
+        torch.manual_seed(spec.seed)
+        model = objs.module()  # a model_factory builds it here, on the rank (with its adapters: peft_config)
+    if spec.gradient_checkpointing:
+        log.debug("rank %d: activations recomputed in backward (%s)", ctx.rank,
+                  checkpoint_activations(model, objs.shard_units))
     sharded = spec.strategy == "fsdp"
     if not sharded:  # fsdp: shard reads each rank's shards of what is on the meta device, and moves the rest
         if objs.weights_folder:

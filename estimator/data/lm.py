@@ -1,0 +1,145 @@
+"""Rows of a causal language model's fine-tuning (SFT) as token arrays, with the labels that say which tokens
+the loss covers. numpy and the user's tokenizer only, no torch: it runs where text columns are tokenized (the
+reader's workers, after transformation_fn).
+
+The rule, for a prompt column and a string label column (the response):
+    tokens = tokenizer(prompt)  +  tokenizer(response, add_special_tokens=False)  +  [eos]
+    labels = -100 for every prompt token,   the response's tokens and eos as they are
+tokenized apart, so that the prompt's tokens are exactly what generation is given in transform; the whole is cut at
+max_length (the response loses its end first). For a chat column (a list of {role, content} messages, no label
+column), the tokenizer's chat template renders the conversation; the tokens of each assistant turn (up to and
+with its end-of-turn marker) are labelled, everything else is -100. Padding (to the batch's longest row, on the
+right) is -100 too and has attention_mask 0. The loss is then the model's next-token cross entropy over the
+labelled tokens, summed and divided by their count over the accumulation window and all ranks
+(estimator.train.objectives): k ranks of batch b train as one process of batch k*b.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from estimator.core.spec import LMSpec
+from estimator.data.text import SEP, Tokenize
+
+Arrays = Dict[str, np.ndarray]
+IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, Hugging Face's convention)
+
+
+def token_ids(encoded: Any) -> List[int]:
+    """A tokenizer's or apply_chat_template's ids for one text (a list, or a dict/BatchEncoding with input_ids)."""
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+
+def eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError(f"The tokenizer {type(tokenizer).__name__} has no eos token: a fine-tuned causal LM learns "
+                         "to end its response with it. Set one (tokenizer.eos_token = '</s>' or the model's).")
+    return int(eos)
+
+
+def pad_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else eos_id(tokenizer)
+
+
+def messages_of(row: Any, column: str) -> List[Dict[str, str]]:
+    """A chat row as the list of {role, content} dicts chat templates take."""
+    out = []
+    for message in list(row):
+        if not hasattr(message, "get") or message.get("role") is None or message.get("content") is None:
+            raise ValueError(f"Column {column!r} holds a message {message!r}: each message of a chat column must be "
+                             "a struct with 'role' and 'content' (array<struct<role:string, content:string>>).")
+        out.append({"role": str(message["role"]), "content": str(message["content"])})
+    return out
+
+
+def render(tokenizer: Any, messages: Sequence[Dict[str, str]], generation_prompt: bool) -> List[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"The tokenizer {type(tokenizer).__name__} has no chat template (tokenizer.chat_template): "
+                         "a chat column is rendered with it. Use the model's tokenizer, or set a template.")
+    return token_ids(tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                                   add_generation_prompt=generation_prompt))
+
+
+def chat_tokens(tokenizer: Any, messages: Sequence[Dict[str, str]], column: str) -> Tuple[List[int], List[int]]:
+    """(ids, labels) of one conversation: each assistant turn's tokens labelled, found as the difference between
+    the conversation rendered up to the turn's generation prompt and up to the turn's end."""
+    ids = render(tokenizer, messages, False)
+    labels = [IGNORE] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix, upto = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1], False)
+        start, end = len(prefix), len(upto)
+        if ids[:end] != upto or upto[:start] != prefix:
+            raise ValueError(f"The chat template of {type(tokenizer).__name__} renders a conversation differently "
+                             f"from its beginning (column {column!r}, turn {i}): the assistant's tokens cannot be "
+                             "told apart. Use a template whose rendering of the first turns is a prefix of the "
+                             "whole's.")
+        labels[start:end] = ids[start:end]
+    return ids, labels
+
+
+class CausalLMTokenize:
+    """The batch with the prompt (or chat) column as `<column>.input_ids` / `.attention_mask` and the labels at
+    `spec.labels_key` (int64, IGNORE where no loss), padded on the right to the batch's longest row."""
+
+    def __init__(self, tokenizer: Any, spec: LMSpec, max_length: Optional[int]):
+        self.tokenizer, self.spec, self.max_length = tokenizer, spec, max_length
+
+    def __call__(self, batch: Arrays) -> Arrays:
+        spec = self.spec
+        rows = self.rows(batch)
+        out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response)}
+        width = max((len(ids) for ids, _ in rows), default=0)
+        ids = np.full((len(rows), width), pad_id(self.tokenizer), dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, (row_ids, row_labels) in enumerate(rows):
+            ids[i, :len(row_ids)], labels[i, :len(row_ids)], mask[i, :len(row_ids)] = row_ids, row_labels, 1
+        out[f"{spec.column}{SEP}input_ids"], out[f"{spec.column}{SEP}attention_mask"] = ids, mask
+        out[spec.labels_key] = labels
+        return out
+
+    def rows(self, batch: Arrays) -> List[Tuple[List[int], List[int]]]:
+        spec, tokenizer = self.spec, self.tokenizer
+        if spec.chat:
+            rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column) for m in batch[spec.column]]
+        else:
+            eos = eos_id(tokenizer)
+            prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
+            responses = tokenizer([str(t) for t in batch[spec.response]], add_special_tokens=False)["input_ids"]
+            rows = [(list(p) + list(r) + [eos], [IGNORE] * len(p) + list(r) + [eos])
+                    for p, r in zip(prompts, responses)]
+        limit = self.max_length
+        return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
+
+
+def prompt_lengths(tokenizer: Any, spec: LMSpec, values: np.ndarray) -> np.ndarray:
+    """Tokens of each row's prompt as generation is given it (a chat: rendered with the generation prompt)."""
+    return np.array([len(ids) for ids in prompt_ids(tokenizer, spec.chat, values, spec.column)], dtype=np.int64)
+
+
+def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str) -> List[List[int]]:
+    """What generation continues: the prompt's tokens, or a conversation rendered up to the assistant's turn (a
+    last assistant message, the reference answer, left out)."""
+    if not chat:
+        return [list(ids) for ids in tokenizer([str(t) for t in values], add_special_tokens=True)["input_ids"]]
+    out = []
+    for row in values:
+        messages = messages_of(row, column)
+        if messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        out.append(render(tokenizer, messages, True))
+    return out
+
+
+def batch_tokenizer(tokenizer: Any, data: Any) -> Any:
+    """What tokenizes a batch of `data` (a DataSpec): the causal LM's rows with their labels, the text columns, or
+    nothing (None)."""
+    if data.lm is not None:
+        return CausalLMTokenize(tokenizer, data.lm, data.max_length)
+    return Tokenize(tokenizer, data.text_cols, data.max_length) if data.text_cols else None

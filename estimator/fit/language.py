@@ -1,0 +1,87 @@
+"""The driver's side of a causal language model's fine-tuning (SFT): when a fit is one, and its checks before any
+job. A fit is one when the built-in loop (no loss, train_step, train_fn) trains a model that can generate (a
+transformers causal LM, or peft's model around one) with a tokenizer, on a prompt column with a string label
+column (the response), or on a chat column (array<struct<role, content>>) without labels (estimator.data.lm)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from pyspark.sql.types import ArrayType, DataType, StringType, StructType
+
+from estimator.core.adapters import base_config, can_generate
+from estimator.core.spec import LMSpec
+
+OWNER = "TorchEstimator"
+CHAT_FIELDS = ("role", "content")
+
+
+def built_in_loop(p: Dict[str, Any]) -> bool:
+    return (p["loss"] is None and p["loss_constructors"] is None and p["train_step"] is None
+            and p["train_fn"] is None)
+
+
+def is_lm_fit(p: Dict[str, Any]) -> bool:
+    return built_in_loop(p) and p["tokenizer"] is not None and can_generate(p["model"])
+
+
+def is_chat(dtype: DataType) -> bool:
+    return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, StructType)
+
+
+def string_label_error(column: str, p: Dict[str, Any]) -> str:
+    why = ("its loss is set: a causal LM trains on its own next-token loss over the response, so leave loss unset"
+           if not built_in_loop(p) else "no tokenizer is set" if p["tokenizer"] is None
+           else f"the model ({type(p['model']).__name__}) cannot generate (it is no causal LM)")
+    return (f"Column {column!r} (from label_cols) holds strings. A string label is the response a causal language "
+            f"model is fine-tuned to write after the prompt column, and here {why}. For a classifier, index the labels "
+            "first (StringIndexer); for supervised fine-tuning, give an AutoModelForCausalLM (or its factory) and "
+            "its tokenizer (docs/language-models.md).")
+
+
+def lm_spec(p: Dict[str, Any], schema: StructType) -> Optional[LMSpec]:
+    """The fit's LMSpec, or None when it is no causal LM fine-tuning; a fit that half is one is refused by name."""
+    if not is_lm_fit(p):
+        return None
+    features, labels = list(p["feature_cols"]), list(p["label_cols"])
+    if len(features) != 1:
+        raise ValueError(f"Fine-tuning a causal LM takes one feature column (the prompt, or a chat's messages); got "
+                         f"feature_cols={features}. Join the prompt's parts into one string column first "
+                         "(concat_ws).")
+    column, dtype = features[0], schema[features[0]].dataType
+    if is_chat(dtype):
+        names = dtype.elementType.names
+        missing = [f for f in CHAT_FIELDS if f not in names]
+        if missing:
+            raise ValueError(f"Column {column!r} (from feature_cols) is a list of structs with fields {names}, and a "
+                             f"chat column's messages need {list(CHAT_FIELDS)} (missing: {missing}): "
+                             "array<struct<role:string, content:string>>, as chat datasets hold them.")
+        if labels:
+            raise ValueError(f"Column {column!r} is a chat (its assistant turns are what the model learns to write), "
+                             f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
+        return LMSpec(column)
+    if not isinstance(dtype, StringType):
+        raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
+                         f"column), or a chat column; {column!r} has type {dtype.simpleString()}.")
+    if len(labels) != 1 or not isinstance(schema[labels[0]].dataType, StringType):
+        raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} needs the response as one string "
+                         f"label column (label_cols=['response']); got label_cols={labels}.")
+    return LMSpec(column, labels[0])
+
+
+def check_lm_params(p: Dict[str, Any]) -> None:
+    """What a causal LM's fine-tuning cannot take, refused by name."""
+    for name, why in (("metrics", "its history reports the loss and perplexity over the response tokens"),
+                      ("sample_weight_col", "its loss is weighted by the labelled tokens"),
+                      ("input_shapes", "the token arrays are as long as each batch's longest row")):
+        if p[name]:
+            raise ValueError(f"Fine-tuning a causal LM takes no {name} (got {p[name]!r}): {why}.")
+
+
+def check_max_length(p: Dict[str, Any], owner: str = OWNER) -> None:
+    """max_length within the model's positions (a longer one fails on the ranks, deep in the model)."""
+    config = base_config(p["model"])
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if p.get("max_length") is not None and isinstance(positions, int) and p["max_length"] > positions:
+        raise ValueError(f"The 'max_length' parameter of {owner} is {p['max_length']}, beyond the "
+                         f"{positions} positions of the model ({type(config).__name__}.max_position_embeddings): "
+                         f"set max_length <= {positions}.")

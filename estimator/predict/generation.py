@@ -1,0 +1,73 @@
+"""transform's outputs that are not a forward's numbers: the text a causal LM generates (output_kind='generate')
+and a vector per row from a model whose output is hidden states (output_kind='embedding'). Both run on the
+executors over one Arrow batch at a time, with the model cached per worker (estimator.predict.inference).
+
+Generation: the prompts (or chats rendered up to the assistant's turn, estimator.data.lm) sorted by length within
+the batch, so that each generate() call pads little; left-padded (a decoder continues from the last position);
+the model's own generate() with its KV cache, greedy unless generate_kwargs asks for sampling (a 'seed' there
+seeds each call: the same prompts give the same text); at most max_new_tokens, stopping at eos; the new tokens
+decoded without special tokens, back in the rows' order.
+
+Embeddings: the model's `sentence_embedding` when it returns one (a sentence-transformers module), else the mean
+of `last_hidden_state` (or its first output) over the attention mask, in float32. torch only, no pyspark."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from estimator.data.lm import eos_id, pad_id, prompt_ids
+
+
+def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool, column: str, batch_size: int,
+                   device: str, max_new_tokens: int, generate_kwargs: Optional[Dict[str, Any]]) -> np.ndarray:
+    """The text generated for each row of `values` (prompts, or chats), as an object array of str."""
+    prompts = prompt_ids(tokenizer, chat, values, column)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    texts: List[str] = [""] * len(prompts)
+    kwargs = dict(generate_kwargs or {})
+    seed = kwargs.pop("seed", None)
+    kwargs.setdefault("do_sample", False)
+    pad = pad_id(tokenizer)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for j, i in enumerate(rows):  # left padding: every prompt ends at the last position
+                if prompts[i]:
+                    ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                    mask[j, width - len(prompts[i]):] = 1
+            if seed is not None:
+                torch.manual_seed(int(seed))
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos_id(tokenizer),
+                                 **kwargs)
+            for j, text in enumerate(tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)):
+                texts[rows[j]] = text
+    result = np.empty(len(texts), dtype=object)
+    result[:] = texts
+    return result
+
+
+def embeddings(raw: Any, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """One vector per row from a forward's output (see the module's doc)."""
+    found = raw.get("sentence_embedding") if hasattr(raw, "get") else None
+    if isinstance(found, torch.Tensor):
+        return found.float()
+    hidden = getattr(raw, "last_hidden_state", None)
+    if hidden is None:
+        hidden = raw[0] if isinstance(raw, (tuple, list)) else raw.get("last_hidden_state") if hasattr(raw, "get") \
+            else raw
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        raise ValueError(f"output_kind='embedding' reads hidden states (batch, tokens, width) from the model's "
+                         f"output; it returned {type(raw).__name__}. Use a model whose output is hidden states (an "
+                         "AutoModel, a sentence-transformers module).")
+    if hidden.dim() == 2:  # already one vector per row
+        return hidden.float()
+    if attention_mask is None:
+        return hidden.float().mean(dim=1)
+    mask = attention_mask.unsqueeze(-1).to(torch.float32)
+    return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)

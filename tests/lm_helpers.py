@@ -1,0 +1,71 @@
+"""A tiny causal LM on disk (a Llama config, a byte-level BPE tokenizer trained here, a chat template: the
+"pretrained" model of the language-model tests and of notebooks/sft_example.py) and rank-level specs over
+prompt/response or chat rows (LocalLauncher, no Spark)."""
+import functools
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks"))
+
+from sft_example import color_facts, save_pretrained_llama  # noqa: E402
+
+__all__ = ["color_facts", "save_pretrained_llama", "lm_rows", "lm_train_spec", "plain_causal_lm"]
+
+
+def lm_rows(count):
+    """(prompt, response) rows whose responses differ in length (a loss averaged per batch would weight them
+    differently from one averaged per token)."""
+    facts = color_facts()
+    out = []
+    for i in range(count):
+        prompt, response = facts[i % len(facts)]
+        out.append((prompt, response + " Really." * (i % 4)))
+    return out
+
+
+def plain_causal_lm(path, peft_config=None, seed=3):
+    """What a rank builds: the model from its folder (and the adapters), drawn under the run's seed."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2, run="r", chat=False,
+                  max_length=None, val_rows=(), **fields):
+    """A TrainSpec over `rows` ((prompt, response) pairs, or chats: lists of messages) in the store's Parquet."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from estimator.core.adapters import with_adapters
+    from estimator.core.pickling import dumps, user_objects
+    from estimator.core.spec import DataSpec, LMSpec, TrainSpec
+    from estimator.data.parquet import list_pieces
+
+    def write(name, part):
+        store.makedirs(store.path(name))
+        if chat:
+            table = pa.table({"chat": pa.array(part, pa.list_(pa.struct([("role", pa.string()),
+                                                                         ("content", pa.string())])))})
+        else:
+            table = pa.table({"prompt": [p for p, _ in part], "response": [r for _, r in part]})
+        pq.write_table(table, store.path(name, "part.parquet"), row_group_size=16)
+        return list_pieces(store, store.path(name))
+
+    train, val = write("train", rows), write("val", val_rows) if val_rows else ()
+    lm = LMSpec("chat") if chat else LMSpec("prompt", "response")
+    data = DataSpec(store, train, val, (lm.column,), () if chat else ("response",), lm=lm, max_length=max_length)
+    factory = functools.partial(AutoModelForCausalLM.from_pretrained, path)
+    objs = user_objects(with_adapters(factory(), peft_config), functools.partial(torch.optim.AdamW, lr=lr), [], [],
+                        [], model_factory=factory)
+    objs.tokenizer, objs.peft_config = AutoTokenizer.from_pretrained(path), peft_config
+    return TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run(run), batch, batch, epochs, seed=3,
+                     shuffle=False, **fields)

@@ -1,0 +1,146 @@
+"""Fine-tuning a causal LM (SFT) on the rank side, without Spark (LocalLauncher): the labels of prompt/response
+and chat rows, the token-weighted loss (2 ranks of batch b = one plain PEFT loop of batch 2b), LoRA checkpoints
+(the adapters only, resumed exactly), fsdp + LoRA = ddp + LoRA, gradient checkpointing."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from estimator.core.spec import LMSpec
+from estimator.data.lm import IGNORE, CausalLMTokenize, chat_tokens
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import load_checkpoint, restore
+from lm_helpers import color_facts, lm_rows, lm_train_spec, plain_causal_lm, save_pretrained_llama
+
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    facts = color_facts()
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"), [p + r for p, r in facts] * 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama)
+
+
+def lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def tokenized(tokenizer, rows, max_length=None):
+    batch = {"prompt": np.array([p for p, _ in rows], dtype=object),
+             "response": np.array([r for _, r in rows], dtype=object)}
+    return CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), max_length)(batch)
+
+
+def test_the_prompt_and_the_padding_carry_no_loss_and_the_response_and_eos_do(tokenizer):
+    rows = lm_rows(3)
+    batch = tokenized(tokenizer, rows)
+    ids, mask, labels = batch["prompt.input_ids"], batch["prompt.attention_mask"], batch["response"]
+    for i, (prompt, response) in enumerate(rows):
+        p = len(tokenizer(prompt)["input_ids"])
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert (labels[i, :p] == IGNORE).all()  # the prompt: no loss
+        assert labels[i, p:p + len(r)].tolist() == r == ids[i, p:p + len(r)].tolist()  # the response and eos
+        assert (labels[i, p + len(r):] == IGNORE).all() and (mask[i, p + len(r):] == 0).all()  # padding
+        assert mask[i, :p + len(r)].all()
+    cut = tokenized(tokenizer, rows, max_length=9)  # the response loses its end first
+    assert cut["prompt.input_ids"].shape[1] == 9 and (cut["response"] != IGNORE).sum() > 0
+
+
+def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
+    messages = [{"role": "system", "content": "Answer with a color."},
+                {"role": "user", "content": "What color is the kettle?"}, {"role": "assistant", "content": "teal"},
+                {"role": "user", "content": "And the drum?"}, {"role": "assistant", "content": "red"}]
+    ids, labels = chat_tokens(tokenizer, messages, "chat")
+    assert tokenizer.decode([i for i, l in zip(ids, labels) if l != IGNORE]) == "teal</s>red</s>"
+    assert [l for l in labels if l != IGNORE] == [i for i, l in zip(ids, labels) if l != IGNORE]
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        CausalLMTokenize(tokenizer, LMSpec("chat"), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
+
+
+def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store):
+    """The loss is averaged over response tokens of the whole step (both ranks), not over each rank's batch: the
+    rows' responses differ in length, so a mean of the ranks' means would train other weights."""
+    ranks, batch, steps, epochs, lr = 2, 4, 4, 2, 1e-2
+    rows = lm_rows(ranks * batch * steps)
+    results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
+                                                lr=lr), ranks)
+    plain = plain_causal_lm(llama, lora())
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
+    half, losses = len(rows) // ranks, []
+    for _ in range(epochs):
+        total, tokens = 0.0, 0
+        for step in range(steps):  # step s: batch s of every rank, together
+            part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
+            b = {k: torch.from_numpy(v) for k, v in tokenized(tokenizer, part).items()}
+            out = plain(input_ids=b["prompt.input_ids"], attention_mask=b["prompt.attention_mask"],
+                        labels=b["response"])  # the model's own loss: the mean over the labelled tokens
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            count = int((b["response"][:, 1:] != IGNORE).sum())
+            total, tokens = total + out.loss.item() * count, tokens + count
+        losses.append(total / tokens)
+    history = results[0].history
+    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5)
+    assert history[-1]["perplexity"] == pytest.approx(np.exp(losses[-1]), rel=1e-5)
+    trained = plain_causal_lm(llama, lora(), seed=0)
+    restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
+    state, expected = trained.state_dict(), plain.state_dict()
+    for name in (n for n, p in plain.named_parameters() if p.requires_grad):
+        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+    start = plain_causal_lm(llama, lora())
+    assert not torch.allclose(start.state_dict()[name], state[name])  # it trained
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(llama, store):
+    rows = lm_rows(24)
+    LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=2, peft_config=lora(), run="whole"), 2)
+    once = lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run="split")
+    LocalLauncher().run(once, 2)
+    LocalLauncher().run(dataclasses.replace(once, epochs=2, resume_from=store.run("split").checkpoint), 2)
+    whole, split = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "split"))
+    base = plain_causal_lm(llama)
+    assert set(whole["model"]) == {n for n, p in plain_causal_lm(llama, lora()).named_parameters() if p.requires_grad}
+    assert all("lora_" in name for name in whole["model"]) and whole["contents"] == "trainable"
+    adapter_bytes = sum(t.numel() * t.element_size() for t in whole["model"].values())
+    base_bytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    assert len(store.read_bytes(store.run("whole").checkpoint)) < base_bytes / 2  # no frozen weight in the file
+    assert adapter_bytes < base_bytes / 4
+    for name, value in whole["model"].items():
+        assert torch.equal(value, split["model"][name]), name
+    assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
+
+
+def test_fsdp_with_lora_trains_as_ddp_with_lora(llama, store):
+    rows = lm_rows(16)
+    for strategy in ("ddp", "fsdp"):
+        LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run=strategy,
+                                          strategy=strategy), 2)
+    models = {}
+    for strategy in ("ddp", "fsdp"):
+        models[strategy] = plain_causal_lm(llama, lora(), seed=0)
+        restore(store, store.run(strategy), store.run(strategy).checkpoint, models[strategy], None)
+    ddp, fsdp = (m.state_dict() for m in models.values())
+    assert any("lora_" in k for k in ddp)
+    for name in ddp:
+        assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), (name, (ddp[name] - fsdp[name]).abs().max())
+
+
+def test_gradient_checkpointing_changes_no_number(llama, store):
+    rows = lm_rows(8)
+    runs = {}
+    for on in (False, True):
+        runs[on] = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(),
+                                                     run=f"gc-{on}", gradient_checkpointing=on), 1)[0]
+    assert runs[True].history[0]["loss"] == pytest.approx(runs[False].history[0]["loss"], rel=1e-6)
+    on, off = (load_checkpoint(store, store.run(f"gc-{v}").checkpoint)["model"] for v in (True, False))
+    for name in on:
+        assert torch.allclose(on[name], off[name], atol=1e-6), name
