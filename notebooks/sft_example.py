@@ -27,6 +27,7 @@ import torch  # noqa: E402
 NOUNS = ("kettle lantern anchor violin compass teapot saddle ladder mirror candle bucket helmet basket trumpet "
          "feather marble ribbon hammer pillow bottle wallet button blanket drum kite scarf").split()
 COLORS = "red blue green amber teal violet silver ochre".split()
+INIT = 0.3  # a stand-in for a trained head: logits wide enough to be sure of a token
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -57,7 +58,8 @@ def save_pretrained_llama(folder, texts, hidden=64, layers=2, positions=64):
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=positions, bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+                         initializer_range=INIT)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -74,7 +76,7 @@ def main(argv=None) -> float:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a save_pretrained folder of a causal LM (default: a tiny Llama built here)")
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "sft-example"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,9 +94,9 @@ def main(argv=None) -> float:
         model=functools.partial(AutoModelForCausalLM.from_pretrained, path),  # built on each rank
         tokenizer=AutoTokenizer.from_pretrained(path),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
-        optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+        optimizer=functools.partial(torch.optim.AdamW, lr=5e-3),
         feature_cols=["prompt"], label_cols=["response"],  # a string label on a causal LM: SFT
-        batch_size=4, epochs=args.epochs, max_new_tokens=16)
+        batch_size=2, epochs=args.epochs, max_new_tokens=16)
     fitted = est.fit(train_df)
     answers = fitted.transform(train_df.select("prompt", "response"))  # adds `prediction`: generated text
     # --8<-- [end:sft]
