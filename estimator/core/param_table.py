@@ -262,7 +262,7 @@ MODEL_PARAMS = [
     ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),
               "a non-empty list of column names"),
     ParamSpec("label_cols", "the label columns the model was trained on (one per output; none for a model trained "
-              "without labels)", None, is_str_list(nonempty=False), "a list of column names"),
+              "without labels, or built without a fit)", [], is_str_list(nonempty=False), "a list of column names"),
     ParamSpec("output_cols", "names of the output columns; default '<label>__output'", None,
               optional(is_str_list()), "a list of column names (one per label column) or None"),
     ParamSpec("prediction_col", "the predicted class (classification) or value (one regression output per row) "

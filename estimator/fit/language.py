@@ -16,12 +16,11 @@ CHAT_FIELDS = ("role", "content")
 
 
 def built_in_loop(p: Dict[str, Any]) -> bool:
-    return (p["loss"] is None and p["loss_constructors"] is None and p["train_step"] is None
-            and p["train_fn"] is None)
+    return all(p.get(name) is None for name in ("loss", "loss_constructors", "train_step", "train_fn"))
 
 
 def is_lm_fit(p: Dict[str, Any]) -> bool:
-    return built_in_loop(p) and p["tokenizer"] is not None and can_generate(p["model"])
+    return built_in_loop(p) and p.get("tokenizer") is not None and can_generate(p.get("model"))
 
 
 def is_chat(dtype: DataType) -> bool:

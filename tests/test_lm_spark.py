@@ -1,0 +1,169 @@
+"""Language models through Spark: the SFT contract (a prompt/response table, LoRA on 2 ranks, generated text in
+transform, identical after save/load and in a Pipeline, a merged folder for serving), chat rows, a killed rank
+retried from the adapters' checkpoint, embeddings from a TorchModel built without a fit, and the refusals before
+any job."""
+import functools
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from estimator import TorchEstimator, TorchModel
+from estimator.core.faults import ENV
+from helpers import metrics
+from lm_helpers import color_facts, lm_rows, save_pretrained_llama
+from spark_helpers import jobs_run_by
+
+pytestmark = pytest.mark.spark
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    facts = color_facts()
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"), [p + r for p, r in facts] * 4)
+
+
+def lora():
+    return peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def sft(llama, store, **kw):
+    params = dict(num_proc=2, store=store, model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained,
+                                                                   llama),
+                  tokenizer=transformers.AutoTokenizer.from_pretrained(llama), peft_config=lora(),
+                  optimizer=functools.partial(torch.optim.AdamW, lr=5e-3), feature_cols=["prompt"],
+                  label_cols=["response"], batch_size=4, epochs=3, max_new_tokens=12, random_seed=1, verbose=0)
+    params.update(kw)
+    return TorchEstimator(**params)
+
+
+def generated_one_by_one(model, tokenizer, prompts, max_new_tokens):
+    """model.generate on each prompt alone (no padding), greedy."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer([prompt], return_tensors="pt")
+            tokens = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            out.append(tokenizer.decode(tokens[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return out
+
+
+@pytest.mark.connect
+def test_sft_with_lora_on_two_ranks_then_transform_writes_what_generate_writes(spark, store, llama, tmp_path):
+    from pyspark.ml import PipelineModel
+
+    rows = lm_rows(24)
+    df = spark.createDataFrame(rows, "prompt string, response string")
+    fitted = sft(llama, store, run_id="sft").fit(df)
+    history = fitted.getHistory()
+    assert history[-1]["loss"] < history[0]["loss"] and "perplexity" in history[-1]
+    state = torch.load(store.fs.open(store.run("sft").checkpoint).__enter__(), weights_only=True)
+    assert state["contents"] == "trainable" and all("lora_" in k for k in state["model"])  # no frozen weight
+
+    prompts = [p for p, _ in rows[:10]]
+    test_df = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
+    got = {r.prompt: (r.prediction, r.response__output) for r in fitted.transform(test_df).collect()}
+    model, tokenizer = fitted.getModel().eval(), fitted.getTokenizer()
+    expected = generated_one_by_one(model, tokenizer, prompts, 12)
+    assert [got[p][0] for p in prompts] == expected and [got[p][1] for p in prompts] == expected
+    assert len(set(expected)) > 1  # not one text for every prompt
+
+    fitted.write().overwrite().save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    PipelineModel(stages=[fitted]).write().overwrite().save(str(tmp_path / "pipeline"))
+    pipeline = PipelineModel.load(str(tmp_path / "pipeline"))
+    for again in (loaded, pipeline):
+        assert {r.prompt: r.prediction for r in again.transform(test_df).collect()} == {p: got[p][0] for p in prompts}
+
+    fitted.save_pretrained(str(tmp_path / "merged"))  # a plain model for serving: the adapters merged in
+    served = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not hasattr(served, "peft_config")
+    ids = tokenizer(prompts[:3], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.allclose(served(**ids).logits, model(**ids).logits, atol=1e-4)
+
+
+def test_chat_rows_train_on_the_assistant_turns_and_transform_writes_the_reply(spark, store, llama):
+    chat = "chat array<struct<role:string, content:string>>"
+    rows = [([("user", p), ("assistant", r.strip())],) for p, r in color_facts()[:16]]
+    df = spark.createDataFrame(rows, chat)
+    fitted = sft(llama, store, feature_cols=["chat"], label_cols=None, epochs=2).fit(df)
+    assert fitted.getHistory()[-1]["loss"] < fitted.getHistory()[0]["loss"]
+    asked = spark.createDataFrame([([("user", p)],) for p, _ in color_facts()[:4]], chat)
+    got = [r.prediction for r in fitted.transform(asked).collect()]
+    tokenizer, model = fitted.getTokenizer(), fitted.getModel().eval()
+    expected = []
+    with torch.no_grad():
+        for p, _ in color_facts()[:4]:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert got == expected
+
+
+def test_a_rank_killed_mid_run_is_retried_from_the_adapters_checkpoint(spark, store, llama, monkeypatch, caplog):
+    df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    clean = sft(llama, store, run_id="clean").fit(df)
+    monkeypatch.setenv(ENV, json.dumps([{"point": "epoch", "rank": 1, "action": "exit", "epoch": 3,
+                                         "attempt": 0}]))
+    with caplog.at_level(logging.INFO, logger="estimator"):
+        retried = sft(llama, store, run_id="killed", max_retries=1).fit(df)
+    assert "continues from its checkpoint after epoch 2" in caplog.text
+    for got, expected in zip(retried.getHistory(), clean.getHistory(), strict=True):
+        assert metrics(got) == pytest.approx(metrics(expected), rel=1e-5)
+    a, b = retried.getModel().state_dict(), clean.getModel().state_dict()
+    for name in (n for n in a if "lora_" in n):
+        assert torch.allclose(a[name], b[name], atol=1e-6), name
+
+
+def test_embeddings_of_a_pretrained_model_over_a_table_without_a_fit(spark, tmp_path):
+    from text_helpers import save_pretrained_bert, topic_texts
+
+    texts = [t for t, _ in topic_texts(12, seed=2)]
+    path = save_pretrained_bert(str(tmp_path / "bert"), texts)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = TorchModel(model=functools.partial(transformers.AutoModel.from_pretrained, path), tokenizer=tokenizer,
+                       feature_cols=["text"], output_kind="embedding", inference_batch_size=5)
+    df = spark.createDataFrame([(t,) for t in texts], "text string")
+    got = torch.tensor([r.output for r in model.transform(df).collect()])
+    encoder = transformers.AutoModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        hidden = encoder(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        expected = (hidden * mask).sum(1) / mask.sum(1)  # the mean over the attention mask
+    assert got.shape == (12, 32) and torch.allclose(got, expected, atol=1e-5)
+    model.write().overwrite().save(str(tmp_path / "embedder"))
+    again = torch.tensor([r.output for r in TorchModel.load(str(tmp_path / "embedder")).transform(df).collect()])
+    assert torch.equal(again, got)
+
+
+def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama, tmp_path, monkeypatch):
+    from text_helpers import save_pretrained_bert
+
+    bert = save_pretrained_bert(str(tmp_path / "bert"), ["a b c", "d e f"])
+    texts = spark.createDataFrame(lm_rows(8), "prompt string, response string")
+    bad_chat = spark.createDataFrame([([("user", "hi")],)], "chat array<struct<role:string, text:string>>")
+    cases = [
+        (dict(model=functools.partial(transformers.AutoModelForSequenceClassification.from_pretrained, bert),
+              tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,
+         "holds strings.*cannot generate"),
+        (dict(max_length=512), texts, "'max_length'.* 512, beyond the 64 positions"),
+        (dict(feature_cols=["chat"], label_cols=None), bad_chat, r"need \['role', 'content'\].*missing: \['content'\]"),
+        (dict(optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())), texts,
+         "optimizer must be built over them"),
+    ]
+    for params, df, message in cases:
+        with pytest.raises(ValueError, match=message):
+            assert jobs_run_by(spark, lambda: sft(llama, store, **params).fit(df)) == []
+        assert jobs_run_by(spark, lambda: pytest.raises(ValueError, sft(llama, store, **params).fit, df)) == []
+    monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
+    with pytest.raises(ImportError, match="needs the peft package.*pip install peft"):
+        sft(llama, store).fit(texts)
