@@ -30,7 +30,7 @@ def _est(store, **kw):
 @pytest.mark.parametrize("kw, message", [
     (dict(feature_cols=["pixels"]), "Column 'pixels' (from feature_cols) is not in the DataFrame. Available columns: "
                                     "features, label, ink"),
-    (dict(label_cols=["name"]), "Column 'name' (from label_cols) has type string"),
+    (dict(label_cols=["name"]), "Column 'name' (from label_cols) holds strings. A string label is the response"),
     (dict(sample_weight_col="nope"), "Column 'nope' (from sample_weight_col) is not in the DataFrame"),
     (dict(validation="features"), "Column 'features' (from validation) has type array<float>"),
     (dict(input_shapes=[[-1, 64], [-1, 1]]), "The 'input_shapes' parameter of TorchEstimator must be a list of 1 shapes"),

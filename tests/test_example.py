@@ -52,6 +52,17 @@ def test_the_text_example_fine_tunes_a_pretrained_model_with_the_readmes_lines(t
 
 
 @pytest.mark.spark
+def test_the_sft_example_teaches_a_causal_lm_the_facts_it_then_writes(tmp_path):
+    """docs/language-models.md shows the example's lines between its --8<-- markers: these run here."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "notebooks", "sft_example.py"), "--workdir",
+                             str(tmp_path / "work")], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    right = float(re.search(r"^Answers written right: ([0-9.]+)$", result.stdout, re.MULTILINE).group(1))
+    assert right >= 0.9, result.stdout[-2000:]
+    assert "'What color is the kettle?' -> ' The kettle is" in result.stdout
+
+
+@pytest.mark.spark
 @pytest.mark.parametrize("session", ["classic", "connect"])
 def test_the_readme_use_snippet_runs_as_shown(tmp_path, session):
     """As shown, and with its session made by `builder.remote(url)` of a local Spark Connect server."""

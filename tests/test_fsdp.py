@@ -83,7 +83,9 @@ def meta_block_mlp():
 
 
 def recorded(folder, build):
-    """`build`'s module, its initial state saved in `folder` under this process's id."""
+    """`build`'s module, its initial state saved in `folder` under this process's id. It draws from a seed of its
+    own (this process's id), not the run's (the ranks build under the run's seed): each rank draws other values."""
+    torch.manual_seed(os.getpid())
     model = build()
     torch.save(model.state_dict(), os.path.join(folder, f"{os.getpid()}.pt"))
     return model
