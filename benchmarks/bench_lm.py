@@ -192,7 +192,8 @@ def main(argv=None):
                                    "data_wait": med([r["data_wait"] for r in runs["ours"]])},
               "generated_tokens_per_s": {"ours": gen_ours, "plain": gen_plain, "ratio": gen_ours / gen_plain,
                                          "prompts": len(prompts), "new_tokens": NEW_TOKENS}}
-    print(f"{name}, torch {torch.__version__}, Llama '{size}', LoRA r=16, {precision}; medians of {args.repeat}")
+    print(f"{name}, torch {torch.__version__}, Llama '{size}', LoRA r=16, precision '{precision}'; medians of "
+          f"{args.repeat}")
     print("| what | ours | plain | ratio |")
     print("|---|---|---|---|")
     print(f"| SFT tokens/s ({count} rows, {ranks} rank(s) x batch {batch} vs one process x {ranks * batch}) | "

@@ -34,7 +34,10 @@ class LocalLauncher:
     def _spawn(self, spec: TrainSpec, num_proc: int, port: int) -> List[WorkerResult]:
         mp = multiprocessing.get_context("spawn")
         with mp.Pool(num_proc) as pool:
-            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port, self.faults)) for r in range(num_proc)]
+            # the machine's cores shared by its ranks, as Spark gives each task its own (spark.task.cpus)
+            threads = max(1, torch.get_num_threads() // num_proc)
+            handles = [pool.apply_async(_local_rank, (spec, r, num_proc, port, self.faults, threads))
+                       for r in range(num_proc)]
             results, failures = [], []
             for handle in handles:
                 try:
@@ -46,8 +49,9 @@ class LocalLauncher:
         return results
 
 
-def _local_rank(spec: TrainSpec, rank: int, world: int, port: int, faults: Tuple[Fault, ...] = ()) -> WorkerResult:
+def _local_rank(spec: TrainSpec, rank: int, world: int, port: int, faults: Tuple[Fault, ...] = (),
+                threads: Optional[int] = None) -> WorkerResult:
     gpus = torch.cuda.device_count() if spec.use_gpu is not False else 0
-    place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port, torch.get_num_threads(),
-                      by_spark=False)
+    place = Placement(("127.0.0.1",) * world, (gpus,) * world, (None,) * world, port,
+                      threads or torch.get_num_threads(), by_spark=False)
     return train_rank(spec, faults, spec.attempt, rank, place)

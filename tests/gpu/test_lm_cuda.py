@@ -1,0 +1,80 @@
+"""A causal LM's fine-tuning and generation on CUDA (`bash .ci/gpu`): LoRA SFT on the GPU equals a plain PEFT loop
+there, bf16-mixed trains, and transform's generation (sorted, left-padded batches) writes what model.generate
+writes for each prompt alone. Skipped without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
+import pyarrow as pa
+import pytest
+import torch
+
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import restore
+from lm_helpers import color_facts, lm_rows, lm_train_spec, plain_causal_lm, save_pretrained_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"), [p + r for p, r in color_facts()])
+
+
+def lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def test_lora_sft_on_the_gpu_equals_a_plain_peft_loop_there(llama, store):
+    from transformers import AutoTokenizer
+
+    from estimator.core.spec import LMSpec
+    from estimator.data.lm import CausalLMTokenize
+    import numpy as np
+
+    rows, batch = lm_rows(16), 4
+    (result,) = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=1, peft_config=lora(),
+                                                  use_gpu=True), 1)
+    assert result.device == "cuda:0"
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    plain = plain_causal_lm(llama, lora()).to("cuda:0")
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    for start in range(0, len(rows), batch):
+        part = rows[start:start + batch]
+        b = CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)(
+            {"prompt": np.array([p for p, _ in part], dtype=object),
+             "response": np.array([r for _, r in part], dtype=object)})
+        b = {k: torch.from_numpy(v).to("cuda:0") for k, v in b.items()}
+        plain(input_ids=b["prompt.input_ids"], attention_mask=b["prompt.attention_mask"],
+              labels=b["response"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = plain_causal_lm(llama, lora(), seed=0)
+    restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
+    expected = {k: v.cpu() for k, v in plain.state_dict().items()}
+    for name, value in trained.state_dict().items():
+        if "lora_" in name:
+            assert torch.allclose(value, expected[name], atol=1e-4), name
+    (mixed,) = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=2, peft_config=lora(),
+                                                 use_gpu=True, precision="bf16-mixed", run="bf16"), 1)
+    assert mixed.history[-1]["loss"] < mixed.history[0]["loss"]
+
+
+def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
+    from transformers import AutoTokenizer
+
+    from estimator.data.text import Tokenize
+    from estimator.predict import inference
+
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    model = plain_causal_lm(llama).to("cuda").eval()
+    prompts = [p for p, _ in lm_rows(12)] + ["What is it?"]
+    layout = inference.InferenceLayout(("prompt",), None, ("_0",), (False,), None, 5, True,
+                                       tokenize=Tokenize(tokenizer, ()), kind="generate", max_new_tokens=8)
+    inference._CACHE[("gpu-lm", "cuda")] = model
+    got = inference.predict_arrow("gpu-lm", b"", layout, pa.array(prompts, pa.string())).field(0).to_pylist()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer([prompt], return_tensors="pt").to("cuda")
+            out = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert got == expected
