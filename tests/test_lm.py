@@ -65,13 +65,16 @@ def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
         CausalLMTokenize(tokenizer, LMSpec("chat"), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
 
 
-def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store):
-    """The loss is averaged over response tokens of the whole step (both ranks), not over each rank's batch: the
-    rows' responses differ in length, so a mean of the ranks' means would train other weights."""
-    ranks, batch, steps, epochs, lr = 2, 4, 4, 2, 1e-2
-    rows = lm_rows(ranks * batch * steps)
+@pytest.mark.parametrize("batch, every", [(4, 1), (2, 2)])
+def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store, batch, every):
+    """The loss is averaged over response tokens of the whole step (both ranks, and every batch of an
+    accumulation window), not over each rank's batch: the rows' responses differ in length, so a mean of the
+    ranks' means would train other weights."""
+    ranks, steps, epochs, lr = 2, 4, 2, 1e-2
+    rows = lm_rows(ranks * 4 * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
-                                                lr=lr), ranks)
+                                                lr=lr, backward_passes_per_step=every), ranks)
+    batch = batch * every  # each rank's rows of one optimizer step
     plain = plain_causal_lm(llama, lora())
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
     half, losses = len(rows) // ranks, []

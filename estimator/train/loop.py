@@ -78,7 +78,10 @@ class TrainLoop:
                     loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
                         step_ctx, batch_idx=step, global_step=self.global_step))
                 self.finite.loss(loss, epoch, step)
-                scaled = loss / every if every > 1 and not tokens else loss
+                if tokens and every == 1:  # the window is this batch: its loss over the step's tokens, known now
+                    scaled = loss * self.per_token(batch_sums[1])
+                else:
+                    scaled = loss / every if every > 1 and not tokens else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums += batch_sums
             if tokens:
@@ -86,8 +89,9 @@ class TrainLoop:
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, sums)
             if stepping:
-                if tokens:
+                if tokens and every > 1:  # the window's gradients, divided once its tokens are all known
                     self.normalize(window)
+                if tokens:
                     window = torch.zeros_like(window)
                 self.step()
                 if self.after_step is not None:
@@ -103,19 +107,24 @@ class TrainLoop:
         self.finite.flush(epoch)
         return sums
 
-    def normalize(self, window: torch.Tensor) -> None:
-        """A token-weighted objective's gradients (of its summed losses, averaged over the ranks by DDP or FSDP)
-        divided by the mean labelled tokens per rank of this window: the gradient of the loss summed over every
-        rank's labelled tokens over their count, as one process computes it over the same rows. One small
-        all_reduce on the device, no wait on the host."""
-        total = window.clone()
+    def per_token(self, window: torch.Tensor) -> torch.Tensor:
+        """What a token-weighted objective's summed losses are multiplied by so that their gradients, averaged over
+        the ranks by DDP or FSDP, are those of the loss summed over every rank's labelled tokens of the window
+        over their count, as one process computes it over the same rows: ranks / the window's tokens on all
+        ranks. One small all_reduce on the device, no wait on the host."""
+        total = window.detach().clone()
         if self.ctx.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        factor = (self.ctx.world_size / total.clamp_min(1.0)).float()
-        for p in self.ddp.parameters():
-            if p.grad is not None:
-                grad = getattr(p.grad, "_local_tensor", p.grad)  # fsdp: this rank's shard of a DTensor
-                grad.mul_(factor.to(grad.dtype))
+        return (self.ctx.world_size / total.clamp_min(1.0)).float()
+
+    def normalize(self, window: torch.Tensor) -> None:
+        """With gradient accumulation (the window's tokens known at its last batch only): the gradients of the
+        summed losses multiplied by `per_token` once, before the step."""
+        factor = self.per_token(window)
+        grads = [getattr(p.grad, "_local_tensor", p.grad)  # fsdp: this rank's shard of a DTensor
+                 for p in self.ddp.parameters() if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:

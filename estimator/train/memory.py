@@ -5,6 +5,7 @@ forward under torch.utils.checkpoint, its state_dict names unchanged. torch only
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch.utils.checkpoint
@@ -18,8 +19,9 @@ def checkpoint_activations(model: nn.Module, units: Any = None) -> str:
     """Turns recomputation on in `model` (in place); says how ('hugging face', or 'N units')."""
     inner = model.get_base_model() if is_adapted(model) else model
     if getattr(inner, "supports_gradient_checkpointing", False) and hasattr(inner, "gradient_checkpointing_enable"):
-        enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with warnings.catch_warnings():  # transformers 5 renames it (activation_checkpointing_enable), warning
+            warnings.simplefilter("ignore", FutureWarning)
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(inner, "config"):
             inner.config.use_cache = False  # a KV cache is of no use in training, and HF warns when both are on
         return "hugging face"
