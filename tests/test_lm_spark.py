@@ -4,6 +4,7 @@ retried from the adapters' checkpoint, embeddings from a TorchModel built withou
 any job."""
 import functools
 import json
+import math
 import logging
 import sys
 
@@ -59,9 +60,10 @@ def test_sft_with_lora_on_two_ranks_then_transform_writes_what_generate_writes(s
 
     rows = lm_rows(24)
     df = spark.createDataFrame(rows, "prompt string, response string")
-    fitted = sft(llama, store, run_id="sft").fit(df)
+    fitted = sft(llama, store, run_id="sft", validation=0.25).fit(df)
     history = fitted.getHistory()
     assert history[-1]["loss"] < history[0]["loss"] and "perplexity" in history[-1]
+    assert history[-1]["val_perplexity"] == pytest.approx(math.exp(history[-1]["val_loss"]))
     state = torch.load(store.fs.open(store.run("sft").checkpoint).__enter__(), weights_only=True)
     assert state["contents"] == "trainable" and all("lora_" in k for k in state["model"])  # no frozen weight
 
