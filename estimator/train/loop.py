@@ -73,13 +73,15 @@ class TrainLoop:
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
             self.seed(base + step)
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
+            # a step of one batch: its tokens on all ranks summed while the forward runs
+            counted = StepTokens(self.objective.tokens(batch), self.ctx.world_size) if tokens and every == 1 else None
             with contextlib.nullcontext() if stepping else self.ddp.no_sync():  # no allreduce while accumulating
                 with self.autocast():
                     loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
                         step_ctx, batch_idx=step, global_step=self.global_step))
                 self.finite.loss(loss, epoch, step)
-                if tokens and every == 1:  # the window is this batch: its loss over the step's tokens, known now
-                    scaled = loss * self.per_token(batch_sums[1])
+                if counted is not None:  # the loss summed over this rank's tokens, over the step's tokens
+                    scaled = loss * counted.factor()
                 else:
                     scaled = loss / every if every > 1 and not tokens else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -107,20 +109,10 @@ class TrainLoop:
         self.finite.flush(epoch)
         return sums
 
-    def per_token(self, window: torch.Tensor) -> torch.Tensor:
-        """What a token-weighted objective's summed losses are multiplied by so that their gradients, averaged over
-        the ranks by DDP or FSDP, are those of the loss summed over every rank's labelled tokens of the window
-        over their count, as one process computes it over the same rows: ranks / the window's tokens on all
-        ranks. One small all_reduce on the device, no wait on the host."""
-        total = window.detach().clone()
-        if self.ctx.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return (self.ctx.world_size / total.clamp_min(1.0)).float()
-
     def normalize(self, window: torch.Tensor) -> None:
         """With gradient accumulation (the window's tokens known at its last batch only): the gradients of the
-        summed losses multiplied by `per_token` once, before the step."""
-        factor = self.per_token(window)
+        summed losses multiplied by StepTokens' factor once, before the step."""
+        factor = StepTokens(window, self.ctx.world_size).factor()
         grads = [getattr(p.grad, "_local_tensor", p.grad)  # fsdp: this rank's shard of a DTensor
                  for p in self.ddp.parameters() if p.grad is not None]
         for dtype in {g.dtype for g in grads}:
@@ -186,6 +178,23 @@ class TrainLoop:
         """Copies start when a batch is taken; with `with_last` looking one ahead, the next batch's copy to the
         GPU (from pinned memory, non_blocking) overlaps the current batch's computation."""
         return (tensors_to(batch, self.device) for batch in batches)
+
+
+class StepTokens:
+    """What a token-weighted objective's summed losses (or their gradients) are multiplied by so that the
+    gradients, averaged over the ranks by DDP or FSDP, are those of the loss summed over every rank's labelled
+    tokens of the step over their count, as one process computes it over the same rows: ranks / the step's tokens
+    on all ranks. The sum is an all_reduce issued now and waited for by `factor` (on the device: no wait on the
+    host)."""
+
+    def __init__(self, count: torch.Tensor, world_size: int):
+        self.total, self.world_size = count.detach().to(torch.float64).clone(), world_size
+        self.work = dist.all_reduce(self.total, op=dist.ReduceOp.SUM, async_op=True) if world_size > 1 else None
+
+    def factor(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return (self.world_size / self.total.clamp_min(1.0)).float()
 
 
 class StepReport:

@@ -41,6 +41,10 @@ class TokenObjective:
         sums[0], sums[1], sums[2] = loss.detach(), tokens, labels[0].shape[0]
         return loss, sums
 
+    def tokens(self, tensors: Any) -> torch.Tensor:
+        """The labelled tokens of a batch (what its loss is summed over), known before its forward."""
+        return (tensors[1][0][:, 1:] != IGNORE).sum()
+
     def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
         row = summarize_sums(sums, self.width, [], with_val)
         for prefix in ("", "val_") if with_val else ("",):
