@@ -21,7 +21,6 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from estimator.compression import compression_name
-from estimator.core.adapters import check_peft_config, with_adapters
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps, user_objects
@@ -35,7 +34,7 @@ from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
 from estimator.fit.language import check_max_length, lm_spec
-from estimator.fit.recipes import check_optimizer, model_of
+from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.fit.strategy import check_shared_gpus
@@ -130,7 +129,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
         # a factory is called here once, then on each rank; what it left on the meta device read here whole
         p["model"], p["model_factory"] = model_of(p["model"], p["weights_folder"])
-        p["model"] = adapted(p)
+        p["model"] = with_peft(p["model"], p["model_factory"], p["peft_config"], p["weights_folder"], p["optimizer"])
         checks.check_params(p)
         check_max_length(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
@@ -303,22 +302,6 @@ def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val:
                     checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                     materialize_seconds=materialize_seconds, text_cols=tuple(p.get("text_cols", ())),
                     max_length=p["max_length"], lm=p.get("lm"))
-
-
-def adapted(p: Dict[str, Any]) -> Any:
-    """The driver's model with the adapters of peft_config (a copy: fit never changes the user's module)."""
-    if p["peft_config"] is None:
-        return p["model"]
-    check_peft_config(p["peft_config"])
-    if p["weights_folder"] is not None:
-        raise ValueError("peft_config with weights_folder is not supported yet: the adapters rename the base's "
-                         "weights. Load the base in the model factory (from_pretrained), or leave peft_config unset.")
-    if hasattr(p["optimizer"], "param_groups"):  # an optimizer instance
-        raise ValueError("peft_config trains the adapters only, so the optimizer must be built over them on each "
-                         "rank: pass it as a callable, optimizer=functools.partial(torch.optim.AdamW, lr=2e-4), not "
-                         "an optimizer built over the base model's parameters.")
-    return with_adapters(p["model"] if p["model_factory"] is not None else copy.deepcopy(p["model"]),
-                         p["peft_config"])
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

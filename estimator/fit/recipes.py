@@ -4,11 +4,13 @@ store), `optimizer` a callable taking the parameters (`functools.partial(torch.o
 driver builds each once, for its checks and its dry run on a few rows; the ranks get the recipes."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
+from estimator.core.adapters import check_peft_config, with_adapters
 from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
@@ -56,3 +58,19 @@ def check_optimizer(value: Any, model: nn.Module, lr: Optional[float]) -> None:
         raise ValueError(f"The 'optimizer' parameter of {OWNER} is a callable, which fit calls with the model's "
                          f"parameters on every rank; called on the driver it raised {type(exc).__name__}: {exc}"
                          ) from exc
+
+
+def with_peft(model: nn.Module, factory: Any, config: Any, weights_folder: Optional[str], optimizer: Any) -> nn.Module:
+    """The driver's model with the adapters of peft_config (a copy of a module given as an instance: fit never
+    changes the user's module); `model` itself without a config."""
+    if config is None:
+        return model
+    check_peft_config(config, OWNER)
+    if weights_folder is not None:
+        raise ValueError("peft_config with weights_folder is not supported yet: the adapters rename the base's "
+                         "weights. Load the base in the model factory (from_pretrained), or leave peft_config unset.")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("peft_config trains the adapters only, so the optimizer must be built over them on each "
+                         "rank: pass it as a callable, optimizer=functools.partial(torch.optim.AdamW, lr=2e-4), not "
+                         "an optimizer built over the base model's parameters.")
+    return with_adapters(model if factory is not None else copy.deepcopy(model), config)
