@@ -169,7 +169,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
         objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
         objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
-        objs.shard_units, objs.weights_folder, objs.peft_config = p["shard_units"], p["weights_folder"], p["peft_config"]
+        objs.shard_units, objs.weights_folder = p["shard_units"], p["weights_folder"]
+        objs.peft_config = p["peft_config"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,

@@ -98,7 +98,8 @@ def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, toke
     restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
     state, expected = trained.state_dict(), plain.state_dict()
     for name in (n for n, p in plain.named_parameters() if p.requires_grad):
-        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+        difference = (state[name] - expected[name]).abs().max()
+        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, difference)
     start = plain_causal_lm(llama, lora())
     assert not torch.allclose(start.state_dict()[name], state[name])  # it trained
 

@@ -88,7 +88,8 @@ ESTIMATOR_PARAMS = [
               "batches, BatchNorm on tiny batches): the rows that would make a smaller last batch are not trained "
               "that epoch (other rows each epoch when shuffled); validation sees every row", False, is_bool,
               "True or False"),
-    ParamSpec("random_seed", "seed of the split, shuffling and dropout; default: the shuffles are drawn at fit time and "
+    ParamSpec("random_seed", "seed of the split, shuffling, dropout and what a model factory (and peft_config's "
+              "adapters) draws on the ranks; default: the shuffles are drawn at fit time and "
               "the split is fixed (so refits reuse one materialized copy of the data)", None,
               optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("run_id", "name of the run folder in the store; default: a new unique id", None, is_run_id,
