@@ -118,11 +118,6 @@ class CausalLMTokenize:
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
 
 
-def prompt_lengths(tokenizer: Any, spec: LMSpec, values: np.ndarray) -> np.ndarray:
-    """Tokens of each row's prompt as generation is given it (a chat: rendered with the generation prompt)."""
-    return np.array([len(ids) for ids in prompt_ids(tokenizer, spec.chat, values, spec.column)], dtype=np.int64)
-
-
 def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str) -> List[List[int]]:
     """What generation continues: the prompt's tokens, or a conversation rendered up to the assistant's turn (a
     last assistant message, the reference answer, left out)."""

@@ -86,14 +86,13 @@ class TrainLoop:
                     scaled = loss / every if every > 1 and not tokens else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             sums += batch_sums
-            if tokens:
+            if tokens and every > 1:
                 window += batch_sums[1]
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, sums)
             if stepping:
                 if tokens and every > 1:  # the window's gradients, divided once its tokens are all known
                     self.normalize(window)
-                if tokens:
                     window = torch.zeros_like(window)
                 self.step()
                 if self.after_step is not None:
