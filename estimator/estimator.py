@@ -33,7 +33,7 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
-from estimator.fit.language import check_max_length, lm_spec
+from estimator.fit.language import check_max_length, check_room, lm_spec
 from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
@@ -210,6 +210,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             if p["drop_last"]:  # refuses shards smaller than a batch now, not on the ranks
                 plan_steps(data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], True)
         checked = time.perf_counter()
+        if data.lm is not None and source is None:  # the whole table (the direct mode's: its first rows)
+            check_room(data, p["tokenizer"], p["model"])
         output_shapes = dry_run(run.objs, data, first_rows)
         sizes = feature_sizes(run.objs, data, first_rows)
         step_metrics, val_metrics = (dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()), ()

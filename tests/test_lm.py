@@ -65,6 +65,27 @@ def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
         CausalLMTokenize(tokenizer, LMSpec("chat"), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
 
 
+def test_rows_left_without_a_response_token_are_counted_over_the_whole_table(llama, tokenizer, store):
+    from estimator.fit.language import check_room, rows_without_room
+
+    rows = lm_rows(40)
+    for at in (20, 33, 39):  # beyond the dry run's first rows
+        rows[at] = ("Tell me " * 4 + rows[at][0], rows[at][1])
+    data = lm_train_spec(store, llama, rows, batch=4, epochs=1, max_length=24).data
+    labelled = (tokenized(tokenizer, rows, max_length=24)["response"] != IGNORE).sum(axis=1)
+    assert rows_without_room(data, data.train, tokenizer, 24)[:3] == (40, int((labelled == 0).sum()), 0) == (40, 3, 0)
+    with pytest.raises(ValueError, match=r"column 'prompt' .* max_length=24: 3 of 40 training rows\. .*raise "
+                                         r"max_length above \d+ \(the longest prompt's tokens\) or drop those rows"):
+        check_room(data, tokenizer, None)
+    check_room(dataclasses.replace(data, max_length=None), tokenizer, None)  # the tokenizer's 64: room in each
+    user = {"role": "user", "content": "What color is the kettle?"}
+    chats = [[user, {"role": "assistant", "content": "teal"}], [user], [user, {"role": "user", "content": "Well?"}]]
+    chat = lm_train_spec(store, llama, chats, batch=4, epochs=1, chat=True, run="c").data
+    with pytest.raises(ValueError, match=r"2 of 3 training rows \(2 of them chats with no assistant turn\)\. Such a "
+                                         r"row trains nothing: drop those rows first"):
+        check_room(chat, tokenizer, None)
+
+
 @pytest.mark.parametrize("batch, every", [(4, 1), (2, 2)])
 def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store, batch, every):
     """The loss is averaged over response tokens of the whole step (both ranks, and every batch of an

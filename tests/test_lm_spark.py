@@ -166,6 +166,11 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         with pytest.raises(ValueError, match=message):
             assert jobs_run_by(spark, lambda: sft(llama, store, **params).fit(df)) == []
         assert jobs_run_by(spark, lambda: pytest.raises(ValueError, sft(llama, store, **params).fit, df)) == []
+    long_prompts = [("Tell me " * 4 + p, r) if i in (20, 33, 39) else (p, r) for i, (p, r) in enumerate(lm_rows(40))]
+    monkeypatch.setattr("estimator.estimator.launch_with_retries", lambda *a, **k: pytest.fail("a rank started"))
+    with pytest.raises(ValueError, match="max_length=24: 3 of 40 training rows.*raise max_length above 3"):
+        # counted over the whole table once it is in the store (the first rows leave room), before any rank starts
+        sft(llama, store, max_length=24).fit(spark.createDataFrame(long_prompts, "prompt string, response string"))
     monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
     with pytest.raises(ImportError, match="needs the peft package.*pip install peft"):
         sft(llama, store).fit(texts)

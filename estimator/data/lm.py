@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from estimator.core.spec import LMSpec
-from estimator.data.text import SEP, Tokenize
+from estimator.data.text import SEP, Tokenize, length_limit
 
 Arrays = Dict[str, np.ndarray]
 IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, Hugging Face's convention)
@@ -88,7 +88,7 @@ class CausalLMTokenize:
     `spec.labels_key` (int64, IGNORE where no loss), padded on the right to the batch's longest row."""
 
     def __init__(self, tokenizer: Any, spec: LMSpec, max_length: Optional[int]):
-        self.tokenizer, self.spec, self.max_length = tokenizer, spec, max_length
+        self.tokenizer, self.spec, self.max_length = tokenizer, spec, length_limit(tokenizer, max_length)
 
     def __call__(self, batch: Arrays) -> Arrays:
         spec = self.spec
@@ -116,6 +116,22 @@ class CausalLMTokenize:
                     for p, r in zip(prompts, responses)]
         limit = self.max_length
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
+
+
+def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
+    """Per row, the position of its first labelled token (the prompt's token count, or where a chat's first
+    assistant turn begins), or -1 for a chat with no assistant turn: a row keeps a response token after the cut at
+    max_length only when 0 <= start < max_length."""
+    if not spec.chat:
+        prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
+        return np.array([len(p) for p in prompts], dtype=np.int64)
+    starts = np.full(len(batch[spec.column]), -1, dtype=np.int64)
+    for row, value in enumerate(batch[spec.column]):
+        messages = messages_of(value, spec.column)
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is not None:
+            starts[row] = len(render(tokenizer, messages[:first], True))
+    return starts
 
 
 def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str) -> List[List[int]]:

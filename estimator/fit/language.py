@@ -4,15 +4,20 @@ transformers causal LM, or peft's model around one) with a tokenizer, on a promp
 column (the response), or on a chat column (array<struct<role, content>>) without labels (estimator.data.lm)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
 from pyspark.sql.types import ArrayType, DataType, StringType, StructType
 
 from estimator.core.adapters import base_config, can_generate
-from estimator.core.spec import LMSpec
+from estimator.core.spec import DataSpec, LMSpec
+from estimator.data.lm import response_starts
+from estimator.data.parquet import Span, read_span
+from estimator.data.text import length_limit
 
 OWNER = "TorchEstimator"
 CHAT_FIELDS = ("role", "content")
+CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 
 
 def built_in_loop(p: Dict[str, Any]) -> bool:
@@ -79,8 +84,52 @@ def check_lm_params(p: Dict[str, Any]) -> None:
 def check_max_length(p: Dict[str, Any], owner: str = OWNER) -> None:
     """max_length within the model's positions (a longer one fails on the ranks, deep in the model)."""
     config = base_config(p["model"])
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if p.get("max_length") is not None and isinstance(positions, int) and p["max_length"] > positions:
+    positions = model_positions(p["model"])
+    if p.get("max_length") is not None and positions is not None and p["max_length"] > positions:
         raise ValueError(f"The 'max_length' parameter of {owner} is {p['max_length']}, beyond the "
                          f"{positions} positions of the model ({type(config).__name__}.max_position_embeddings): "
                          f"set max_length <= {positions}.")
+
+
+def model_positions(model: Any) -> Optional[int]:
+    config = base_config(model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return positions if isinstance(positions, int) else None
+
+
+def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Optional[int]) -> Tuple[int, int, int, int]:
+    """(rows, rows with no response token left, of them chats with no assistant turn, the longest prompt's
+    tokens) over `pieces`: the prompt (or chat) column read from the store a chunk at a time."""
+    rows = short = unanswered = longest = 0
+    for piece in pieces:
+        for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [data.lm.column], CHUNK_ROWS):
+            starts = response_starts(tokenizer, data.lm, batch)
+            rows, unanswered = rows + len(starts), unanswered + int((starts < 0).sum())
+            short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
+            longest = max(longest, int(starts.max(initial=0)))
+    return rows, short, unanswered, longest
+
+
+def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
+    """Every training and validation row keeps a response token after the cut at max_length (estimator.data.lm),
+    counted over the whole table in the store before any rank starts: a row without one trains nothing, and a user
+    who set max_length for the responses' sake would not know. Reads and tokenizes the prompt column only, on the
+    driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer)."""
+    limit, found = length_limit(tokenizer, data.max_length), []
+    for name, pieces in (("training", data.train), ("validation", data.val)):
+        rows, short, unanswered, longest = rows_without_room(data, pieces, tokenizer, limit)
+        if short:
+            found.append((name, rows, short, unanswered, longest))
+    if not found:
+        return
+    told = "; ".join(f"{short} of {rows} {name} rows" + (f" ({unanswered} of them chats with no assistant turn)"
+                                                           if unanswered else "")
+                     for name, rows, short, unanswered, _ in found)
+    fixes = ["drop those rows first"]
+    if any(short > unanswered for _, _, short, unanswered, _ in found):  # prompts at or beyond the cut
+        longest, positions = max(f[4] for f in found), model_positions(model)
+        fixes.insert(0, f"raise max_length above {longest} (the longest prompt's tokens)" if positions is None or
+                     longest < positions else f"shorten the prompts (the longest takes {longest} tokens, and the "
+                     f"model has {positions} positions)")
+    raise ValueError(f"Rows of column {data.lm.column!r} leave no response token to learn after the cut at "
+                     f"max_length={limit}: {told}. Such a row trains nothing: {' or '.join(fixes)}.")
