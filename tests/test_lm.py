@@ -159,6 +159,43 @@ def test_fsdp_with_lora_trains_as_ddp_with_lora(llama, store):
         assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), (name, (ddp[name] - fsdp[name]).abs().max())
 
 
+def test_fsdp_under_bf16_mixed_keeps_the_frozen_base_in_bf16_and_changes_no_number(llama, tokenizer, monkeypatch):
+    """The policy gathers every parameter in bf16 for compute: a frozen base stored in bf16 gives the same loss and
+    gradients bit for bit, in half the bytes; the adapters stay float32 (the optimizer steps on them)."""
+    import torch.distributed as dist
+
+    from estimator.train import sharding
+    from estimator.train.distributed import forget_sharding_specs
+
+    batch = tokenized(tokenizer, lm_rows(4))
+    inputs = dict(input_ids=torch.tensor(batch["prompt.input_ids"]),
+                  attention_mask=torch.tensor(batch["prompt.attention_mask"]), labels=torch.tensor(batch["response"]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    got = {}
+    try:
+        for cast in (True, False):
+            monkeypatch.setattr(sharding, "is_adapted", lambda model: cast)  # False: as before, the base in float32
+            model = plain_causal_lm(llama, lora(), seed=0)
+            sharding.shard(model, None, "bf16-mixed", torch.device("cpu"), 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+            loss.backward()
+            params = dict(model.named_parameters())
+            got[cast] = (loss.detach(), {n: p.grad.full_tensor() for n, p in params.items() if p.requires_grad},
+                         {(p.requires_grad, p.dtype) for p in params.values()},
+                         sum(p.to_local().numel() * p.element_size() for p in params.values() if not p.requires_grad))
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_specs()
+    (loss, grads, dtypes, frozen), (loss32, grads32, dtypes32, frozen32) = got[True], got[False]
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)} and dtypes32 == {(False, torch.float32),
+                                                                                     (True, torch.float32)}
+    assert frozen * 2 == frozen32
+    assert torch.equal(loss, loss32) and grads.keys() == grads32.keys() and len(grads) > 0
+    for name in grads:
+        assert torch.equal(grads[name], grads32[name]), name
+
+
 def test_gradient_checkpointing_changes_no_number(llama, store):
     rows = lm_rows(8)
     runs = {}

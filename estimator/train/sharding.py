@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from estimator.core.adapters import is_adapted
 from estimator.core.meta import found_keys
 from estimator.core.spec import compile_options
 
@@ -71,6 +72,8 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     # fit's mesh, and so that rank's offsets (seen: a head's bias checkpointed with its halves swapped).
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"ranks-{uuid.uuid4().hex[:12]}",))
     policy = mixed_precision(precision)
+    if policy.param_dtype is not None and is_adapted(model):
+        frozen_in(model, policy.param_dtype)
     units = unit_modules(model, rule)
     options = compile_options(compile_setting)
     for unit in units:
@@ -87,6 +90,22 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
             if callable(getattr(model, method, None)):
                 register_fsdp_forward_method(model, method)
     return len(units) + 1
+
+
+def frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """An adapted model's frozen floating parameters (the base's) cast to `dtype`, before sharding: what its units
+    gather and compute in anyway under the mixed-precision policy, so no number changes and the frozen shards take
+    half the memory of float32. The trainable ones (the adapters) stay float32: the optimizer steps on them, and
+    FSDP2 asks one dtype of a unit's trainable parameters only. Nothing frozen is checkpointed (the adapters'
+    checkpoints hold the trainable parameters) or returned: the TorchModel's base comes from the factory. Returns the
+    parameters cast."""
+    cast = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                cast += 1
+    return cast
 
 
 def _valued(model: nn.Module, device: torch.device) -> List[torch.Tensor]:
