@@ -33,7 +33,7 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
-from estimator.fit.language import check_max_length, check_room, lm_spec
+from estimator.fit.language import check_max_length, check_max_new_tokens, check_room, is_lm_fit, lm_spec
 from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
@@ -132,6 +132,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p["model"] = with_peft(p["model"], p["model_factory"], p["peft_config"], p["weights_folder"], p["optimizer"])
         checks.check_params(p)
         check_max_length(p)
+        if is_lm_fit(p):
+            check_max_new_tokens(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
         for name, why in checks.ignored_params(p):

@@ -30,7 +30,7 @@ from estimator.core.pickling import dumps
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
-from estimator.fit.language import check_max_length, is_chat
+from estimator.fit.language import check_max_length, check_max_new_tokens, is_chat
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
@@ -137,6 +137,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
             raise ValueError(f"TorchModel with output_kind='generate' needs a model that generates (a causal LM, "
                              f"AutoModelForCausalLM); {type(p['model']).__name__} does not.")
         check_max_length(p, "TorchModel")
+        if kind == "generate":
+            check_max_new_tokens(p, "TorchModel")
         return InferenceLayout(
             feature_cols=tuple(p["feature_cols"]), input_shapes=None,
             output_names=tuple(f"_{i}" for i in range(len(outputs))),

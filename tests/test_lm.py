@@ -206,3 +206,17 @@ def test_gradient_checkpointing_changes_no_number(llama, store):
     on, off = (load_checkpoint(store, store.run(f"gc-{v}").checkpoint)["model"] for v in (True, False))
     for name in on:
         assert torch.allclose(on[name], off[name], atol=1e-6), name
+
+
+def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_another(llama, tokenizer):
+    from estimator.predict.generation import generate_texts
+
+    model, prompts = plain_causal_lm(llama).eval(), [p for p, _ in lm_rows(6)]
+
+    def texts(**kwargs):
+        return generate_texts(model, tokenizer, prompts, False, "prompt", 4, "cpu", 12, kwargs).tolist()
+
+    sampled = texts(do_sample=True, top_k=0, temperature=2.0, seed=7)
+    assert texts(do_sample=True, top_k=0, temperature=2.0, seed=7) == sampled
+    assert texts(do_sample=True, top_k=0, temperature=2.0, seed=8) != sampled != texts()
+    assert texts() == texts()  # greedy without a seed

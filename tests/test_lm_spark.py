@@ -158,6 +158,7 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
               tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,
          "holds strings.*cannot generate"),
         (dict(max_length=512), texts, "'max_length'.* 512, beyond the 64 positions"),
+        (dict(max_new_tokens=64), texts, "'max_new_tokens'.* 64, and the model has 64 positions.*< 64"),
         (dict(feature_cols=["chat"], label_cols=None), bad_chat, r"need \['role', 'content'\].*missing: \['content'\]"),
         (dict(optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())), texts,
          "optimizer must be built over them"),
@@ -166,6 +167,11 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         with pytest.raises(ValueError, match=message):
             assert jobs_run_by(spark, lambda: sft(llama, store, **params).fit(df)) == []
         assert jobs_run_by(spark, lambda: pytest.raises(ValueError, sft(llama, store, **params).fit, df)) == []
+    writer = TorchModel(model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, llama),
+                        tokenizer=transformers.AutoTokenizer.from_pretrained(llama), feature_cols=["prompt"],
+                        output_kind="generate", max_new_tokens=80)
+    with pytest.raises(ValueError, match="'max_new_tokens' parameter of TorchModel is 80.*64 positions"):
+        assert jobs_run_by(spark, lambda: writer.transform(texts).collect()) == []
     long_prompts = [("Tell me " * 4 + p, r) if i in (20, 33, 39) else (p, r) for i, (p, r) in enumerate(lm_rows(40))]
     monkeypatch.setattr("estimator.estimator.launch_with_retries", lambda *a, **k: pytest.fail("a rank started"))
     with pytest.raises(ValueError, match="max_length=24: 3 of 40 training rows.*raise max_length above 3"):

@@ -91,6 +91,16 @@ def check_max_length(p: Dict[str, Any], owner: str = OWNER) -> None:
                          f"set max_length <= {positions}.")
 
 
+def check_max_new_tokens(p: Dict[str, Any], owner: str = OWNER) -> None:
+    """max_new_tokens below the model's positions (the prompt needs one at least): past them a model's text is
+    garbage (transformers only warns) or its position embedding fails on the executors."""
+    positions = model_positions(p["model"])
+    if positions is not None and p["max_new_tokens"] >= positions:
+        raise ValueError(f"The 'max_new_tokens' parameter of {owner} is {p['max_new_tokens']}, and the model has "
+                         f"{positions} positions for the prompt and the generated tokens together: set "
+                         f"max_new_tokens < {positions} (at most {positions} minus the longest prompt's tokens).")
+
+
 def model_positions(model: Any) -> Optional[int]:
     config = base_config(model)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
