@@ -38,6 +38,10 @@ def test_a_failing_rank_is_told_once_in_a_few_lines(tmp_path):
     assert len(lines) <= 60, "\n".join(lines)
     assert not [line for line in lines if " ERROR " in line or "\tat " in line], "\n".join(lines)
     assert result.stdout.strip().splitlines()[-1] == "RankFailed: rank 1: ArithmeticError: rank 1 exploded at step 3"
+    said = "\n".join(lines)  # max_retries=3, and the same failure twice from the same point ends the fit
+    assert "failed on attempt 1 of 4; retrying" in said and "attempt 3" not in said, said
+    assert ("failed the same way on attempts 1 and 2, both launched from the start: rank 1: ArithmeticError: rank 1 "
+            "exploded at step 3. Another launch would fail again: giving up (2 of max_retries=3 unused)") in said, said
 
 
 def test_verbose_0_prints_nothing_of_its_own_and_notices_are_said_once(tmp_path):

@@ -37,6 +37,7 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
     world = run.num_proc
     # never resume from (or return) a checkpoint another launch is still writing
     wait_for_other_launch(run.store, spec.run, run.run_id, spec.rendezvous_timeout, lambda line: say(p, line))
+    last_failure: Optional[tuple] = None
     for attempt in range(retries + 1):
         if attempt:  # a lost executor may have taken slots with it
             world = retry_world(spark, run.run_id, run.num_proc, p["min_num_proc"] or run.num_proc, run.per_task,
@@ -74,6 +75,14 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
                     log.error("Run %s failed on attempt %d of %d; giving up", run.run_id, attempt + 1,
                               retries + 1)
                 raise
+            failure = repeating(exc, done)
+            if failure is not None and failure == last_failure:
+                log.error("Run %s failed the same way on attempts %d and %d, both launched from %s: %s. Another "
+                          "launch would fail again: giving up (%d of max_retries=%d unused)", run.run_id, attempt,
+                          attempt + 1, "its checkpoint after " + describe(done) if done.epochs or done.step
+                          else "the start", str(exc).splitlines()[0][:300], retries - attempt, retries)
+                raise
+            last_failure = failure
             log.warning("Run %s failed on attempt %d of %d; retrying from its last checkpoint: %s",
                         run.run_id, attempt + 1, retries + 1, str(exc).splitlines()[0][:300])
     raise AssertionError("unreachable")
@@ -104,6 +113,16 @@ def retry_world(spark: Any, run_id: str, num_proc: int, min_num_proc: int, per_t
                                  f"{timeout:.0f} s (rendezvous_timeout) did not bring enough back. Add executors, or "
                                  "set min_num_proc lower to go on with fewer ranks from the last checkpoint.")
         time.sleep(1.0)
+
+
+def repeating(exc: BaseException, start: Position) -> Optional[tuple]:
+    """What makes a failure the same as another: a rank's exception (its rank and exception line) raised by an
+    attempt launched from the same checkpoint position. A second such failure in a row is taken as certain to
+    recur (the same code on the same rows from the same state: a max_length the model cannot take, a bug at
+    step N); a lost or killed worker, a late rank or a failed read or write is not (None: always retried)."""
+    if type(exc) is not RankFailed or exc.kind is not FailureKind.USER:
+        return None
+    return exc.rank, exc.summary, start.epochs, start.step
 
 
 def retryable(exc: BaseException) -> bool:

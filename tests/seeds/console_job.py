@@ -1,6 +1,7 @@
 """What a user's console shows during fits, in local mode with Spark's default log settings (no setLogLevel):
 `python console_job.py fail|quiet STORE`. Writes `=== <name>` markers to stderr around each fit.
-  fail:  rank 1 raises at its 4th step; the fit's RankFailed is caught and its first line printed to stdout.
+  fail:  rank 1 raises at its 4th step, on every launch (max_retries=3: the second failure, the same as the first,
+         ends the fit); the fit's RankFailed is caught and its first line printed to stdout.
   quiet: tensorboard made unimportable; fits with verbose=0, 0, 1, 1 (the notice about TensorBoard: once, at the
          first verbose fit)."""
 import os
@@ -49,7 +50,7 @@ def fit(name, **kw):
 
 
 if mode == "fail":
-    fit("failing fit", loss=flaky)
+    fit("failing fit", loss=flaky, max_retries=3)
 else:
     for i, verbose in enumerate([0, 0, 1, 1]):
         fit(f"fit {i} verbose={verbose}", verbose=verbose)
