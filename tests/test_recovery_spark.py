@@ -3,6 +3,7 @@ estimator.core.faults) is relaunched from the last checkpoint, and the run ends 
 retries are bounded; a refit of the same run_id continues where it stopped."""
 import io
 import json
+import re
 import logging
 import os
 
@@ -140,10 +141,14 @@ def test_a_failed_checkpoint_write_fails_the_run_and_the_retry_resumes_from_the_
     assert [row["epoch"] for row in model.getHistory()] == [1, 2, 3]
 
 
-def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df):
+def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df, capsys):
     first = _est(store, run_id="grow", epochs=2, random_seed=None).fit(df)
+    capsys.readouterr()
     longer = _est(store, run_id="grow", epochs=4, random_seed=None).fit(df)  # keeps the run's drawn seed
     assert [row["epoch"] for row in longer.getHistory()] == [1, 2, 3, 4]
+    said = capsys.readouterr().err  # what the user reads: the resume, then only the epochs that ran
+    assert "resuming run grow at epoch 3 of 4 (its checkpoint after epoch 2)" in said, said
+    assert re.findall(r"run grow epoch (\d+):", said) == ["3", "4"], said
     _same_history(longer.getHistory()[:2], first.getHistory())
     again = []
     jobs = jobs_run_by(spark, lambda: again.append(_est(store, run_id="grow", epochs=4, random_seed=None).fit(df)))

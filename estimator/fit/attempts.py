@@ -54,6 +54,8 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
             return []
         if done.epochs or done.step:
             log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))
+            say(p, f"resuming run {run.run_id} at epoch {done.epochs + 1} of {spec.epochs}"
+                   + (f", after its step {done.step}" if done.step else "") + f" (its checkpoint after {describe(done)})")
         batch_size = spec.batch_size * run.num_proc // world  # the global batch kept
         if done.step and done.layout[:2] != [batch_size, world]:  # (a change of reader only: said by the ranks)
             log.info("Run %s: the checkpoint stands inside epoch %d with batch_size, ranks = %s; this launch has %s: %s",
@@ -65,7 +67,7 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
                          resume_from=spec.run.checkpoint if done.epochs or done.step else None,
                          batch_size=batch_size)
         try:
-            with watching(p, run.store, spec.run, run.run_id, on_epoch):
+            with watching(p, run.store, spec.run, run.run_id, on_epoch, done=done.epochs):
                 return launcher.run(launch, world, source, run.per_task)
         except Exception as exc:  # noqa: BLE001 - retried below or re-raised as it is
             if isinstance(exc, RankFailed) and exc.kind is FailureKind.DATA:

@@ -22,9 +22,11 @@ log = logging.getLogger("estimator")
 
 class ProgressWatcher:
     def __init__(self, store: Store, run: RunLayout, report: Callable[[Dict[str, Any]], None], interval: float = 1.0,
-                 steps: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 steps: Optional[Callable[[Dict[str, Any]], None]] = None, seen: int = 0):
+        """`seen`: the epochs the run had already finished when this launch began (a resumed run's), not
+        reported again."""
         self.store, self.run, self.report, self.interval, self.steps = store, run, report, interval, steps
-        self.seen = 0
+        self.seen = seen
         self.step_state: Optional[Dict[str, Any]] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="training-progress", daemon=True)

@@ -24,9 +24,10 @@ log = logging.getLogger("estimator")
 
 @contextlib.contextmanager
 def watching(p: Dict[str, Any], store: Any, layout: Any, run_id: str,
-             on_epoch: Optional[Callable[[Dict[str, float]], None]] = None) -> Iterator[None]:
+             on_epoch: Optional[Callable[[Dict[str, float]], None]] = None, done: int = 0) -> Iterator[None]:
     """The live epoch lines while the ranks train, and with verbose=2 a bar of the running epoch's steps;
-    `on_epoch` (MLflow's live metrics) gets each row too."""
+    `on_epoch` (MLflow's live metrics) gets each row too. `done`: the epochs finished before this launch (a
+    resumed run), whose rows are not told again."""
     bar = StepBar.open(p["verbose"])
 
     def report(row: Dict[str, float]) -> None:
@@ -37,7 +38,7 @@ def watching(p: Dict[str, Any], store: Any, layout: Any, run_id: str,
             on_epoch(row)
 
     try:
-        with ProgressWatcher(store, layout, report, steps=bar.update if bar is not None else None):
+        with ProgressWatcher(store, layout, report, steps=bar.update if bar is not None else None, seen=done):
             yield
     finally:
         if bar is not None:
