@@ -27,6 +27,7 @@ from estimator.core.adapters import can_generate
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps
+from estimator.core.quiet import hf_bars_off
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
@@ -237,7 +238,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
 def built_model(factory: Any) -> nn.Module:
     try:
-        model = factory()
+        with hf_bars_off():
+            model = factory()
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of TorchModel is a callable, which is called once with no arguments "
                          f"to build the module; it raised {type(exc).__name__}: {exc}") from exc

@@ -44,7 +44,7 @@ def test_a_failing_rank_is_told_once_in_a_few_lines(tmp_path):
             "exploded at step 3. Another launch would fail again: giving up (2 of max_retries=3 unused)") in said, said
 
 
-def test_verbose_0_prints_nothing_of_its_own_and_notices_are_said_once(tmp_path):
+def test_verbose_0_prints_nothing_of_its_own_and_a_missing_optional_package_is_no_noise(tmp_path):
     result = run_job("quiet", tmp_path)
     for i in (0, 1):
         lines, end = between(result.stderr, f"fit {i} verbose=0")
@@ -52,5 +52,5 @@ def test_verbose_0_prints_nothing_of_its_own_and_notices_are_said_once(tmp_path)
     first, _ = between(result.stderr, "fit 2 verbose=1")
     second, _ = between(result.stderr, "fit 3 verbose=1")
     notice = "TensorBoard logs are off: the tensorboard package is not installed"
-    assert sum(notice in line for line in first) == 1 and not any(notice in line for line in second)
+    assert not any(notice in line for line in first + second), "\n".join(first)  # optional: logged at DEBUG only
     assert sum(bool(re.match(r"run \S+ epoch [12]: loss=", line)) for line in first) == 2, "\n".join(first)

@@ -41,8 +41,11 @@ def test_png_digits_example_trains_on_decoded_image_bytes(tmp_path):
 @pytest.mark.spark
 def test_the_text_example_fine_tunes_a_pretrained_model_with_the_readmes_lines(tmp_path):
     """The README's fine-tuning block is the example's own lines (between its --8<-- markers), which run here."""
-    stdout, _, accuracy = run_example("text_example.py", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    stdout, stderr, accuracy = run_example("text_example.py", "--workdir", str(tmp_path / "work"), cwd=tmp_path)
     assert accuracy >= 0.9
+    bars = stderr.replace("\r", "\n")  # transformers' bars: the example's own save and load draw theirs; the fit's
+    assert bars.count("Loading weights: 100%") == 1 and bars.count("Writing model shards: 100%") == 1, bars[-3000:]
+    # (driver, ranks) and save_pretrained's are off
     assert "'the old tractor with a red engine near the crane' -> machines (reloaded from" in stdout
     example = open(os.path.join(ROOT, "notebooks", "text_example.py")).read()
     lines = re.search(r"# --8<-- \[start:finetune\]\n(.*?)^ *# --8<-- \[end:finetune\]", example, re.S | re.M).group(1)

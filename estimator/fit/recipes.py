@@ -14,6 +14,7 @@ from estimator.core.adapters import check_peft_config, with_adapters
 from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
+from estimator.core.quiet import hf_bars_off
 
 OWNER = "TorchEstimator"
 
@@ -32,7 +33,8 @@ def model_of(value: Any, weights_folder: Optional[str] = None
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
     try:
-        built = value()
+        with hf_bars_off():
+            built = value()
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
                          "build the module: once on the driver (its checks and dry run), then on every rank. On the "

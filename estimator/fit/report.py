@@ -107,16 +107,11 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
     log.info("fit stages: %s", json.dumps({k: round(v, 3) for k, v in stages.items()}))
 
 
-_TENSORBOARD_OFF_SAID = []
-
-
 def tensorboard_on(verbose: int) -> bool:
-    """TensorBoard event files when the tensorboard package is installed; said once per driver process when it
-    is not, by the first fit with verbose > 0 (verbose=0 prints nothing)."""
+    """TensorBoard event files when the tensorboard package is installed. TensorBoard is optional: without it
+    nothing is printed (a line on every fit of every new process was noise), only logged at DEBUG."""
     if tensorboard_available():
         return True
-    if verbose and not _TENSORBOARD_OFF_SAID:
-        _TENSORBOARD_OFF_SAID.append(True)
-        say_to_user("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, "
-                    "or this project's [tensorboard] extra). Said once.")
+    log.debug("TensorBoard logs are off: the tensorboard package is not installed (pip install tensorboard, or "
+              "this project's [tensorboard] extra)")
     return False

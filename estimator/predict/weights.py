@@ -30,6 +30,7 @@ from estimator.core.adapters import is_adapted
 from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
+from estimator.core.quiet import hf_bars_off
 
 MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
@@ -48,7 +49,7 @@ def is_hugging_face_model(model: Any) -> bool:
 def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokenizer: Any, fs: Any,
                 root: str) -> None:
     """Write the trained weights, the optimizer and `module.json` under `root`."""
-    with tempfile.TemporaryDirectory() as local:
+    with tempfile.TemporaryDirectory() as local, hf_bars_off():
         if is_adapted(model):  # the adapters alone (peft's folder); the base is rebuilt by the factory
             model.save_pretrained(local)
             put_folder(local, fs, posixpath.join(root, ADAPTER_FOLDER))
@@ -85,7 +86,7 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
     if kind["format"] in ("peft", "safetensors") and factory is None:
         raise ValueError(f"{root} holds the weights of a model built by a factory, but not the factory (its "
                          "objects.pkl lacks model_factory): it was not saved by TorchModel.save.")
-    with tempfile.TemporaryDirectory() as local:
+    with tempfile.TemporaryDirectory() as local, hf_bars_off():
         if kind["format"] == "peft":
             from peft import PeftModel
 
@@ -123,7 +124,8 @@ def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str) -> Non
         raise TypeError(f"save_pretrained writes a Hugging Face folder, and this model is a {type(model).__name__}, "
                         "not a transformers PreTrainedModel: save it with TorchModel.save(path) (weights as "
                         "safetensors), or torch.save(model.getModel().state_dict(), path).")
-    model.save_pretrained(folder)
+    with hf_bars_off():
+        model.save_pretrained(folder)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(folder)
 

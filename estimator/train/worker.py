@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from estimator.core.faults import Fault
 from estimator.core.meta import materialize
 from estimator.core.pickling import optimizer_from_factory, rebuild_optimizer
+from estimator.core.quiet import hf_bars_off
 from estimator.core.spec import TrainSpec, UserObjects, WorkerResult, compile_options
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
@@ -41,7 +42,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     started = time.perf_counter()
     objs: UserObjects = pickle.loads(spec.payload)
     device = torch.device(ctx.device)
-    with torch.random.fork_rng(devices=[]):  # what the factory and the adapters draw is the run's seed's
+    with torch.random.fork_rng(devices=[]), hf_bars_off():  # the factory's and adapters' draws: the run's seed's
         torch.manual_seed(spec.seed)
         model = objs.module()  # a model_factory builds it here, on the rank (with its adapters: peft_config)
     if spec.gradient_checkpointing:

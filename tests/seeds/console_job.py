@@ -2,8 +2,7 @@
 `python console_job.py fail|quiet STORE`. Writes `=== <name>` markers to stderr around each fit.
   fail:  rank 1 raises at its 4th step, on every launch (max_retries=3: the second failure, the same as the first,
          ends the fit); the fit's RankFailed is caught and its first line printed to stdout.
-  quiet: tensorboard made unimportable; fits with verbose=0, 0, 1, 1 (the notice about TensorBoard: once, at the
-         first verbose fit)."""
+  quiet: tensorboard made unimportable; fits with verbose=0, 0, 1, 1 (nothing said about TensorBoard: optional)."""
 import os
 import sys
 
