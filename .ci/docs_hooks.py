@@ -1,6 +1,9 @@
-"""MkDocs hook: the param reference is the param table's own text, written into docs/params.md at build time
-(each param is declared once, in estimator/core/param_table.py; nothing in docs/ repeats it)."""
+"""MkDocs hooks: the param reference is the param table's own text, written into docs/params.md at build time
+(each param is declared once, in estimator/core/param_table.py; nothing in docs/ repeats it); the changelog page
+is CHANGELOG.md (its links to docs/<page>.md made the site's); the site's name carries the package's version."""
+import configparser
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,5 +30,32 @@ def render(markdown: str) -> str:
     return markdown
 
 
+CHANGELOG_MARKER = "<!-- the changelog: CHANGELOG.md at the repository root, inserted by .ci/docs_hooks.py"
+
+
+def changelog() -> str:
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as handle:
+        text = handle.read()
+    return re.sub(r"\]\(docs/([^)]+)\)", r"](\1)", text)  # docs/training.md on GitHub, training.md on the site
+
+
+def version() -> str:
+    parser = configparser.ConfigParser()
+    parser.read(os.path.join(ROOT, "setup.cfg"))
+    found = parser.get("metadata", "version", fallback="")
+    if found.startswith("attr:"):  # attr: estimator.__version__, read without importing the package
+        module, name = found[5:].strip().rsplit(".", 1)
+        with open(os.path.join(ROOT, *module.split("."), "__init__.py")) as handle:
+            found = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)", handle.read(), re.M).group(1)
+    return found
+
+
+def on_config(config):
+    config.site_name = f"{config.site_name} {version()}".strip()
+    return config
+
+
 def on_page_markdown(markdown, page, config, files):
+    if markdown.startswith(CHANGELOG_MARKER):
+        return changelog()
     return render(markdown)

@@ -38,7 +38,7 @@ def python_blocks(text):
 def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp_path):
     """mkdocs build --strict, as .ci/docs runs it: a broken link, anchor, include or reference fails here."""
     site = tmp_path / "site"
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", ".ci/mkdocs.yml", "-d",
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
                              str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-4000:]

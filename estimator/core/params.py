@@ -130,8 +130,9 @@ def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
     cls._param_specs = {s.name: s for s in specs}  # type: ignore[attr-defined]
     for spec in specs:
         setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=_converter(cls, spec)))
-        setattr(cls, "get" + _camel(spec.name), _getter(spec.name))
-        setattr(cls, "set" + _camel(spec.name), _setter(spec.name))
+        for method in (_getter(spec.name), _setter(spec.name)):  # the class's own methods (help, the API pages)
+            method.__qualname__, method.__module__ = f"{cls.__name__}.{method.__name__}", cls.__module__
+            setattr(cls, method.__name__, method)
     params = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default) for s in specs]
     cls.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + params)
