@@ -73,9 +73,11 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     the store, trains a copy of `model` with DistributedDataParallel on `num_proc` Spark barrier tasks, and returns
     a TorchModel whose `transform(df)` adds the model's outputs. It works in Pipelines, CrossValidator, save/load.
 
-        est = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
-                             loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
-                             batch_size=64, epochs=5, num_proc=2)
+        est = TorchEstimator(
+            model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
+            loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
+            batch_size=64, epochs=5, num_proc=2,
+        )
         model = est.fit(train_df)
         predictions = model.transform(test_df)"""
 

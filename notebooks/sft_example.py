@@ -91,16 +91,24 @@ def main(argv=None) -> float:
     # --8<-- [start:sft]
     est = TorchEstimator(
         num_proc=2, store=store,
-        model=functools.partial(AutoModelForCausalLM.from_pretrained, path),  # built on each rank
+        # built on each rank
+        model=functools.partial(AutoModelForCausalLM.from_pretrained, path),
         tokenizer=AutoTokenizer.from_pretrained(path),
-        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
+        peft_config=LoraConfig(
+            r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
         optimizer=functools.partial(torch.optim.AdamW, lr=5e-3),
-        lr_scheduler_fn=functools.partial(torch.optim.lr_scheduler.LinearLR, start_factor=1.0,
-                                          end_factor=0.05, total_iters=args.epochs),
-        feature_cols=["prompt"], label_cols=["response"],  # a string label on a causal LM: SFT
-        batch_size=2, epochs=args.epochs, max_new_tokens=16)
+        lr_scheduler_fn=functools.partial(
+            torch.optim.lr_scheduler.LinearLR,
+            start_factor=1.0, end_factor=0.05, total_iters=args.epochs,
+        ),
+        # a string label on a causal LM: SFT
+        feature_cols=["prompt"], label_cols=["response"],
+        batch_size=2, epochs=args.epochs, max_new_tokens=16,
+    )
     fitted = est.fit(train_df)
-    answers = fitted.transform(train_df.select("prompt", "response"))  # adds `prediction`: generated text
+    # adds `prediction`: generated text
+    answers = fitted.transform(train_df.select("prompt", "response"))
     # --8<-- [end:sft]
 
     rows = answers.collect()

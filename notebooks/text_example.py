@@ -94,16 +94,19 @@ def main(argv=None) -> float:
     epochs, store, saved = args.epochs, Store.create(os.path.join(args.workdir, "runs")), os.path.join(args.workdir, "tuned")
 
     # --8<-- [start:finetune]
-    est = TorchEstimator(num_proc=2, store=store,
-                         model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
-                         optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
-                         tokenizer=AutoTokenizer.from_pretrained(path),  # the text is tokenized on the ranks
-                         loss=nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["text"],
-                         label_cols=["label"], batch_size=32, epochs=epochs, validation=0.1)
-    pm = Pipeline(stages=[est]).fit(train_df)          # the model is built on each rank from `path`
-    pred = pm.transform(test_df)                       # prediction, rawPrediction, probability
-    accuracy = MulticlassClassificationEvaluator(labelCol="label").setMetricName("accuracy").evaluate(pred)
-    pm.stages[0].save_pretrained(saved)                # a folder from_pretrained loads, tokenizer included
+    est = TorchEstimator(
+        num_proc=2, store=store,
+        model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+        optimizer=functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
+        tokenizer=AutoTokenizer.from_pretrained(path),  # the text is tokenized on the ranks
+        loss=nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["text"],
+        label_cols=["label"], batch_size=32, epochs=epochs, validation=0.1,
+    )
+    pm = Pipeline(stages=[est]).fit(train_df)  # the model is built on each rank from `path`
+    pred = pm.transform(test_df)  # prediction, rawPrediction, probability
+    evaluator = MulticlassClassificationEvaluator(labelCol="label")
+    accuracy = evaluator.setMetricName("accuracy").evaluate(pred)
+    pm.stages[0].save_pretrained(saved)  # a from_pretrained folder, tokenizer included
     # --8<-- [end:finetune]
 
     for row in pm.stages[0].getHistory():

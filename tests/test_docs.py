@@ -1,6 +1,7 @@
 """The manual (docs/*.md, built by `bash .ci/docs`): the site builds strictly, its Python examples run as they
 stand, the param reference is the param table's text, and every page or section an error message names exists."""
 import glob
+import html
 import os
 import re
 import subprocess
@@ -54,6 +55,12 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
         assert f'id="{name}' in api or f">{name}<" in api, name
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
+    wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
+    for page in sorted(glob.glob(str(site / "*.html"))):
+        for block in re.findall(r"<pre\b.*?</pre>", open(page).read(), re.S):
+            wide += [f"{os.path.basename(page)}: {len(line)}: {line.strip()[:60]}"
+                     for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines() if len(line) > CODE_WIDTH]
+    assert not wide, "code lines wider than 88 columns on the built site:\n" + "\n".join(wide)
 
 
 def test_the_param_hook_puts_the_param_table_under_its_markers():
@@ -99,6 +106,87 @@ def test_no_issue_numbers_and_every_session_is_stopped(page):
     code = "\n".join(python_blocks(text))
     if "getOrCreate()" in code:
         assert code.rstrip().splitlines()[-1].startswith("spark.stop()"), page
+
+
+CODE_WIDTH = 88  # black's width: a wider line in a code block scrolls sideways on the site
+FENCE = re.compile(r"^( *)(`{3,}|~{3,})")
+INCLUDE = re.compile(r'^ *--8<-- "([^":]+)(?::([\w-]+))?" *$')  # pymdownx.snippets: a file, or its section
+SECTION_MARK = re.compile(r"--8<-- \[(?:start|end):([\w-]+)\]")
+LIST_ITEM = re.compile(r"^ *(?:[-*+]|\d+\.) ")
+# The README's first-screen command, pinned whole on its line by tests/test_readme.py (copied as one line; the
+# site shows it as inline code in docs/getting-started.md, not in a block):
+WIDE_ON_PURPOSE = {"TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup && "
+                   ".venv/bin/python notebooks/digits_example.py"}
+
+
+def site_lines(path, section=None):
+    """(file, line number, line) of a page as the site renders it: its `--8<--` includes expanded in place."""
+    numbered = list(enumerate(read(path).splitlines(), 1))
+    if section is not None:  # the lines between the file's `--8<-- [start:section]` and `[end:section]`
+        marks = [i for i, (_, line) in enumerate(numbered)
+                 if (m := SECTION_MARK.search(line)) and m.group(1) == section]
+        assert len(marks) == 2, f"{path} has no section {section}"
+        numbered = numbered[marks[0] + 1:marks[1]]
+    for number, line in numbered:
+        include = INCLUDE.match(line)
+        if include:
+            yield from site_lines(include.group(1), include.group(2))
+        elif not SECTION_MARK.search(line):
+            yield path, number, line
+
+
+def markdown_files():
+    return ["README.md"] + pages()
+
+
+def layout_problems():
+    """Each line of a code block wider than CODE_WIDTH, and each list glued to the text above it (Python-Markdown,
+    which MkDocs uses, renders such a list as part of the paragraph; GitHub does not: markdownlint's MD032)."""
+    wide, glued = {}, {}
+    for page in markdown_files():
+        fence, in_comment, previous, in_list = None, False, "", False
+        for path, number, line in site_lines(page):
+            where = f"{path}:{number}" + (f" (shown on {page})" if path != page else "")
+            key = (path, number)
+            if fence is not None:  # inside a code block: only its width counts
+                closing = FENCE.match(line)
+                if closing and closing.group(2)[0] == fence[1][0] and len(closing.group(2)) >= len(fence[1]) \
+                        and not line[closing.end():].strip():
+                    fence, previous, in_list = None, line, False
+                    continue
+                width = len(line) - min(len(fence[0]), len(line) - len(line.lstrip(" ")))
+                if width > CODE_WIDTH and line.strip() not in WIDE_ON_PURPOSE:
+                    wide.setdefault(key, f"{where}: {width} characters: {line.strip()[:60]}")
+                continue
+            opening = FENCE.match(line)
+            if opening:
+                fence, previous = opening.groups(), line
+                continue
+            if in_comment or line.lstrip().startswith("<!--"):  # HTML comments are not rendered
+                in_comment = "-->" not in line
+                continue
+            if LIST_ITEM.match(line):  # (a table row, `| ... |`, is never an item: it ends a list as text does)
+                continuation = in_list and previous.startswith(" ")
+                if previous.strip() and not LIST_ITEM.match(previous) and not continuation:
+                    glued.setdefault(key, f"{where}: {line.strip()[:60]!r} right under {previous.strip()[:60]!r}")
+                in_list = True
+            elif line.strip() and not line.startswith(" "):
+                in_list = False
+            previous = line
+    return [wide[key] for key in sorted(wide)], [glued[key] for key in sorted(glued)]
+
+
+def test_no_line_of_a_code_block_is_wider_than_88_columns():
+    """On the site a wider code line scrolls sideways: wrap Python as black does (arguments on continuation lines,
+    strings split by implicit concatenation), bash with ` \\`, comments on their own line."""
+    wide, _ = layout_problems()
+    assert not wide, f"{len(wide)} code lines wider than {CODE_WIDTH} columns:\n" + "\n".join(wide)
+
+
+def test_every_list_has_a_blank_line_above_it():
+    """A list right under a paragraph renders as part of that paragraph on the site: put a blank line above it."""
+    _, glued = layout_problems()
+    assert not glued, f"{len(glued)} lists need a blank line above them:\n" + "\n".join(glued)
 
 
 @pytest.mark.spark
