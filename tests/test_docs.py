@@ -53,6 +53,16 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     api = (site / "api.html").read_text()
     for name in ("TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "RankFailed", "Store"):
         assert f'id="{name}' in api or f">{name}<" in api, name
+    for method in ("TorchEstimator.fit(df)", "TorchModel.transform(df)", "TorchModel.getHistory()",  # the table
+                   "TorchModel.getBestEpoch()", "TorchModel.load(path)"):
+        assert method in api, method
+    for method in ("estimator.TorchEstimator.fit_on_parquet", "model.TorchModel.save_pretrained"):  # docstrings
+        assert f'id="estimator.{method}"' in api, method
+    import estimator
+
+    changelog = (site / "changelog.html").read_text()  # CHANGELOG.md, its links the site's own
+    assert "Unreleased" in changelog and 'href="language-models.html"' in changelog and 'href="docs/' not in changelog
+    assert f"<title>spark-torch-estimator {estimator.__version__}" in (site / "index.html").read_text()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
