@@ -1,4 +1,6 @@
 """The README starts where a user starts, and leads into the manual (docs/, tested by test_docs.py)."""
+import ast
+import builtins
 import os
 import re
 
@@ -48,3 +50,19 @@ def test_every_python_snippet_that_makes_a_session_stops_it():
         if name.endswith(".py"):
             with open(os.path.join(ROOT, "notebooks", name)) as handle:
                 assert "spark.stop()" in handle.read(), name
+
+
+def test_the_fine_tuning_snippet_defines_every_name_it_uses_and_bert_bases_learning_rate():
+    """Pasted into a notebook that has a Spark session `spark`, it runs: every other name it uses is imported or
+    assigned in it (its lines from `est = ...` on are notebooks/text_example.py's, run by test_example.py)."""
+    block = re.search(r"^## Fine-tune a pretrained model\n.*?```python\n(.*?)^```", readme(), re.S | re.M).group(1)
+    tree = ast.parse(block)
+    defined = {"spark"} | set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert used <= defined, f"used, never defined: {sorted(used - defined)}"
+    assert "AdamW, lr=lr" in block and re.search(r"^epochs, lr = 3, 2e-5 ", block, re.M)  # BERT-base's
