@@ -1,6 +1,7 @@
 """The manual (docs/*.md, built by `bash .ci/docs`): the site builds strictly, its Python examples run as they
 stand, the param reference is the param table's text, and every page or section an error message names exists."""
 import glob
+import json
 import html
 import os
 import re
@@ -63,6 +64,9 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     changelog = (site / "changelog.html").read_text()  # CHANGELOG.md, its links the site's own
     assert "Unreleased" in changelog and 'href="language-models.html"' in changelog and 'href="docs/' not in changelog
     assert f"<title>spark-torch-estimator {estimator.__version__}" in (site / "index.html").read_text()
+    search = json.loads((site / "search" / "search_index.json").read_text())
+    assert "=" in search["config"]["separator"]  # strategy='fsdp' is found by fsdp
+    assert "Out of memory (OOM)" in (site / "troubleshooting.html").read_text()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
