@@ -67,6 +67,9 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     search = json.loads((site / "search" / "search_index.json").read_text())
     assert "=" in search["config"]["separator"]  # strategy='fsdp' is found by fsdp
     assert "Out of memory (OOM)" in (site / "troubleshooting.html").read_text()
+    # the figures (benchmarks/figures.py draws them, from a real run for the history)
+    assert 'src="img/fit.svg"' in (site / "index.html").read_text() and (site / "img" / "fit.svg").exists()
+    assert 'src="img/digits-history.svg"' in started and (site / "img" / "digits-history.svg").exists()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
