@@ -69,7 +69,7 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert "Out of memory (OOM)" in (site / "troubleshooting.html").read_text()
     # the figures (benchmarks/figures.py draws them, from a real run for the history)
     assert 'src="img/fit.svg"' in (site / "index.html").read_text() and (site / "img" / "fit.svg").exists()
-    assert 'src="img/digits-history.svg"' in started and (site / "img" / "digits-history.svg").exists()
+    assert 'src="img/digits-history.svg"' in (site / "getting-started.html").read_text() and (site / "img" / "digits-history.svg").exists()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
