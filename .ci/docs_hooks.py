@@ -17,8 +17,19 @@ def tables():
         from estimator.core.params import markdown_table
     finally:
         sys.path.remove(ROOT)
-    return {"TorchEstimator": markdown_table(ESTIMATOR_PARAMS),
-            "TorchModel": markdown_table([s for s in MODEL_PARAMS if s not in TRAINING_PARAMS])}
+    return {"TorchEstimator": markdown_table(ESTIMATOR_PARAMS, anchor="estimator-"),
+            "TorchModel": markdown_table([s for s in MODEL_PARAMS if s not in TRAINING_PARAMS], anchor="model-")}
+
+
+def linked(text: str) -> str:
+    """The param table's references, `docs/training.md 'Text columns'` (as help() and the errors print them),
+    as links to the section (MkDocs' heading anchors: lower case, spaces as hyphens)."""
+    def link(found: re.Match) -> str:
+        page, section = found.group(1), found.group(2)
+        anchor = re.sub(r"[^\w\s-]", "", section.lower()).strip().replace(" ", "-")
+        return f"[{page}.md '{section}']({page}.md#{anchor})"
+
+    return re.sub(r"docs/([a-z-]+)\.md '([^']+)'", link, text)
 
 
 def render(markdown: str) -> str:
@@ -26,7 +37,7 @@ def render(markdown: str) -> str:
     for name, table in tables().items():
         marker = MARKER.format(name)
         if marker in markdown:
-            markdown = markdown.replace(marker, marker + "\n\n" + table)
+            markdown = markdown.replace(marker, marker + "\n\n" + linked(table))
     return markdown
 
 

@@ -49,8 +49,12 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     from estimator.core.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS
 
     params = (site / "params.html").read_text()
-    for spec in ESTIMATOR_PARAMS + MODEL_PARAMS:  # every param, in a table row of the built page
-        assert re.search(rf"<tr>\s*<td><code>{spec.name}</code></td>", params), spec.name
+    for spec in ESTIMATOR_PARAMS:  # every param, in a table row of the built page, with an anchor to link to
+        assert re.search(rf'<tr>\s*<td><a id="estimator-{spec.name}"></a><code>{spec.name}</code></td>', params), \
+            spec.name
+    for spec in MODEL_PARAMS:
+        assert re.search(rf'<td><a id="(model|estimator)-{spec.name}"></a><code>{spec.name}</code></td>', params), \
+            spec.name
     api = (site / "api.html").read_text()
     for name in ("TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "RankFailed", "Store"):
         assert f'id="{name}' in api or f">{name}<" in api, name
@@ -90,10 +94,12 @@ def test_the_param_hook_puts_the_param_table_under_its_markers():
     from estimator.core.params import markdown_table
 
     page = docs_hooks.render(read("docs/params.md"))
-    assert markdown_table(ESTIMATOR_PARAMS) in page
+    assert docs_hooks.linked(markdown_table(ESTIMATOR_PARAMS, anchor="estimator-")) in page
+    assert "[training.md 'Text columns'](training.md#text-columns)" in page  # a reference made a link
     for spec in ESTIMATOR_PARAMS:
-        assert f"| `{spec.name}` |" in page and spec.doc.replace("|", "\\|") in page
-    assert "| `num_proc` |" not in read("docs/params.md")  # the page itself repeats nothing of the table
+        assert f'| <a id="estimator-{spec.name}"></a>`{spec.name}` |' in page
+        assert docs_hooks.linked(spec.doc.replace("|", "\\|")) in page
+    assert "`num_proc` |" not in read("docs/params.md")  # the page itself repeats nothing of the table
 
 
 def cited(pattern):

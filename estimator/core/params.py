@@ -240,13 +240,15 @@ def params_text(specs: Sequence[ParamSpec]) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(specs: Sequence[ParamSpec]) -> str:
+def markdown_table(specs: Sequence[ParamSpec], anchor: str = "") -> str:
     """The params as a Markdown table: the param reference's tables (docs/params.md) are this text, inserted by
-    .ci/docs_hooks.py when the site is built."""
+    .ci/docs_hooks.py when the site is built. `anchor`: each row's name gets the anchor `<anchor><name>` (the
+    site links params.md#estimator-batch_size)."""
     rows = ["| param | default | allowed | meaning |", "|---|---|---|---|"]
     for spec in specs:
         default = default_text(spec)
         default = default if default == "required" else f"`{default}`"
-        cells = [f"`{spec.name}`", default, spec.allowed, spec.doc]
+        name = f'<a id="{anchor}{spec.name}"></a>`{spec.name}`' if anchor else f"`{spec.name}`"
+        cells = [name, default, spec.allowed, spec.doc]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
