@@ -18,14 +18,15 @@ def run_job(tmp_path, addresses, case):
     script = tmp_path / "gpus.sh"
     script.write_text("#!/bin/bash\necho '" + json.dumps({"name": "gpu", "addresses": addresses}) + "'\n")
     script.chmod(0o755)
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT)
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYTHONPATH=ROOT,
+               GPUS_PER_TASK_JOB=str(tmp_path))  # marks this job's processes (other tests may run beside it)
     env.pop("SPARK_TORCH_ESTIMATOR_FAULTS", None)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "seeds", "gpus_per_task_job.py"),
                              str(script), str(tmp_path / "store"), case], capture_output=True, text=True,
                             timeout=600, cwd=str(tmp_path), env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     out = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    assert not _rank_processes(), "rank processes outlived the fit"
+    assert not _rank_processes(str(tmp_path)), "rank processes outlived the fit"
     return out
 
 
@@ -36,10 +37,20 @@ def four_gpus(tmp_path_factory):
     return run_job(tmp_path_factory.mktemp("four-gpus"), ["3", "5", "6", "7"], "per_task")
 
 
-def _rank_processes():
-    """Spawned rank processes still alive (their command line names multiprocessing's spawn)."""
+def _rank_processes(job):
+    """This job's spawned rank processes still alive: their command line names multiprocessing's spawn, and their
+    environment carries the job's marker (tests running beside this one spawn ranks of their own)."""
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "multiprocessing.spawn" in line and "spawn_main" in line]
+    found = []
+    for line in ps.splitlines():
+        if "multiprocessing.spawn" in line and "spawn_main" in line:
+            try:
+                with open(f"/proc/{line.split()[0]}/environ", "rb") as handle:
+                    if f"GPUS_PER_TASK_JOB={job}".encode() in handle.read().split(b"\0"):
+                        found.append(line)
+            except OSError:  # it ended meanwhile
+                pass
+    return found
 
 
 def assigned(out):
