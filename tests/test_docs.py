@@ -136,10 +136,7 @@ FENCE = re.compile(r"^( *)(`{3,}|~{3,})")
 INCLUDE = re.compile(r'^ *--8<-- "([^":]+)(?::([\w-]+))?" *$')  # pymdownx.snippets: a file, or its section
 SECTION_MARK = re.compile(r"--8<-- \[(?:start|end):([\w-]+)\]")
 LIST_ITEM = re.compile(r"^ *(?:[-*+]|\d+\.) ")
-# The README's first-screen command, pinned whole on its line by tests/test_readme.py (copied as one line; the
-# site shows it as inline code in docs/getting-started.md, not in a block):
-WIDE_ON_PURPOSE = {"TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup && "
-                   ".venv/bin/python notebooks/digits_example.py"}
+WIDE_ON_PURPOSE: set = set()  # lines a test pins whole and that cannot wrap (none today)
 
 
 def site_lines(path, section=None):

@@ -27,8 +27,8 @@ def test_the_first_screen_has_the_commands_alone_on_their_lines():
     head = text[:text.index("\n## Install\n")]
     blocks = re.findall(r"```bash\n(.*?)```", head, re.S)
     assert blocks[:3] == ["bash .ci/setup && .venv/bin/python notebooks/digits_example.py\n",
-                          "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup && "
-                          ".venv/bin/python notebooks/digits_example.py\n",
+                          "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash .ci/setup \\\n"
+                          "  && .venv/bin/python notebooks/digits_example.py\n",
                           "bash .ci/test\n"]
     assert len(head.splitlines()) < 60
     with open(os.path.join(ROOT, ".ci", "run")) as handle:
