@@ -122,9 +122,9 @@ def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
     """Per row, the position of its first labelled token (the prompt's token count, or where a chat's first
     assistant turn begins), or -1 for a chat with no assistant turn: a row keeps a response token after the cut at
     max_length only when 0 <= start < max_length."""
-    if not spec.chat:
-        prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
-        return np.array([len(p) for p in prompts], dtype=np.int64)
+    if not spec.chat:  # what generation is given: the prompt's tokens
+        return np.array([len(p) for p in prompt_ids(tokenizer, False, batch[spec.column], spec.column)],
+                        dtype=np.int64)
     starts = np.full(len(batch[spec.column]), -1, dtype=np.int64)
     for row, value in enumerate(batch[spec.column]):
         messages = messages_of(value, spec.column)
