@@ -81,15 +81,16 @@ class RunLayout:
         return posixpath.join(self.root, "alive.json")
 
     def launch(self, launch_id: str) -> str:
-        """Per-launch scratch, removed when the launch ends: what the ranks train (the spec), each rank's
-        arrival marker (read only when the rendezvous times out), failure record, and the driver's stop marker."""
+        """Per-launch scratch, removed when the launch ends: what the ranks train (the spec), rank 0's store
+        address, each rank's failure record, and the driver's stop marker."""
         return posixpath.join(self.root, f"launch-{launch_id}")
 
     def launch_spec(self, launch_id: str) -> str:
         return posixpath.join(self.launch(launch_id), "spec.pkl")
 
-    def arrival(self, launch_id: str, rank: int) -> str:
-        return posixpath.join(self.launch(launch_id), f"rank-{rank}.json")
+    def rendezvous(self, launch_id: str) -> str:
+        """Where rank 0 leaves its TCPStore's host and port for the other ranks."""
+        return posixpath.join(self.launch(launch_id), "rendezvous.json")
 
     def failure(self, launch_id: str, rank: int) -> str:
         return posixpath.join(self.launch(launch_id), f"failed-{rank}.json")

@@ -6,7 +6,7 @@ rank's rendezvous without changing the code under test. Nothing happens when the
 
     [{"point": "epoch", "rank": 1, "action": "exit", "epoch": 2, "attempt": 0}]
 
-points: "before_barrier" (before Spark's barrier), "before_checkin" (after it, before the torch
+points: "before_barrier" (before the tasks meet), "before_checkin" (after they met, before the torch
 rendezvous), "read" (the rank's Arrow shard read, which runs on a thread during the rendezvous),
 "epoch" (at the start of an epoch; "epoch" selects which, 1-based), "step" (before each training batch;
 "step" selects the optimizer step it leads to, 1-based over the whole run), "checkpoint_write" (rank 0's

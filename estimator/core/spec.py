@@ -130,9 +130,9 @@ class TrainSpec:
     compression: str = "none"
     shared_memory_allreduce: bool = True  # CPU ranks on one host average gradients in shared memory, not gloo
     terminate_on_nan: bool = True
-    rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (Spark's barrier, then rank 0's store)
+    rendezvous_timeout: float = 120.0  # seconds for all ranks to meet (at rank 0's store, then its check-in)
     collective_timeout: float = 1800.0  # seconds a collective may wait for a peer (torch process group)
-    launch_id: str = "launch"  # one per launch: names the rank arrival markers of this launch
+    launch_id: str = "launch"  # one per launch: names its folder in the store (spec, rendezvous, failures)
     attempt: int = 0  # 0 for the first launch of a fit, then 1, 2, ... for retries
     resume_from: Optional[str] = None  # a checkpoint of this run to continue from (retry or refit)
     checkpoint_steps: Optional[int] = None  # rank 0 also checkpoints every N optimizer steps (with the position)

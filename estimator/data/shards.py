@@ -120,8 +120,8 @@ def _mb(n: int) -> str:
 class EarlyRead:
     """This rank's shards, opened on a thread while the rendezvous waits for the peers.
 
-    A rank knows its rank and the world size before Spark's barrier (partition id, task count), so a
-    read into memory can overlap the barrier's polling (about a second) instead of following it. The
+    A rank knows its rank and the world size before the ranks meet (partition id, task count), so a
+    read into memory can overlap the meeting instead of following it. The
     launcher calls `begin()` once its own warm-up is done: both need the CPU (a rank usually has one core).
     `result()` begins the read if nobody did. An error in the read is raised where the read used to
     happen: by `train_worker` on that rank, after the rendezvous.

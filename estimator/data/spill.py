@@ -75,7 +75,7 @@ def spill(batches: Iterable[pa.RecordBatch], root: str, columns: Sequence[str]) 
 
 def local_data(data: DataSpec, spilled: Spilled) -> DataSpec:
     """This rank's DataSpec over its spilled rows, before it knows the other ranks' counts (`rank_data`): its
-    shards can be read while Spark's barrier polls."""
+    shards can be read while the ranks meet."""
     local = LocalStore(spilled.root)
     pieces = {val: pieces_of_files(local, [os.path.join(spilled.root, name)])
               if os.path.exists(os.path.join(spilled.root, name)) else () for val, name in SPLITS.items()}

@@ -1,6 +1,6 @@
-"""One rank after Spark's barrier, wherever it runs (its task's process, or a process of its own when a task
+"""One rank after the tasks met, wherever it runs (its task's process, or a process of its own when a task
 has several GPUs; LocalLauncher's processes too): its device, decided alike on every rank from the facts
-gathered at the barrier (Placement), the check-in at rank 0's store, the process group, and training."""
+gathered when the tasks met (Placement), the check-in at rank 0's store, the process group, and training."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +26,7 @@ log = logging.getLogger("estimator")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where every rank runs, as gathered at Spark's barrier (the same on every rank)."""
+    """Where every rank runs, as gathered when the tasks met (the same on every rank)."""
 
     hosts: Tuple[str, ...]  # per rank
     gpu_counts: Tuple[int, ...]  # per rank: CUDA devices its process sees (0 with use_gpu=False)
@@ -44,7 +44,8 @@ def train_rank(spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, rank: i
                early: Optional[EarlyRead] = None, server: Optional[TCPStore] = None) -> WorkerResult:
     """One rank after the rendezvous, in its task's process or a process of its own: its device (the same
     decision on every rank, from gathered facts: all ranks fail alike or none does), the torch rendezvous,
-    training. `early`: its shards, opened already; `server`: rank 0's store, when this process holds it."""
+    training. `early`: its shards, opened already; `server`: this process's connection to rank 0's store (or the
+    store itself, on rank 0), when it has one already."""
     started = time.perf_counter()
     if early is None:
         early = EarlyRead.for_spec(spec, rank, place.world, faults, attempt,

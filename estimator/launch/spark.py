@@ -1,8 +1,8 @@
 """Launchers start `num_proc` ranks and return each rank's WorkerResult.
 
 - SparkBarrierLauncher (here): barrier tasks of `mapInArrow` (classic and Spark Connect sessions alike), one per
-  rank, or one per N ranks when Spark gives each task N GPUs (estimator.launch.task_ranks); they meet through one
-  `allGather` (estimator.launch.rendezvous), then everything goes through torch.distributed
+  rank, or one per N ranks when Spark gives each task N GPUs (estimator.launch.task_ranks); they meet at rank 0's
+  TCPStore, its address left in the store (estimator.launch.rendezvous), then everything goes through torch.distributed
   (estimator.launch.rank_setup). A failing rank leaves a typed record in the store.
 - LocalLauncher (estimator.launch.local): ranks as local processes (or in-process for one rank), the same
   per-rank code.
@@ -19,10 +19,11 @@ import posixpath
 import re
 import resource
 import shutil
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch.distributed import TCPStore
@@ -35,7 +36,7 @@ from estimator.failures import FailureKind, RankFailed, RendezvousFailed, as_ran
 from estimator.launch.failure_watch import FailureWatch, stopped_by_driver
 from estimator.launch.liveness import LaunchWatch, remove_if_ours, wait_for_other_launch
 from estimator.launch.rank_setup import Placement, train_rank
-from estimator.launch.rendezvous import all_gather, announce, late_at_barrier
+from estimator.launch.rendezvous import LATE_TO_START, check_in, find_rank0, publish
 from estimator.launch.session import executor_python, job_tag, tag_canceller
 from estimator.train.distributed import task_gpus
 
@@ -272,9 +273,9 @@ def _result_rows(rows: List[Tuple[int, bytes]]) -> Any:
 
 def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_task: int,
                 spilled: Optional[Spilled] = None) -> List[WorkerResult]:
-    """The body of one barrier task: meet through Spark once (rank 0's store port, every task's GPUs), then
+    """The body of one barrier task: meet at rank 0's TCPStore (every task's GPUs; no Spark allGather), then
     train its ranks: in this process for one rank, in a spawned process per GPU for several
-    (estimator.launch.task_ranks). Each step has the rendezvous timeout (in the direct mode, Spark's barrier waits
+    (estimator.launch.task_ranks). Each step has the rendezvous timeout (in the direct mode, the meeting waits
     that long plus the time this rank took to receive its rows: the peers receive theirs too)."""
     from pyspark import BarrierTaskContext
 
@@ -285,9 +286,9 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
     for rank in ranks:
         inject(faults, "before_barrier", rank, attempt)
     spec: TrainSpec = pickle.loads(spec_bytes)
-    hosts = tuple(info.address.rsplit(":", 1)[0] for info in task.getTaskInfos() for _ in range(per_task))
+    task_hosts = tuple(info.address.rsplit(":", 1)[0] for info in task.getTaskInfos())
+    hosts = tuple(host for host in task_hosts for _ in range(per_task))  # per rank
     world, timeout = len(hosts), spec.rendezvous_timeout
-    arrived = announce(spec, ranks, hosts[first])
     own = replace(spec, data=local_data(spec.data, spilled)) if spilled is not None else spec
     early = EarlyRead.for_spec(own, first, world, faults, attempt, ranks_on_host=hosts.count(hosts[first])) \
         if per_task == 1 else None
@@ -295,36 +296,35 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
     addresses = task_gpus(task)
     message: Dict[str, Any] = {"gpus": torch.cuda.device_count() if spec.use_gpu is not False else 0,
                                "gpu": addresses}
-    if first == 0:  # rank 0's task owns the store; its OS-chosen port travels in the one allGather
-        server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-        message["port"] = server.port
     if spilled is not None:
         message["rows"] = spilled.counts
-    replies = all_gather(task, json.dumps(message), timeout + (spilled.seconds if spilled else 0.0),
-                         while_waiting=(lambda: _warm_up(early)) if per_task == 1 else None)  # else: ranks' own
-    if replies is None:
-        arrived.join(5)
-        raise RendezvousFailed(first, late_at_barrier(spec, first, hosts, timeout))
-    gathered = [json.loads(m) for m in replies]
+    address = spec.run.rendezvous(spec.launch_id)
+    if first == 0:  # rank 0's task owns the store; its OS-chosen port goes to the launch's folder
+        server = TCPStore(hosts[0], 0, world, is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+        publish(spec.data.store, address, hosts[0], server.port)
+    gathered, port, client = _meanwhile(
+        lambda: _gather(spec.data.store, address, server, task.partitionId(), task_hosts, per_task,
+                        json.dumps(message), timeout + (spilled.seconds if spilled else 0.0)),
+        (lambda: _warm_up(early)) if per_task == 1 else None)  # several ranks per task: the ranks' own warm-up
     if per_task > 1 and any(len(m["gpu"]) < per_task for m in gathered):
         raise RankFailed(first, f"spark.task.resource.gpu.amount={per_task} but Spark gave the tasks GPU addresses "
                                 f"{[m['gpu'] for m in gathered]}: a rank per GPU needs {per_task} per task.")
     place = Placement(hosts, tuple(m["gpus"] for m in gathered for _ in range(per_task)),
                       tuple((m["gpu"][i] if i < len(m["gpu"]) else None) for m in gathered for i in range(per_task)),
-                      gathered[0]["port"], max(1, int(task.cpus()) // per_task))
+                      port, max(1, int(task.cpus()) // per_task))
     if spilled is not None:  # every rank the same checks over all ranks' rows, and the same plan
         spec = replace(own, data=rank_data(own.data, [m["rows"] for m in gathered]))
         if early is not None:
             early.plan_over(spec.data.largest_shard * world)
     if per_task == 1:
-        results = [train_rank(spec, faults, attempt, first, place, early, server)]
+        results = [train_rank(spec, faults, attempt, first, place, early, client)]
     else:
         from estimator.launch.task_ranks import run_ranks
 
         results = run_ranks(train_rank, [(spec, faults, attempt, rank, place) for rank in ranks], list(ranks),
                             lambda failure: _record_failure(spec.data.store, spec.run, spec.launch_id, failure))
-    del server
+    del server, client
     early = None  # noqa: F841 - the shard it read goes with it
     total = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -332,8 +332,41 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
                     spill_seconds=spilled.seconds if spilled is not None else 0.0) for r in results]
 
 
+def _gather(store: Any, address: str, server: Optional[TCPStore], task: int, hosts: Tuple[str, ...],
+            per_task: int, message: str, timeout: float) -> Tuple[List[Dict[str, Any]], int, TCPStore]:
+    """Every task's message (in task order) through rank 0's TCPStore, that store's port, and this task's
+    connection to it. `hosts`: per task."""
+    port, client = (server.port, server) if server is not None else find_rank0(store, address, task * per_task,
+                                                                               hosts, timeout)
+    who = [f"rank {t * per_task}" if per_task == 1 else f"ranks {t * per_task}-{(t + 1) * per_task - 1}"
+           for t in range(len(hosts))]
+    replies = check_in(client, task, hosts, timeout, message, step="gather", late="reach the rendezvous",
+                       advice=LATE_TO_START, who=who)
+    return [json.loads(m) for m in replies], port, client
+
+
+def _meanwhile(gather: Callable[[], Any], warm_up: Optional[Callable[[], None]]) -> Any:
+    """`gather()` on a thread of its own while `warm_up()` runs on this one; what gather returned or raised."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = gather()
+        except BaseException as exc:  # noqa: BLE001 - raised in the task's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="rendezvous", daemon=True)
+    thread.start()
+    if warm_up is not None:
+        warm_up()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _warm_up(early: Optional[EarlyRead]) -> None:
-    """While Spark's barrier polls: the imports first, then this rank's shard read on its thread.
+    """While the ranks meet: the imports first, then this rank's shard read on its thread.
     Both need the CPU; run together in a fresh Python worker, they slowed each other down more than
     the overlap saved (first fits 0.7 s slower on the benchmark machine)."""
     _warm_imports()
@@ -343,8 +376,9 @@ def _warm_up(early: Optional[EarlyRead]) -> None:
 
 def _warm_imports() -> None:
     """The first torch.optim optimizer in a process imports torch._dynamo: about 2 s in a fresh Python
-    worker on the benchmark machine. Paid here, while Spark's barrier polls (about 1 s), it overlaps
-    the rendezvous instead of adding to training; in a reused worker it costs nothing."""
+    worker on the benchmark machine. Paid here, while the ranks meet, it overlaps the rendezvous (a
+    rank waits there for the slowest task's start) instead of adding to training; in a reused worker it costs
+    nothing."""
     try:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - only a warm-up; training imports it again and reports errors
