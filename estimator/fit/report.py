@@ -90,7 +90,9 @@ def log_fit(run_id: str, results: Sequence[WorkerResult], data: DataSpec, dry_ru
         f"rank {r.rank}: {r.reader}" for r in results))
     stages = {"materialize_s": data.materialize_seconds, "dry_run_s": dry_run_seconds,
               "launch_s": launch_seconds, "rank_setup_s": max(r.setup_seconds for r in results),
-              "train_s": max(r.seconds for r in results), "shard_read_s": max(r.read_seconds for r in results),
+              "train_s": max(r.seconds for r in results),  # the ranks' whole work: model, epochs, checkpoints
+              "epochs_s": max(r.train_loop_seconds for r in results),  # their training passes only
+              "shard_read_s": max(r.read_seconds for r in results),
               "train_waited_for_shard_s": max(r.read_wait_seconds for r in results),
               "data_wait_fraction": max(r.data_wait_seconds / max(r.train_loop_seconds, 1e-9) for r in results),
               "teardown_s": max(r.teardown_seconds for r in results),

@@ -4,6 +4,7 @@ gathered when the tasks met (Placement), the check-in at rank 0's store, the pro
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass, replace
@@ -53,6 +54,9 @@ def train_rank(spec: TrainSpec, faults: Tuple[Fault, ...], attempt: int, rank: i
         if early is not None:
             early.begin()
     torch.set_num_threads(place.threads)  # the cores Spark gave this task, not every core of the host
+    # a fast tokenizer's batches run on a thread pool of every core of the host (Rust's rayon), beside the ranks'
+    # torch threads: the reader's decode workers are the parallelism (yours wins if you set it)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         devices = plan_devices(spec.use_gpu, place.hosts, place.gpu_counts, place.addresses)
     except RuntimeError as exc:
