@@ -165,6 +165,30 @@ def test_the_sharded_ranks_really_compile(store, digits, build):
         LocalLauncher().run(fullgraph, 2)
 
 
+def test_fsdp_on_one_rank_trains_the_whole_model_as_ddp_and_leaves_shards_that_two_ranks_resume(store, digits):
+    """One rank has nothing to shard: no FSDP2 hooks (the plain module, the weights of a one-rank ddp fit), but the
+    checkpoint is a folder of shards, so the run goes on with strategy='fsdp' on 2 ranks."""
+    from dataclasses import replace
+
+    from estimator.train.worker import SOLO
+
+    ddp = LocalLauncher().run(spec(store, digits, "one-ddp", epochs=1), 1)
+    one = LocalLauncher().run(spec(store, digits, "one-fsdp", strategy="fsdp", epochs=1), 1)
+    assert one[0].allreduce == ddp[0].allreduce == SOLO
+    assert metrics(one[0].history[0]) == metrics(ddp[0].history[0])  # the same computation, bit for bit
+    for name, value in trained(store, "one-ddp")[0].state_dict().items():
+        assert torch.equal(trained(store, "one-fsdp")[0].state_dict()[name], value), name
+    state = load_checkpoint(store, store.run("one-fsdp").checkpoint)
+    assert "model" not in state and state["strategy"] == "fsdp"
+    assert sorted(os.listdir(store.run("one-fsdp").root + "/sharded/" + state["sharded"])) == [
+        ".metadata", "__0_0.distcp"]
+    more = replace(spec(store, digits, "one-fsdp", strategy="fsdp", epochs=2), resume_from=store.run(
+        "one-fsdp").checkpoint, batch_size=25, launch_id="more")  # the global batch of 50 kept
+    two = LocalLauncher().run(more, 2)
+    assert [row["epoch"] for row in two[0].history] == [1, 2] and "reduce-scatter" in two[0].allreduce
+    assert two[0].state_bytes < 0.6 * one[0].state_bytes  # sharded now: half the state per rank
+
+
 def cut_at_step_8(store, digits, run, strategy):
     """Rank 0 fails before step 8 of the epoch, after both ranks wrote the checkpoint of step 6: the run's state."""
     from estimator.core.faults import Fault

@@ -48,7 +48,10 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     if spec.gradient_checkpointing:
         log.debug("rank %d: activations recomputed in backward (%s)", ctx.rank,
                   checkpoint_activations(model, objs.shard_units))
-    sharded = spec.strategy == "fsdp"
+    # strategy='fsdp' on one rank: nothing to shard, so the model trains whole as ddp's would (FSDP2's per-unit hooks
+    # cost 2-3x on a model that fits), its checkpoints still folders of shards that more ranks resume from
+    shard_format = spec.strategy == "fsdp"
+    sharded = shard_format and ctx.world_size > 1
     if not sharded:  # fsdp: shard reads each rank's shards of what is on the meta device, and moves the rest
         if objs.weights_folder:
             materialize(model, objs.weights_folder, device)
@@ -79,10 +82,10 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         ddp: nn.Module = Sharded(model, wrapped)
         allreduce = (f"{ctx.backend} reduce-scatter (fsdp: model, gradients and optimizer state in "
                      f"{ctx.world_size} shards)")
-        # the checkpoints' own group: DCP writes over it while training goes on over the default one
-        shard_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.collective_timeout))
     else:
         ddp = wrap(wrapped, device, ctx.world_size)
+    if shard_format:  # the checkpoints' own group: DCP writes over it while training goes on over the default one
+        shard_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.collective_timeout))
     if isinstance(ddp, Solo):
         allreduce = SOLO  # one rank: no gradients to average, nor to compress
     elif not sharded and spec.compression == "fp16":
