@@ -37,6 +37,32 @@ def test_the_default_units_are_the_items_of_module_lists_children_first():
     assert unit_modules(model, lambda m: m is model.head) == [model.head]
 
 
+def test_reshard_after_forward_false_keeps_the_units_gathered_until_backward_and_changes_no_gradient():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from estimator.train.distributed import forget_sharding_specs
+    from estimator.train.sharding import shard
+
+    x, y = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 10
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    got = {}
+    try:
+        for reshard in (True, False):
+            model = seeded(BlockMLP)
+            shard(model, None, "32", torch.device("cpu"), 1, reshard_after_forward=reshard)
+            loss = nn.functional.cross_entropy(model(x), y)
+            got[reshard] = isinstance(model.blocks[0].linear.weight, DTensor)  # between forward and backward
+            loss.backward()
+            got[reshard, "grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_specs()
+    assert got[True] and not got[False]  # resharded after forward (a DTensor again), or kept gathered
+    for name, grad in got[True, "grads"].items():
+        assert torch.equal(got[False, "grads"][name], grad), name
+
+
 def test_two_sharded_ranks_train_the_weights_of_two_ddp_ranks_and_hold_half_the_state(store, digits):
     ddp = LocalLauncher().run(spec(store, digits, "ddp", shared_memory_allreduce=False), 2)
     fsdp = LocalLauncher().run(spec(store, digits, "fsdp", strategy="fsdp"), 2)

@@ -131,7 +131,9 @@ def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digi
     cases = [(dict(precision="16-mixed"), r"takes no precision='16-mixed': float16 with a GradScaler is DDP's"),
              (dict(model=nn.Sequential(nn.Flatten())), r"has no parameters to shard. Use strategy='ddp'"),
              (dict(), r"has taken steps already"),
-             (dict(strategy="ddp", shard_units=[nn.Linear]), r"shard_units says what strategy='fsdp' shards")]
+             (dict(strategy="ddp", shard_units=[nn.Linear]), r"shard_units says what strategy='fsdp' shards"),
+             (dict(strategy="ddp", reshard_after_forward=False),
+              r"reshard_after_forward=False is strategy='fsdp''s choice; with strategy='ddp' nothing is sharded")]
     for extra, message in cases:
         params = {**base, "optimizer": stepped if not extra else torch.optim.Adam(model.parameters()), **extra}
         with pytest.raises(ValueError, match=message):

@@ -182,6 +182,11 @@ ESTIMATOR_PARAMS = [
                   isinstance(v, (list, tuple)) and len(v) > 0
                   and all(inspect.isclass(c) and issubclass(c, nn.Module) for c in v))),
               "None, a list of nn.Module classes, or a callable(module) -> bool", json=False),
+    ParamSpec("reshard_after_forward", "with strategy='fsdp': True frees each unit's gathered parameters after its "
+              "forward and gathers them again for its backward (the least memory); False keeps them gathered "
+              "until the backward (one gather a unit per step instead of two, each rank holding the whole units "
+              "between the passes). FSDP2's own option, for every unit but the whole model", True, is_bool,
+              "True or False"),
     ParamSpec("weights_folder", "a folder of .safetensors files (a save_pretrained folder) on the driver's and every "
               "executor's file system, holding by state-dict name (or through base_model_prefix, as from_pretrained "
               "reads) the weights a `model` factory leaves on the meta device (estimator.parameters_on_meta()): "

@@ -146,6 +146,7 @@ class TrainSpec:
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
     strategy: str = "ddp"  # "ddp" or "fsdp": the model sharded over the ranks (estimator.train.sharding)
     gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)
+    reshard_after_forward: bool = True  # strategy='fsdp': FSDP2's option for every unit but the whole model
     step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 

@@ -15,6 +15,10 @@ def check_strategy(p: Dict[str, Any]) -> None:
         if p["shard_units"] is not None:
             raise ValueError(f"{OWNER}: shard_units says what strategy='fsdp' shards; with strategy="
                              f"{p['strategy']!r} nothing is sharded. Set strategy='fsdp', or leave shard_units None.")
+        if p["reshard_after_forward"] is not True:
+            raise ValueError(f"{OWNER}: reshard_after_forward={p['reshard_after_forward']!r} is strategy='fsdp''s "
+                             f"choice; with strategy={p['strategy']!r} nothing is sharded. Set strategy='fsdp', or "
+                             "leave reshard_after_forward at True.")
         return
     refused = {
         "precision": (p["precision"] == "16-mixed", "float16 with a GradScaler is DDP's; FSDP2 trains in "

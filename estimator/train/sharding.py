@@ -47,14 +47,16 @@ def mixed_precision(precision: str) -> Any:
 
 
 def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, world_size: int,
-          lightning: bool = False, weights_folder: Optional[str] = None, compile_setting: Any = False) -> int:
+          lightning: bool = False, weights_folder: Optional[str] = None, compile_setting: Any = False,
+          reshard_after_forward: bool = True) -> int:
     """fully_shard every unit of `model`, then `model` itself (in place: its class becomes an FSDPModule), over
     all ranks of the process group, from rank 0's values (as DDP starts). What the model has on the meta device
     is read from `weights_folder`, each rank its own shards only (estimator.core.meta). `compile_setting` (the
     compile param: True or torch.compile's keyword arguments): each unit is compiled before it is sharded, as
     PyTorch compiles a sharded model (FSDP's hooks stay outside the compiled graphs); the root's own layers run
-    eagerly, unless the model has no other unit (then it is compiled whole). Returns the number of units, the
-    whole model included."""
+    eagerly, unless the model has no other unit (then it is compiled whole). `reshard_after_forward`: FSDP2's, for
+    the units (the whole model's parameters stay gathered for the backward that follows its forward). Returns the
+    number of units, the whole model included."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -79,7 +81,7 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     for unit in units:
         if options is not None:
             unit.compile(**options)  # in place: the state dict keeps its names
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if options is not None and not units:
         model.compile(**options)
     fully_shard(model, mesh=mesh, mp_policy=policy)

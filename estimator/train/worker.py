@@ -62,7 +62,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                              "other ranks (spark.task.resource.gpu.amount < 1): nccl refuses two ranks on one GPU. "
                              "Give each task a whole GPU, or use strategy='ddp'.")
         units = shard(model, objs.shard_units, spec.precision, device, ctx.world_size, objs.lightning,
-                      objs.weights_folder, spec.compile)
+                      objs.weights_folder, spec.compile, spec.reshard_after_forward)
         log.debug("rank %d: %d units sharded", ctx.rank, units)
     trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank, spec.epochs,
                                                                run_optimizer_steps(spec, ctx.world_size))
