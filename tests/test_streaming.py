@@ -11,7 +11,7 @@ import pytest
 from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
 from estimator.data.arrays import column_to_numpy, to_tensors
 from estimator.data.cached import CachedShard
-from estimator.data.feed import Decoders, Feed
+from estimator.data.feed import Decoders, Feed, decoding
 from estimator.data.parquet import list_pieces, spans
 from estimator.data.shards import EarlyRead, cache_decision, open_shards
 from estimator.data.streaming import StreamingShard, shuffled
@@ -268,6 +268,18 @@ def test_the_feed_runs_transformation_fn_in_workers_keeps_order_and_raises_its_e
         next(feed)
     feed.close()
     decoders.close()
+
+
+def test_auto_decodes_in_processes_on_a_gpu_rank_and_in_threads_elsewhere():
+    # (configured, pool_type, transformation_fn, tokenizer, gpu, cores) -> (workers, pool)
+    assert decoding(None, "auto", True, False, True, 16) == (15, "process")  # images feeding a GPU
+    assert decoding(None, "auto", True, False, True, 2) == (2, "process")
+    assert decoding(None, "auto", True, False, False, 16) == (2, "thread")  # a CPU rank trains on its cores
+    assert decoding(None, "auto", False, True, True, 16) == (2, "thread")  # a tokenizer: threads (no GIL held)
+    assert decoding(None, "auto", False, False, True, 16) == (1, "thread")  # nothing to decode: the feeding thread
+    assert decoding(4, "auto", True, False, True, 16) == (4, "process")  # the user's count
+    assert decoding(None, "thread", True, False, True, 16) == (2, "thread")  # the user's pool
+    assert decoding(None, "process", True, False, False, 16) == (2, "process")
 
 
 def test_binary_columns_arrive_as_bytes_and_need_a_transformation(store):

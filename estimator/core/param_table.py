@@ -124,14 +124,16 @@ ESTIMATOR_PARAMS = [
               "arrow",
               lambda v: v in ("arrow", "petastorm"), "'arrow' or 'petastorm'"),
     ParamSpec("train_reader_num_workers", "arrow reader: workers (reader_pool_type) that run transformation_fn on "
-              "training batches (default 2 with a transformation_fn, else the one feeding thread); petastorm: its "
-              "reader workers", None,
+              "training batches (default: on a GPU rank, one process per core the rank has on its host, less one; "
+              "else 2 threads; without a transformation_fn, the one feeding thread); petastorm: its reader "
+              "workers", None,
               optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("val_reader_num_workers", "the same for validation batches", None, optional(is_int(1)),
               "an int >= 1 or None"),
     ParamSpec("reader_pool_type", "what runs transformation_fn (arrow) or reads (petastorm): 'thread', 'process' "
-              "(no GIL: faster for image decoding) or 'dummy' (the feeding thread)", "thread",
-              lambda v: v in ("thread", "process", "dummy"), "'thread', 'process' or 'dummy'"),
+              "(no GIL: faster for image decoding), 'dummy' (the feeding thread), or 'auto': processes on a GPU rank "
+              "with a transformation_fn (the GPU waits for a GIL-bound decoder otherwise), else threads", "auto",
+              lambda v: v in ("auto", "thread", "process", "dummy"), "'auto', 'thread', 'process' or 'dummy'"),
     ParamSpec("mp_start_method", "start method of the arrow reader's decoding processes (reader_pool_type='process'; "
               "default 'fork' on Linux, as torch's DataLoader; 'spawn' or 'forkserver' when transformation_fn uses "
               "threads or CUDA)", None,

@@ -90,7 +90,7 @@ class ReaderSpec:
     kind: str = "arrow"
     train_workers: Optional[int] = None  # decode workers (arrow) / petastorm workers
     val_workers: Optional[int] = None
-    pool_type: str = "thread"
+    pool_type: str = "auto"  # estimator.data.feed.decoding
     inmemory_cache_all: Optional[bool] = None  # None: in memory when the shards fit the memory budget
     mp_start_method: Optional[str] = None
     shuffle_buffer_size: Optional[int] = None  # rows; None: estimator.data.shards.default_buffer_rows

@@ -45,6 +45,7 @@ class PetastormShard:
         self.rows = sum(pieces[i].num_rows for i in groups)
         self.options = spec.reader
         self.workers = (self.options.train_workers if training else self.options.val_workers) or 1
+        self.pool_type = "thread" if self.options.pool_type == "auto" else self.options.pool_type  # its readers'
         self.cache: Optional[ShardBatches] = None
         self.stream: Optional[Iterator[Dict[str, np.ndarray]]] = None
         self.readers: List[Any] = []
@@ -56,7 +57,7 @@ class PetastormShard:
             [self.spec.data.store.url(path) for path in self.files], schema_fields=list(self.spec.data.columns),
             cur_shard=self.rank, shard_count=self.world_size, num_epochs=num_epochs,
             shuffle_row_groups=self.spec.shuffle and self.training, seed=seed,
-            reader_pool_type=self.options.pool_type, workers_count=self.workers)
+            reader_pool_type=self.pool_type, workers_count=self.workers)
         self.readers.append(reader)
         return reader
 
@@ -91,7 +92,7 @@ class PetastormShard:
 
     def describe(self) -> str:
         cached = ", cached" if self.options.inmemory_cache_all else ""
-        return f"petastorm({self.options.pool_type}, workers={self.workers}{cached})"
+        return f"petastorm({self.pool_type}, workers={self.workers}{cached})"
 
     def close(self) -> None:
         for reader in self.readers:

@@ -297,12 +297,12 @@ def check_compile(setting: Any, model: nn.Module) -> None:
 
 def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
     """Params set to values the chosen reader does not use, and why: a warning each, never silence."""
-    arrow, processes = p["reader"] == "arrow", p["reader_pool_type"] == "process"
+    arrow, processes = p["reader"] == "arrow", p["reader_pool_type"] in ("process", "auto")
     ignored = []
     if p["mp_start_method"] is not None and not (arrow and processes and p["transformation_fn"] is not None):
         ignored.append(("mp_start_method", "it only starts the arrow reader's decoding processes (reader='arrow', "
                                            "reader_pool_type='process' and a transformation_fn)."))
-    if arrow and processes and p["transformation_fn"] is None:
+    if arrow and p["reader_pool_type"] == "process" and p["transformation_fn"] is None:
         ignored.append(("reader_pool_type", "the arrow reader's processes run transformation_fn, and there is none: "
                                             "batches are converted on threads."))
     if p["data_mode"] == "direct" and p["partitions_per_process"] is not None:

@@ -16,7 +16,7 @@ from torch import nn
 from estimator.core.faults import Fault, inject
 from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.cached import CachedShard
-from estimator.data.feed import Decoders, Feed, feed_workers
+from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.lm import batch_tokenizer
@@ -183,9 +183,10 @@ class Run:
     def open_decoders(self, training: bool) -> Decoders:
         reader, fn, data = self.spec.reader, self.objs.transformation_fn, self.spec.data
         tokenize = batch_tokenizer(self.objs.tokenizer, data)
-        workers = feed_workers(reader.train_workers if training else reader.val_workers,
-                               fn is not None or tokenize is not None)
-        pool = reader.pool_type if reader.kind == "arrow" else "thread"  # petastorm's pool type is its readers'
+        gpu = self.device.type == "cuda"
+        workers, pool = decoding(reader.train_workers if training else reader.val_workers,
+                                 reader.pool_type if reader.kind == "arrow" else "thread",  # petastorm: its readers'
+                                 fn is not None, tokenize is not None, gpu, rank_cores(gpu, torch.get_num_threads()))
         return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}",
                         tokenize=tokenize)
 
