@@ -147,6 +147,7 @@ class TrainSpec:
     strategy: str = "ddp"  # "ddp" or "fsdp": the model sharded over the ranks (estimator.train.sharding)
     gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)
     reshard_after_forward: bool = True  # strategy='fsdp': FSDP2's option for every unit but the whole model
+    shard_alone: bool = False  # not a param: strategy='fsdp' shards on one rank too (the GPU suite's FSDP2 on one GPU)
     step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 

@@ -17,9 +17,10 @@ from torch import nn
 
 from estimator.core.faults import Fault, inject
 from estimator.core.spec import TrainSpec
-from estimator.data.arrays import Tensors, tensors_to
+from estimator.data.arrays import Tensors
 from estimator.data.plan import epoch_seed
 from estimator.train.checkpoint import Position
+from estimator.train.copy_ahead import copied_ahead
 from estimator.train.distributed import RankContext
 from estimator.train.finite import FiniteCheck
 from estimator.train.losses import Objective
@@ -67,7 +68,7 @@ class TrainLoop:
         # what an uninterrupted one did, wherever it resumed.
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
         step_ctx = self.step_context(epoch, training=True)
-        for step, (batch, last) in enumerate(with_last(self.on_device(batches)), start=start):
+        for step, (batch, last) in enumerate(self.on_device(batches), start=start):
             if self.lockstep and self.stand_in is None:
                 self.stand_in = batch
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
@@ -148,7 +149,7 @@ class TrainLoop:
         model.eval()
         sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
         step_ctx = self.step_context(epoch, training=False)
-        ready = self.in_lockstep(batches) if self.lockstep else ((b, True) for b in self.on_device(batches))
+        ready = self.in_lockstep(batches) if self.lockstep else ((b, True) for b, _ in self.on_device(batches))
         with torch.no_grad(), self.autocast():
             for index, (batch, own) in enumerate(ready):
                 batch_sums = self.objective.on_batch(model, batch, dataclasses.replace(
@@ -160,7 +161,7 @@ class TrainLoop:
     def in_lockstep(self, batches: Iterable[Tensors]) -> Iterator[Tuple[Tensors, bool]]:
         """(batch, whether it is this rank's) until no rank has a batch left: one small all_reduce per batch; a
         rank out of batches forwards its last one again (or its first training batch), its numbers dropped."""
-        iterator, last = self.on_device(batches), self.stand_in
+        iterator, last = (b for b, _ in self.on_device(batches)), self.stand_in
         while True:
             batch = next(iterator, None)
             more = torch.tensor([0 if batch is None else 1], device=self.device)
@@ -173,10 +174,10 @@ class TrainLoop:
     def step_context(self, epoch: int, training: bool) -> StepContext:
         return StepContext(self.ctx.rank, self.ctx.world_size, self.device, epoch + 1, training)
 
-    def on_device(self, batches: Iterable[Tensors]) -> Iterator[Tensors]:
-        """Copies start when a batch is taken; with `with_last` looking one ahead, the next batch's copy to the
-        GPU (from pinned memory, non_blocking) overlaps the current batch's computation."""
-        return (tensors_to(batch, self.device) for batch in batches)
+    def on_device(self, batches: Iterable[Tensors]) -> Iterator[Tuple[Tensors, bool]]:
+        """(batch on the device, whether it is the last): on a GPU the next batch's copy (from pinned memory, on a
+        side stream) is issued before this one is handed over, so it overlaps this step (estimator.train.copy_ahead)."""
+        return copied_ahead(batches, self.device)
 
 
 class StepTokens:
@@ -222,19 +223,6 @@ class StepReport:
             self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
         except Exception:  # noqa: BLE001 - progress only
             log.debug("could not write the step progress", exc_info=True)
-
-
-def with_last(items: Iterable[Any]) -> Iterator[Tuple[Any, bool]]:
-    """(item, is_last) pairs, looking one item ahead."""
-    iterator = iter(items)
-    try:
-        current = next(iterator)
-    except StopIteration:
-        return
-    for following in iterator:
-        yield current, False
-        current = following
-    yield current, True
 
 
 def reduce_sums(sums: torch.Tensor) -> List[float]:

@@ -78,7 +78,7 @@ class TrainContext(Named):
         feed = run.feed(self._train.epoch(self.epoch, 0), True)
         began = time.perf_counter()
         try:
-            for tensors in loop.on_device(feed):
+            for tensors, _ in loop.on_device(feed):
                 inject(run.faults, "step", self.rank, run.attempt, self.epoch + 1, loop.global_step + 1)
                 batch = as_batch(tensors, run.spec.data)
                 self._rows += batch.rows
@@ -100,7 +100,7 @@ class TrainContext(Named):
                              "(docs/gpus.md 'Large models').")
         feed = self._run.feed(self._val.epoch(self.epoch), False)
         try:
-            for tensors in self._run.loop.on_device(feed):
+            for tensors, _ in self._run.loop.on_device(feed):
                 yield as_batch(tensors, self._run.spec.data)
         finally:
             feed.close()

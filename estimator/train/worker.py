@@ -51,7 +51,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     # strategy='fsdp' on one rank: nothing to shard, so the model trains whole as ddp's would (FSDP2's per-unit hooks
     # cost 2-3x on a model that fits), its checkpoints still folders of shards that more ranks resume from
     shard_format = spec.strategy == "fsdp"
-    sharded = shard_format and ctx.world_size > 1
+    sharded = shard_format and (ctx.world_size > 1 or spec.shard_alone)
     if not sharded:  # fsdp: shard reads each rank's shards of what is on the meta device, and moves the rest
         if objs.weights_folder:
             materialize(model, objs.weights_folder, device)
