@@ -23,13 +23,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors use this interpreter (and its torch)
 
 import torch  # noqa: E402
-from pyspark.ml import Pipeline  # noqa: E402
-from pyspark.ml.evaluation import MulticlassClassificationEvaluator  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
-from estimator import TorchEstimator  # noqa: E402
 from store import Store  # noqa: E402
 
 ANIMALS = "cat dog horse cow sheep goat mouse bird fish duck lion tiger bear wolf fox deer".split()
@@ -51,9 +47,10 @@ def topic_texts(rows, seed=0):
     return out
 
 
-def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1):
+def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1, heads=2, intermediate=None,
+                         vocabulary=200):
     """A WordPiece tokenizer trained on `texts` and a BertForSequenceClassification (2 labels, seeded weights),
-    both saved to `folder` with save_pretrained."""
+    both saved to `folder` with save_pretrained (BERT-base: hidden=768, layers=12, heads=12, intermediate=3072)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
@@ -61,7 +58,7 @@ def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1):
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=200, special_tokens=special))
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocabulary, special_tokens=special))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
@@ -69,7 +66,8 @@ def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1):
                                         cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                                         model_max_length=64)
     config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64, num_labels=2,
+                        num_attention_heads=heads, intermediate_size=intermediate or 2 * hidden,
+                        max_position_embeddings=64, num_labels=2,
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(folder)
@@ -78,6 +76,13 @@ def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1):
 
 
 def main(argv=None) -> float:
+    # Spark's imports here: the builders above import without pyspark (benchmarks/bench_gpu.py on a GPU host)
+    from pyspark.ml import Pipeline
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.sql import SparkSession
+
+    from estimator import TorchEstimator
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a save_pretrained folder (default: a small BERT built here)")
     parser.add_argument("--epochs", type=int, default=3)

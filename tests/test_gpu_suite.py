@@ -33,9 +33,14 @@ def test_the_gpu_benchmark_runs_on_the_cpu_without_pyspark_and_writes_its_result
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())
     for workload, runs in (("w2", ("in memory", "streaming", "device loop")),
-                           ("images", ("PNG, 2 decode threads", "PNG, 8 decode threads", "PNG, 8 decode processes",
-                                       "pre-decoded", "device loop"))):
+                           ("images", ("PNG, default reader", "PNG, 2 decode threads", "PNG, 8 decode threads",
+                                       "PNG, 8 decode processes", "pre-decoded", "device loop")),
+                           ("bert", [f"{name}, batch {b}" for b in (32, 128) for name in (
+                               "ddp", "fsdp", "fsdp, shard_alone", "plain", "plain FSDP2")])):
         for run in runs:
             assert results[workload][run]["rows_per_s"] > 0 and results[workload][run]["device"] == "cpu"
             assert 0 <= results[workload][run]["data_wait_fraction"] < 1
     assert "| W2 20,000 x 64 |" in result.stdout
+    bert = results["bert"]
+    assert bert["ddp, batch 32"]["allreduce"] == bert["fsdp, batch 32"]["allreduce"] == "nothing (one rank)"
+    assert "reduce-scatter" in bert["fsdp, shard_alone, batch 32"]["allreduce"]
