@@ -1,5 +1,6 @@
 """strategy='fsdp' against 'ddp': the parameter and optimizer-state bytes each rank holds at the end of a fit
-(WorkerResult.state_bytes: a DTensor counts its own shard only), on 1, 2 and 4 ranks, and the training time.
+(WorkerResult.state_bytes: a DTensor counts its own shard only), on 1, 2 and 4 ranks, the training time and the
+epoch's rows/s (DDP as fits run it on CPU: gradients averaged in shared memory; fsdp on one rank trains whole).
 Ranks are local processes (estimator.launch.LocalLauncher: the ranks' own code, no Spark), on this machine's CPUs
 over gloo. Numbers, not assertions (RESULTS.md by hand).
 
@@ -76,7 +77,7 @@ def make_spec(store, width, blocks, strategy, ranks, rows):
     model = Blocks(width, blocks)
     objs = user_objects(model, torch.optim.Adam(model.parameters(), lr=1e-3), [nn.CrossEntropyLoss()], [1.0], [])
     return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(f"{strategy}-{ranks}-{time.time_ns()}"),
-                     256 // ranks, 256, 1, strategy=strategy, shared_memory_allreduce=False, verbose=0), model
+                     256 // ranks, 256, 1, strategy=strategy, verbose=0), model
 
 
 def whole_blocks(folder: str, width: int, blocks: int) -> nn.Module:
@@ -176,12 +177,16 @@ def main() -> None:
             ranks_results = LocalLauncher(use_processes=True).run(spec, ranks)
             seconds = time.perf_counter() - started
             held = [r.state_bytes / 1e6 for r in ranks_results]
+            loop = max(r.train_loop_seconds for r in ranks_results)
             results[f"{strategy} x{ranks}"] = {"state_mb_per_rank": [round(h, 2) for h in held],
                                                "train_s": round(max(r.seconds for r in ranks_results), 2),
+                                               "epoch_rows_per_s": round(args.rows / loop),
+                                               "allreduce": ranks_results[0].allreduce,
                                                "launch_s": round(seconds, 2)}
             table[(strategy, ranks)] = max(held)
             print(f"{strategy:4s} on {ranks} rank(s): {max(held):8.2f} MB of parameters and optimizer state per "
-                  f"rank, training {max(r.seconds for r in ranks_results):6.2f} s")
+                  f"rank, training {max(r.seconds for r in ranks_results):6.2f} s, the epoch at "
+                  f"{args.rows / loop:,.0f} rows/s ({ranks_results[0].allreduce})")
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters ({params * 4 / 1e6:.1f} MB in float32; with Adam's state "
           f"{params * 12 / 1e6:.1f} MB)")

@@ -215,6 +215,27 @@ def test_fsdp_on_one_rank_trains_the_whole_model_as_ddp_and_leaves_shards_that_t
     assert two[0].state_bytes < 0.6 * one[0].state_bytes  # sharded now: half the state per rank
 
 
+def test_auto_on_cpu_ranks_trains_the_whole_model_as_ddp_with_shards_that_fsdp_resumes(store, digits):
+    """strategy='auto' shards only GPU ranks short of memory (estimator.train.sharding.auto_shards): on 2 CPU ranks
+    the model trains whole (ddp's weights), the checkpoint is fsdp's folder, and fsdp on 2 ranks goes on from it."""
+    from dataclasses import replace
+
+    ddp = LocalLauncher().run(spec(store, digits, "auto-ddp", epochs=1), 2)
+    auto = LocalLauncher().run(spec(store, digits, "auto", strategy="auto", epochs=1), 2)
+    assert auto[0].allreduce == f"{ddp[0].allreduce}; strategy='auto': CPU ranks: the whole model on every rank " \
+        f"(0.00 GiB of parameters, gradients and Adam's state)"
+    assert metrics(auto[0].history[0]) == pytest.approx(metrics(ddp[0].history[0]), rel=1e-6)
+    for name, value in trained(store, "auto-ddp")[0].state_dict().items():
+        assert torch.allclose(trained(store, "auto")[0].state_dict()[name], value, atol=1e-6), name
+    state = load_checkpoint(store, store.run("auto").checkpoint)
+    assert state["strategy"] == "fsdp" and ".metadata" in os.listdir(
+        store.run("auto").root + "/sharded/" + state["sharded"])
+    more = replace(spec(store, digits, "auto", strategy="fsdp", epochs=2), resume_from=store.run("auto").checkpoint,
+                   launch_id="more")
+    two = LocalLauncher().run(more, 2)
+    assert [row["epoch"] for row in two[0].history] == [1, 2] and "reduce-scatter" in two[0].allreduce
+
+
 def cut_at_step_8(store, digits, run, strategy):
     """Rank 0 fails before step 8 of the epoch, after both ranks wrote the checkpoint of step 6: the run's state."""
     from estimator.core.faults import Fault

@@ -132,6 +132,7 @@ def test_what_sharding_cannot_serve_is_refused_before_any_job(spark, store, digi
              (dict(model=nn.Sequential(nn.Flatten())), r"has no parameters to shard. Use strategy='ddp'"),
              (dict(), r"has taken steps already"),
              (dict(strategy="ddp", shard_units=[nn.Linear]), r"shard_units says what strategy='fsdp' shards"),
+             (dict(strategy="auto", precision="16-mixed"), r"strategy='auto' takes no precision='16-mixed'"),
              (dict(strategy="ddp", reshard_after_forward=False),
               r"reshard_after_forward=False is strategy='fsdp''s choice; with strategy='ddp' nothing is sharded")]
     for extra, message in cases:

@@ -144,7 +144,7 @@ class TrainSpec:
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
-    strategy: str = "ddp"  # "ddp" or "fsdp": the model sharded over the ranks (estimator.train.sharding)
+    strategy: str = "ddp"  # "ddp", "fsdp" or "auto": the model sharded over the ranks (estimator.train.sharding)
     gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)
     reshard_after_forward: bool = True  # strategy='fsdp': FSDP2's option for every unit but the whole model
     shard_alone: bool = False  # not a param: strategy='fsdp' shards on one rank too (the GPU suite's FSDP2 on one GPU)

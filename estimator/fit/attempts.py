@@ -140,7 +140,7 @@ def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, st
     if not store.exists(run.checkpoint):
         return Position(), []
     state = load_checkpoint(store, run.checkpoint)
-    if strategy_of(state) != strategy:
+    if strategy_of(state) != {"auto": "fsdp"}.get(strategy, strategy):  # auto writes fsdp's checkpoints
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) written with "
                          f"strategy={strategy_of(state)!r}, and this fit has strategy={strategy!r}: a run continues "
                          f"with the strategy it began with. Set strategy={strategy_of(state)!r}, or use a new run_id.")

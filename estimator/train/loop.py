@@ -24,6 +24,7 @@ from estimator.train.copy_ahead import copied_ahead
 from estimator.train.distributed import RankContext
 from estimator.train.finite import FiniteCheck
 from estimator.train.losses import Objective
+from estimator.train.sharding import Sharded
 from estimator.train.steps import StepContext, StepObjective
 
 log = logging.getLogger("estimator")
@@ -49,9 +50,9 @@ class TrainLoop:
         self.after_step: Optional[Callable[[], None]] = None  # a per-step scheduler's step()
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
         self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
-        # strategy='fsdp': a forward gathers the parameters from every rank, so every rank validates as many
+        # a sharded model (fsdp): a forward gathers the parameters from every rank, so every rank validates as many
         # batches as the rank with the most (a rank out of batches repeats one: this, its first training batch)
-        self.lockstep = spec.strategy == "fsdp" and ctx.world_size > 1
+        self.lockstep = isinstance(ddp, Sharded) and ctx.world_size > 1
         self.stand_in: Optional[Tensors] = None
 
     def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -92,6 +92,28 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
             if callable(getattr(model, method, None)):
                 register_fsdp_forward_method(model, method)
     return len(units) + 1
+
+
+AUTO_SHARE = 0.5  # strategy='auto' shards when the training state would take more than this share of a GPU
+
+
+def auto_shards(model: nn.Module, device: torch.device, world_size: int) -> Tuple[bool, str]:
+    """strategy='auto': (shard?, why). Sharded when the model's trainable parameters with their gradients and
+    Adam's two states (4 times their bytes), and its frozen ones, would take more than AUTO_SHARE of the smallest
+    GPU among the ranks (an all_reduce: every rank decides alike; activations need the rest). One rank, or CPU
+    ranks (host memory, not a GPU's, holds their state): the whole model, as with ddp."""
+    held = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
+    if world_size == 1 or device.type != "cuda":
+        return False, (f"one rank has nothing to shard" if world_size == 1 else "CPU ranks") + \
+            f": the whole model on every rank ({held / 2**30:.2f} GiB of parameters, gradients and Adam's state)"
+    import torch.distributed as dist
+
+    smallest = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    share = held / float(smallest)
+    return share > AUTO_SHARE, (f"parameters, gradients and Adam's state take {held / 2**30:.2f} GiB, {share:.0%} of "
+                                f"the smallest GPU's {float(smallest) / 2**30:.0f} GiB: "
+                                + ("sharded over the ranks" if share > AUTO_SHARE else "the whole model on every rank"))
 
 
 def frozen_in(model: nn.Module, dtype: torch.dtype) -> int:

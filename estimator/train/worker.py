@@ -31,7 +31,7 @@ from estimator.train.distributed import RankContext
 from estimator.train.epochs import Run
 from estimator.train.host_allreduce import HostAllreduce
 from estimator.train.memory import checkpoint_activations
-from estimator.train.sharding import Sharded, shard
+from estimator.train.sharding import Sharded, auto_shards, shard
 
 log = logging.getLogger("estimator")
 
@@ -50,8 +50,14 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                   checkpoint_activations(model, objs.shard_units))
     # strategy='fsdp' on one rank: nothing to shard, so the model trains whole as ddp's would (FSDP2's per-unit hooks
     # cost 2-3x on a model that fits), its checkpoints still folders of shards that more ranks resume from
-    shard_format = spec.strategy == "fsdp"
+    shard_format = spec.strategy in ("fsdp", "auto")
     sharded = shard_format and (ctx.world_size > 1 or spec.shard_alone)
+    chosen = ""
+    if spec.strategy == "auto":  # the same decision on every rank (auto_shards reduces over them)
+        sharded, chosen = auto_shards(model, device, ctx.world_size)
+        chosen = f"strategy='auto': {chosen}"
+        if ctx.rank == 0:
+            log.info("%s", chosen)
     if not sharded:  # fsdp: shard reads each rank's shards of what is on the meta device, and moves the rest
         if objs.weights_folder:
             materialize(model, objs.weights_folder, device)
@@ -96,6 +102,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         if comm is not None:
             ddp.register_comm_hook(None, comm.hook)
             allreduce = "shared memory"
+    if chosen:
+        allreduce = f"{allreduce}; {chosen}"
     try:
         run = Run(spec, ctx, objs, model, ddp, optimizer, scheduler, history, faults, attempt, trainer)
         run.scheduler_monitor, run.scheduler_interval, run.shard_group = scheduler_monitor, interval, shard_group
