@@ -126,6 +126,10 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
                             **bound)
     failure: Optional[RankFailed] = None
     result: Optional[T] = None
+    # What the process held before this rank (its imports, earlier fits' survivors) is left out of the teardown's
+    # collection, which then scans only what training made: 0.11 s less for a worker with torch and transformers
+    # loaded (250k objects). Unfrozen after it, so that later collections see them again.
+    gc.freeze()
     try:
         result = work(ctx)
         finished = time.perf_counter()
@@ -135,8 +139,11 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
         if failure is exc:  # keep its kind, not its frames: they hold DDP
             failure = type(exc)(ctx.rank, traceback.format_exc(), exc.summary, exc.kind)
     # The traceback (and the frames holding DDP) is released once the except block ends.
-    gc.collect()
-    dist.destroy_process_group()
+    try:
+        gc.collect()
+        dist.destroy_process_group()
+    finally:
+        gc.unfreeze()
     forget_sharding_specs()
     if failure is not None:
         raise failure
