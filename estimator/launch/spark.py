@@ -324,7 +324,7 @@ def _spark_task(spec_bytes: bytes, faults: Tuple[Fault, ...], attempt: int, per_
 
         results = run_ranks(train_rank, [(spec, faults, attempt, rank, place) for rank in ranks], list(ranks),
                             lambda failure: _record_failure(spec.data.store, spec.run, spec.launch_id, failure))
-    del server, client
+    server = client = None  # noqa: F841 - rank 0's store and this task's connection close with them
     early = None  # noqa: F841 - the shard it read goes with it
     total = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

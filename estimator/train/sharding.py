@@ -104,7 +104,7 @@ def auto_shards(model: nn.Module, device: torch.device, world_size: int) -> Tupl
     ranks (host memory, not a GPU's, holds their state): the whole model, as with ddp."""
     held = sum(p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters())
     if world_size == 1 or device.type != "cuda":
-        return False, (f"one rank has nothing to shard" if world_size == 1 else "CPU ranks") + \
+        return False, ("one rank has nothing to shard" if world_size == 1 else "CPU ranks") + \
             f": the whole model on every rank ({held / 2**30:.2f} GiB of parameters, gradients and Adam's state)"
     import torch.distributed as dist
 
