@@ -16,9 +16,7 @@ Runs alternate (ours, plain; ours, plain ...) so that the machine's drift falls 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import logging
 import os
 import socket
 import statistics
@@ -36,32 +34,14 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench_text import Stages, build, texts  # noqa: E402
+import bench_text  # noqa: E402
+from bench_text import build, texts  # noqa: E402
 
 BATCH = 32
 
 
 def ours(spark, store, path, rows, strategy):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from estimator import TorchEstimator
-
-    df = spark.createDataFrame(rows, "text string, label long").repartition(2)
-    stages = Stages()
-    logging.getLogger("estimator").addHandler(stages)
-    logging.getLogger("estimator").setLevel(logging.INFO)
-    try:
-        TorchEstimator(num_proc=2, store=store, strategy=strategy,
-                       model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
-                       optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-                       tokenizer=AutoTokenizer.from_pretrained(path),
-                       loss=nn.CrossEntropyLoss(), feature_cols=["text"], label_cols=["label"], batch_size=BATCH,
-                       epochs=1, random_seed=1, verbose=0).fit(df)
-    finally:
-        logging.getLogger("estimator").removeHandler(stages)
-    s = stages.last
-    return {"rows_per_s": s["train_rows"] / s["train_s"], "epoch_rows_per_s": s["train_rows"] / s["epochs_s"],
-            "data_wait": s["data_wait_fraction"]}
+    return bench_text.ours(spark, store, path, rows, BATCH, strategy)
 
 
 def _plain_rank(rank, path, rows, strategy, port, out):

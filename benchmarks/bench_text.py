@@ -49,7 +49,7 @@ def build(folder, rows, size):
     return save_pretrained_bert(folder, [t for t, _ in rows[:2000]], dropout=0.1, **SIZES[size])
 
 
-def ours(spark, store, path, rows, batch):
+def ours(spark, store, path, rows, batch, strategy="ddp"):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from estimator import TorchEstimator
@@ -59,7 +59,7 @@ def ours(spark, store, path, rows, batch):
     logging.getLogger("estimator").addHandler(stages)
     logging.getLogger("estimator").setLevel(logging.INFO)
     try:
-        TorchEstimator(num_proc=2, store=store,
+        TorchEstimator(num_proc=2, store=store, strategy=strategy,
                        model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
                        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                        tokenizer=AutoTokenizer.from_pretrained(path),
@@ -68,7 +68,8 @@ def ours(spark, store, path, rows, batch):
     finally:
         logging.getLogger("estimator").removeHandler(stages)
     s = stages.last
-    return {"rows_per_s": s["train_rows"] / s["train_s"], "data_wait": s["data_wait_fraction"]}
+    return {"rows_per_s": s["train_rows"] / s["train_s"], "epoch_rows_per_s": s["train_rows"] / s["epochs_s"],
+            "data_wait": s["data_wait_fraction"]}
 
 
 def plain(path, rows, batch, pretokenized):
