@@ -36,25 +36,29 @@ class RankFailed(RuntimeError):
     default_kind = FailureKind.USER
 
     def __init__(self, rank: int, formatted: str, summary: Optional[str] = None,
-                 kind: Optional[FailureKind] = None):
+                 kind: Optional[FailureKind] = None, at: Optional[float] = None):
         self.rank, self.formatted = rank, formatted.rstrip()
+        # when the rank met it: the driver takes the earliest cause, whatever order the records are written in (a
+        # peer's echo of it, e.g. gloo's "Connection closed by peer", can be written first)
+        self.at = time.time() if at is None else at
         self.summary = summary or exception_line(self.formatted)
         self.kind = FailureKind(kind) if kind is not None else self.default_kind
         body = "" if self.formatted == self.summary else "\n" + self.formatted
         super().__init__(f"rank {rank}: {self.summary}{body}")
 
     def __reduce__(self):  # crosses process boundaries (LocalLauncher's pool) with its own arguments
-        return type(self), (self.rank, self.formatted, self.summary, self.kind)
+        return type(self), (self.rank, self.formatted, self.summary, self.kind, self.at)
 
     def record(self) -> dict:
         """What a rank leaves in the store for the driver (launcher.launch_failure reads it back)."""
         return {"rank": self.rank, "kind": self.kind.value, "summary": self.summary, "formatted": self.formatted,
-                "rendezvous": isinstance(self, RendezvousFailed), "time": time.time()}
+                "rendezvous": isinstance(self, RendezvousFailed), "time": self.at}
 
     @staticmethod
     def from_record(record: dict) -> "RankFailed":
         cls = RendezvousFailed if record.get("rendezvous") else RankFailed
-        return cls(int(record["rank"]), record["formatted"], record["summary"], FailureKind(record["kind"]))
+        return cls(int(record["rank"]), record["formatted"], record["summary"], FailureKind(record["kind"]),
+                   record.get("time"))
 
 
 def failure_kind(exc: BaseException) -> FailureKind:

@@ -93,8 +93,8 @@ def test_ignored_params_warn(spark, store, df):
     assert not [w for w in caught if "shuffle_buffer_size" in str(w.message)]
     with pytest.warns(UserWarning, match="ignores mp_start_method='spawn'"):
         _est(store, mp_start_method="spawn", epochs=1).fit(df)
-    with pytest.raises(ValueError, match="The 'reader_pool_type' parameter of TorchEstimator must be 'thread', "
-                                         "'process' or 'dummy'. Got 'threads' instead."):
+    with pytest.raises(ValueError, match="The 'reader_pool_type' parameter of TorchEstimator must be 'auto', "
+                                         "'thread', 'process' or 'dummy'. Got 'threads' instead."):
         _est(store, reader_pool_type="threads").fit(df)
 
 

@@ -137,7 +137,7 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     except Exception as exc:  # noqa: BLE001 - re-raised below, after teardown, with the traceback as text
         failure = as_rank_failure(ctx.rank, exc)
         if failure is exc:  # keep its kind, not its frames: they hold DDP
-            failure = type(exc)(ctx.rank, traceback.format_exc(), exc.summary, exc.kind)
+            failure = type(exc)(ctx.rank, traceback.format_exc(), exc.summary, exc.kind, exc.at)
     # The traceback (and the frames holding DDP) is released once the except block ends.
     try:
         gc.collect()
