@@ -95,7 +95,8 @@ def test_three_ranks_get_the_exact_same_mean_of_every_dtype_and_leave_no_file(sl
         for rank in range(3):
             got = torch.tensor(outputs[rank]["results"][i], dtype=dtype)
             assert torch.equal(got, expected), (rank, i)  # bit-identical on every rank
-    assert _ours() == before  # unlinked once every rank had mapped it
+    # unlinked once every rank had mapped it (a test beside this one, in the other xdist worker, may come and go)
+    assert not _ours() - before
 
 
 def _failing_peer_job(rank, world, port, how, queue):

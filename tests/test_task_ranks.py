@@ -75,7 +75,8 @@ def test_ranks_run_in_their_own_processes_and_return_in_rank_order():
 def test_the_failing_rank_is_reported_not_a_peer_echoing_it():
     seen = []
     with pytest.raises(RankFailed) as caught:
-        run_ranks(fail_or_wait, [(4, 5, 0.5), (5, 5, 0.5)], [4, 5], on_failure=seen.append)
+        # the echo 3 s after its own start: a rank process can start 0.5 s after the other on a busy machine (CI)
+        run_ranks(fail_or_wait, [(4, 5, 3.0), (5, 5, 3.0)], [4, 5], on_failure=seen.append)
     assert caught.value.rank == 5 and caught.value.summary == "ValueError: bad value on rank 5"
     assert seen[0].rank == 5  # reported at once, before the peer ended
 
