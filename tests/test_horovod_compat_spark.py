@@ -236,10 +236,12 @@ def test_fits_without_random_seed_reuse_one_materialized_copy(spark, store, df):
 
 
 def test_epoch_lines_are_printed_by_default_and_verbose_0_is_silent(spark, store, df, capsys):
-    _est(store, epochs=2).fit(df)  # no logging configured: a notebook shows stderr
+    fitted = _est(store, epochs=2).fit(df)  # no logging configured: a notebook shows stderr
     err = capsys.readouterr().err
-    assert re.search(r"^run \S+ epoch 1: loss=[\d.]+ accuracy=[\d.]+ val_loss=", err, re.M), err[-2000:]
+    assert re.search(r"^run \S+ epoch 1: loss=[\d.]+ accuracy=[\d.]+ val_loss=.+ \(\d+\.\d s\)$", err, re.M), \
+        err[-2000:]  # the line ends with the epoch's seconds
     assert re.search(r"^run \S+ epoch 2: loss=", err, re.M)
+    assert not any("seconds" in key for row in fitted.getHistory() for key in row)  # the line's, not the history's
     _est(store, epochs=2, verbose=0).fit(df)
     assert "epoch 1:" not in capsys.readouterr().err
 

@@ -21,6 +21,8 @@ def test_rank_0_leaves_where_the_epoch_stands(store, digits, monkeypatch):
     state = json.loads(store.read_bytes(spec.run.steps))
     assert state["epoch"] == 2 and state["step"] == state["steps"] == 10  # 640 rows in batches of 64
     assert state["loss"] > 0 and state["rows_per_second"] > 0
+    rows = json.loads(store.read_bytes(spec.run.progress))  # the epoch line's seconds ride beside the history
+    assert [row["epoch"] for row in rows] == [1.0, 2.0] and all(row["_epoch_seconds"] > 0 for row in rows)
     quiet = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=640,
                       val_rows=64, epochs=1, run="quiet", verbose=1)
     LocalLauncher().run(quiet, 1)

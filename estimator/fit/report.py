@@ -15,7 +15,7 @@ from estimator.console import say_to_user
 from estimator.core.spec import DataSpec, WorkerResult
 from estimator.core.stopping import Monitor
 from estimator.fit.progress import ProgressWatcher, StepBar
-from estimator.train.epochs import format_metrics
+from estimator.train.epochs import PROGRESS_SECONDS, format_metrics
 from estimator.train.finite import non_finite_losses
 from estimator.train.tensorboard import tensorboard_available
 
@@ -33,7 +33,9 @@ def watching(p: Dict[str, Any], store: Any, layout: Any, run_id: str,
     def report(row: Dict[str, float]) -> None:
         if bar is not None:
             bar.close()
-        report_epoch(p, run_id, row)
+        row = dict(row)
+        seconds = row.pop(PROGRESS_SECONDS, None)
+        report_epoch(p, run_id, row, seconds)
         if on_epoch is not None:
             on_epoch(row)
 
@@ -56,10 +58,12 @@ def report_stop(p: Dict[str, Any], monitor: Monitor, run_id: str, history: List[
            + (" (restored)" if p["restore_best"] else ""))
 
 
-def report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float]) -> None:
-    """One epoch's line, live on the driver; a warning for an epoch whose loss is not finite (reached only with
-    terminate_on_nan=False: otherwise the ranks stop at the first such step)."""
-    say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}")
+def report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float], seconds: Optional[float] = None) -> None:
+    """One epoch's line, live on the driver, ending with the epoch's seconds on rank 0 (its training and
+    validation); a warning for an epoch whose loss is not finite (reached only with terminate_on_nan=False:
+    otherwise the ranks stop at the first such step)."""
+    took = f" ({seconds:.1f} s)" if seconds is not None else ""
+    say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}{took}")
     bad = [f"{k}={v}" for k, v in non_finite_losses(row).items()]
     if bad:
         warnings.warn(f"Run {run_id} epoch {row['epoch']:.0f}: {', '.join(bad)}. terminate_on_nan=False keeps "

@@ -34,6 +34,7 @@ from estimator.train.steps import StepObjective
 from estimator.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("estimator")
+PROGRESS_SECONDS = "_epoch_seconds"  # a progress row's key for the epoch's seconds; not a history key
 
 
 class Run:
@@ -54,6 +55,7 @@ class Run:
         self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
         self.faults, self.attempt = faults, attempt
         self.waited = self.looped = 0.0
+        self.seconds: Dict[int, float] = {}  # rank 0's wall seconds of each epoch this launch ran (the epoch line's)
         self.tensorboard: Optional[TensorBoardLog] = None
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
         self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
@@ -153,13 +155,16 @@ class Run:
                **self.objective.summarize(reduced[:-2], with_val=val is not None),
                "data_wait": reduced[-2] / max(reduced[-1], 1e-9)}  # of the ranks' training time, all ranks
         # rows/s: every rank's rows over the ranks' mean epoch time
-        self.record(epoch, row, float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9))
+        self.record(epoch, row, float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9),
+                    time.perf_counter() - began)
 
-    def record(self, epoch: int, row: Dict[str, float], rows_per_second: float) -> None:
+    def record(self, epoch: int, row: Dict[str, float], rows_per_second: float, seconds: float) -> None:
         """An epoch's history row (the same on every rank): NaN checks, TensorBoard, the learning-rate schedule,
-        rank 0's checkpoint (and the best epochs') and the progress the driver shows."""
+        rank 0's checkpoint (and the best epochs') and the progress the driver shows. `seconds`: the epoch's
+        training and validation on this rank, told in the driver's epoch line (not a history key)."""
         spec = self.spec
         self.history.append(row)
+        self.seconds[epoch] = seconds
         self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed
         if self.tensorboard is not None:
             self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
@@ -168,7 +173,8 @@ class Run:
         if self.ctx.rank == 0 or self.shard_group is not None:  # fsdp: every rank writes its shards
             self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
         if self.ctx.rank == 0:
-            spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(self.history).encode())
+            spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(progress_rows(self.history, self.seconds))
+                                               .encode())
             if spec.verbose:
                 log.info("epoch %d/%d %s", epoch + 1, spec.epochs, format_metrics(row))
 
@@ -270,6 +276,12 @@ def step_scheduler(scheduler: Any, row: Dict[str, float], monitor: Optional[str]
         scheduler.step(row[monitor] if monitor else row.get("val_loss", row["loss"]))
     else:
         scheduler.step()
+
+
+def progress_rows(history: Sequence[Dict[str, float]], seconds: Dict[int, float]) -> List[Dict[str, float]]:
+    """The progress file's rows: the history's, each epoch this launch ran with its seconds under
+    PROGRESS_SECONDS (the driver's epoch line tells them; they are not part of the history)."""
+    return [dict(row, **{PROGRESS_SECONDS: seconds[i]}) if i in seconds else dict(row) for i, row in enumerate(history)]
 
 
 def format_metrics(row: Dict[str, float]) -> str:

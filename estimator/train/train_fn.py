@@ -143,7 +143,7 @@ class TrainContext(Named):
         if run.spec.monitor.key not in row:
             raise ValueError(f"monitor={run.spec.monitor.key!r} is not among the numbers train_fn reports "
                              f"({keys}): report it, or set monitor to one of them.")
-        run.record(self.epoch, row, total / max(reduced[-1] / self.world_size, 1e-9))
+        run.record(self.epoch, row, total / max(reduced[-1] / self.world_size, 1e-9), seconds)
         self._on_epoch_end(self.epoch, dict(row))
         return row
 
