@@ -30,8 +30,15 @@ class FailureKind(str, enum.Enum):
 
 class RankFailed(RuntimeError):
     """A rank failed. The message's first line is `rank N: <its exception type>: <message>`, then its Python
-    traceback once. `summary` is that exception line, `formatted` the traceback (or the explanation when the
-    rank left none, e.g. a crashed worker); `kind` says what failed."""
+    traceback once.
+
+    Attributes:
+        rank: The rank that failed.
+        summary: The exception's line, `<type>: <message>`.
+        formatted: The rank's traceback, or the explanation when the rank left none (e.g. a crashed worker).
+        kind: What failed (a FailureKind): whether another launch can help.
+        at: When the rank met the failure (seconds since the epoch).
+    """
 
     default_kind = FailureKind.USER
 

@@ -58,6 +58,11 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     api = (site / "api.html").read_text()
     for name in ("TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "RankFailed", "Store"):
         assert f'id="{name}' in api or f">{name}<" in api, name
+    fields = (("estimator.train.steps.Batch", "features"), ("estimator.train.train_fn.TrainContext", "module"),
+              ("estimator.failures.RankFailed", "summary"))
+    for name, field in fields:  # Google-style docstrings: their fields as tables
+        section = api[api.index(f'id="{name}"'):][:8000]
+        assert re.search(rf'<tr class="doc-section-item">\s*<td><code><span title="{name}.{field}">', section), name
     for method in ("TorchEstimator.fit(df)", "TorchModel.transform(df)", "TorchModel.getHistory()",  # the table
                    "TorchModel.getBestEpoch()", "TorchModel.load(path)"):
         assert method in api, method

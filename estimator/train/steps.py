@@ -41,10 +41,15 @@ class Named:
 @dataclass(frozen=True)
 class Batch(Named):
     """One batch of this rank's rows, on its device, as train_step and train_fn's loops receive it.
+    `batch["column"]` gives any of its tensors by column name.
 
-    features: the tensors of feature_cols, in their order; labels: those of label_cols (empty without
-    label_cols); weights: sample_weight_col's tensor or None; batch["column"]: any of them by name; rows: the
-    batch's row count."""
+    Attributes:
+        features: The tensors of `feature_cols`, in their order.
+        labels: The tensors of `label_cols`, in their order (empty without `label_cols`).
+        weights: The tensor of `sample_weight_col`, or None without it.
+        columns: Every tensor of the batch by its column's name.
+        rows: The batch's row count.
+    """
 
     features: List[torch.Tensor]
     labels: List[torch.Tensor]
@@ -64,9 +69,17 @@ class Batch(Named):
 
 @dataclass(frozen=True)
 class StepContext(Named):
-    """What train_step(model, batch, ctx) is told about the step: rank and world_size, device, epoch (1-based, as
-    the history's rows), training (False in validation), batch_idx (the batch's index in this epoch on this rank)
-    and global_step (optimizer steps taken so far in the run)."""
+    """What `train_step(model, batch, ctx)` is told about the step.
+
+    Attributes:
+        rank: This rank's number, 0 to world_size - 1.
+        world_size: How many ranks train.
+        device: This rank's device.
+        epoch: The epoch, 1-based as the history's rows.
+        training: False in validation.
+        batch_idx: The batch's index in this epoch on this rank.
+        global_step: Optimizer steps taken so far in the run.
+    """
 
     rank: int
     world_size: int

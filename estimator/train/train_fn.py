@@ -28,12 +28,23 @@ from estimator.train.steps import Batch, Named, as_batch
 
 
 class TrainContext(Named):
-    """What train_fn(ctx) runs on, on every rank. Attributes: rank, world_size, device; model (the
-    DistributedDataParallel-wrapped module, or for one rank a stand-in: call it), module (the plain one),
-    optimizer; epochs, start_epoch, epoch (0-based); history (the rows so far), rows (training rows taken this
-    epoch), should_stop. Methods: epochs_to_run(), train_batches(), val_batches() (Batch objects), autocast(),
-    keep(name, obj) (checkpointed with the model), report(metrics, rows=None) once per epoch (docs/training.md
-    'Your own training loop')."""
+    """What `train_fn(ctx)` runs on, on every rank (docs/training.md 'Your own training loop'). Its methods
+    (below): `epochs_to_run()`, `train_batches()` and `val_batches()` (Batch objects), `autocast()`,
+    `keep(name, obj)` (checkpointed with the model) and `report(metrics, rows=None)` once per epoch; its
+    properties `rows` and `should_stop`.
+
+    Attributes:
+        rank: This rank's number, 0 to world_size - 1.
+        world_size: How many ranks train.
+        device: This rank's device.
+        model: The DistributedDataParallel-wrapped module (for one rank a stand-in): call it to train.
+        module: The plain module, unwrapped.
+        optimizer: The run's optimizer.
+        epochs: The epochs the run trains in all.
+        start_epoch: The first epoch (0-based) this launch trains; later than 0 in a resumed run.
+        epoch: The current epoch, 0-based.
+        history: The history's rows so far.
+    """
 
     def __init__(self, run: Any, train: Shard, val: Optional[Shard], on_epoch_end: Callable[[int, dict], None]):
         """`run`: the rank's estimator.train.epochs.Run; `on_epoch_end(epoch, row)`: the callbacks' hook."""
