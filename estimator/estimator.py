@@ -84,6 +84,26 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
 
+    def fit(self, dataset: DataFrame, params: Any = None) -> Any:
+        """Train on a DataFrame (classic or Spark Connect); Spark ML's `Estimator.fit`.
+
+        Args:
+            dataset: The rows: `feature_cols`, `label_cols` (and `sample_weight_col`, text or chat columns)
+                as the params name them.
+            params: A param map that overrides this estimator's params for this fit only; a list of maps
+                gives a list of models, one per map.
+
+        Returns:
+            A TorchModel (for a list of maps, one per map) with the run's history and its best epoch.
+
+        Raises:
+            ValueError: A param, a column or the data is not what training needs, said before any Spark job
+                (a param of the wrong type: TypeError).
+            RankFailed: A rank failed and no retry could help (`max_retries`); the other failures are in the
+                API reference's 'Failures'.
+        """
+        return super().fit(dataset, params)
+
     def _fit(self, df: DataFrame) -> TorchModel:
         checks.check_dataframe(df)
         p = self._checked()

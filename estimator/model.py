@@ -148,6 +148,25 @@ class TorchModel(DeclaredParams, Model, Persistable):
             tokenize=Tokenize(p["tokenizer"], (), p["max_length"]), kind=kind,
             max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
 
+    def transform(self, dataset: DataFrame, params: Any = None) -> DataFrame:
+        """Add the model's outputs to a DataFrame (classic or Spark Connect); Spark ML's `Model.transform`.
+        A task that fails while predicting fails the Spark action that computes the result; its Python
+        traceback ends with a TransformFailed naming the cause.
+
+        Args:
+            dataset: Rows with the `feature_cols` the model was trained on (or its text/chat column).
+            params: A param map that overrides this model's params for this call only.
+
+        Returns:
+            The rows with `getOutputColumns()` added (and, for a classifier, Spark ML's prediction columns);
+            lazy, as any Spark transform.
+
+        Raises:
+            ValueError: A feature column is missing or of a type the model cannot read, or an output column
+                exists already.
+        """
+        return super().transform(dataset, params)
+
     def _transform(self, df: DataFrame) -> DataFrame:
         p = self.validated()
         layout = self._layout(p, int(df.sparkSession.conf.get("spark.task.cpus", "1")))
