@@ -89,6 +89,20 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert not wide, "code lines wider than 88 columns on the built site:\n" + "\n".join(wide)
 
 
+def test_a_site_published_under_a_path_has_a_sitemap_a_working_404_page_and_a_repository_link(tmp_path):
+    """SITE_URL and REPO_URL (mkdocs.yml reads them when publishing): the sitemap lists every page, the 404 page's
+    assets load under the site's path, and the header links to the repository."""
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "SITE_URL": "https://example.org/manual/",
+           "REPO_URL": "https://github.com/example/spark-torch-estimator"}
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (site / "sitemap.xml").read_text().count("<loc>https://example.org/manual/") == len(pages())
+    assert 'href="/manual/assets/stylesheets/' in (site / "404.html").read_text()
+    assert 'href="https://github.com/example/spark-torch-estimator"' in (site / "index.html").read_text()
+
+
 def test_the_param_hook_puts_the_param_table_under_its_markers():
     sys.path.insert(0, os.path.join(ROOT, ".ci"))
     try:
