@@ -224,3 +224,61 @@ def test_the_python_blocks_of_each_page_run_in_order(page, tmp_path):
         assert {"ce", "val_ce"} <= set(rows[2]), rows[2]
     if page == "docs/connect.md":
         assert "prediction" in result.stdout
+
+
+PARAGRAPH_WORDS = 150  # a longer paragraph is a wall of text on the site: split it, or lead into a list
+COMMENT = re.compile(r"^ *<!--")
+
+
+def paragraphs(page):
+    """(file, first line, text) of each prose paragraph of a page and of what it includes: fenced code, table rows,
+    headings and HTML comments left out, each list item (sub-items too) a paragraph of its own."""
+    found, current, fence, in_comment = [], None, None, False
+
+    def close():
+        nonlocal current
+        if current:
+            found.append((current[0], current[1], " ".join(current[2])))
+        current = None
+
+    for path, number, line in site_lines(page):
+        if fence is not None:
+            closing = FENCE.match(line)
+            if closing and closing.group(2)[0] == fence[0] and len(closing.group(2)) >= len(fence) \
+                    and not line[closing.end():].strip():
+                fence = None
+            continue
+        opening = FENCE.match(line)
+        if opening:
+            close()
+            fence = opening.group(2)
+            continue
+        if in_comment or COMMENT.match(line):
+            close()
+            in_comment = "-->" not in line
+            continue
+        stripped = line.strip()
+        if not stripped or stripped.startswith("|") or re.match(r"#{1,6} ", line):
+            close()
+        elif LIST_ITEM.match(line) or current is None:
+            close()
+            current = (path, number, [stripped])
+        else:
+            current[2].append(stripped)
+    close()
+    return found
+
+
+def test_no_paragraph_is_longer_than_150_words():
+    """The manual's pages, the README and CONTRIBUTING.md, with what they include: no paragraph or list item runs
+    over 150 words."""
+    long, seen = [], set()
+    for page in markdown_files() + ["CONTRIBUTING.md"]:
+        for path, number, text in paragraphs(page):
+            words = len(text.split())
+            if words > PARAGRAPH_WORDS and (path, number) not in seen:
+                seen.add((path, number))
+                long.append(f"{path}:{number}: {words} words: {' '.join(text.split()[:12])} ...")
+    assert not long, f"{len(long)} paragraphs over {PARAGRAPH_WORDS} words (split them into several, or a lead " \
+                     "sentence and a list):\n" + "\n".join(long)
+
