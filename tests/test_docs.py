@@ -76,6 +76,8 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert 'src="img/digits-history.svg"' in (site / "getting-started.html").read_text() and (site / "img" / "digits-history.svg").exists()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
+    for page in sorted(glob.glob(str(site / "*.html"))):  # the lines for readers on GitHub stay there
+        assert "github-only" not in open(page).read(), os.path.basename(page)
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
     for page in sorted(glob.glob(str(site / "*.html"))):
         for block in re.findall(r"<pre\b.*?</pre>", open(page).read(), re.S):
@@ -282,3 +284,53 @@ def test_no_paragraph_is_longer_than_150_words():
     assert not long, f"{len(long)} paragraphs over {PARAGRAPH_WORDS} words (split them into several, or a lead " \
                      "sentence and a list):\n" + "\n".join(long)
 
+
+GITHUB_ONLY = re.compile(r"^<!-- github-only -->\n(.*?)^<!-- /github-only -->$", re.S | re.M)
+HOOK_MARKERS = ("<!-- params of ", "<!-- the changelog: ")
+
+
+def docs_hooks():
+    sys.path.insert(0, os.path.join(ROOT, ".ci"))
+    try:
+        import docs_hooks
+    finally:
+        sys.path.pop(0)
+    return docs_hooks
+
+
+def test_every_include_and_marker_has_a_line_for_readers_on_github():
+    """On GitHub a page shows its `--8<--` includes, mkdocstrings' `:::` lines and the hook's markers as they are: a
+    `<!-- github-only -->` block beside each says where the text is (a link to the included file), and the hook
+    takes the blocks out of the site."""
+    missing = []
+    for page in pages():
+        text = read(page)
+        lines = text.splitlines()
+        blocks = [(text[:m.start()].count("\n"), text[:m.end()].count("\n"), m.group(1))
+                  for m in GITHUB_ONLY.finditer(text)]  # (first line, last line, text), 0-based
+        for index, line in enumerate(lines):
+            include = re.match(r' *--8<-- "([^":]+)', line)
+            marker = line.startswith(HOOK_MARKERS)
+            if not (include or marker or line.startswith("::: ")):
+                continue
+            near = [body for first, last, body in blocks if index - 5 <= last < index or index < first <= index + 4]
+            if line.startswith("::: "):  # the API reference: one block above its first `:::` line
+                near = [body for first, last, body in blocks if last < index]
+            if not near:
+                missing.append(f"{page}:{index + 1}: {line.strip()} has no github-only block beside it")
+            elif include and not any(re.search(rf"\]\(\.\./{re.escape(include.group(1))}[)#]", body) for body in near):
+                missing.append(f"{page}:{index + 1}: its github-only block does not link ../{include.group(1)}")
+    assert not missing, "\n".join(missing)
+    for body in [m.group(1) for p in pages() for m in GITHUB_ONLY.finditer(read(p))]:
+        assert body.strip() and "--8<--" not in body, body  # a line GitHub shows; no snippet syntax in it
+    hooks = docs_hooks()
+    page = ("# Page\n\nText.\n\n<!-- github-only -->\n> On GitHub: [README](../README.md#install).\n"
+            "<!-- /github-only -->\n\n--8<-- \"README.md:install\"\n\n<!-- github-only -->\nsecond\n"
+            "<!-- /github-only -->\nMore text.\n")
+    assert hooks.without_github_only(page) == "# Page\n\nText.\n\n\n--8<-- \"README.md:install\"\n\nMore text.\n"
+    assert hooks.on_page_markdown(page, None, None, None) == hooks.without_github_only(page)
+    changelog = read("docs/changelog.md")
+    assert "github-only" in changelog and hooks.on_page_markdown(changelog, None, None, None) == hooks.changelog()
+    for page in pages():  # every page as the site gets it: no block, no comment of one, no link out of docs/
+        built = hooks.on_page_markdown(read(page), None, None, None)
+        assert "github-only" not in built and "](../" not in built, page
