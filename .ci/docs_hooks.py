@@ -1,6 +1,7 @@
 """MkDocs hooks: the param reference is the param table's own text, written into docs/params.md at build time
 (each param is declared once, in estimator/core/param_table.py; nothing in docs/ repeats it); the changelog page
-is CHANGELOG.md (its links to docs/<page>.md made the site's); the site's name carries the package's version."""
+is CHANGELOG.md (its links to docs/<page>.md made the site's); the site's name carries the package's version;
+the lines a page shows on GitHub only (`<!-- github-only -->` blocks) are taken out."""
 import configparser
 import os
 import re
@@ -66,7 +67,19 @@ def on_config(config):
     return config
 
 
+GITHUB_ONLY = re.compile(r"<!-- github-only -->.*?<!-- /github-only -->\n?", re.S)
+
+
+def without_github_only(markdown: str) -> str:
+    """The page without its `<!-- github-only -->` ... `<!-- /github-only -->` blocks, comments included: the
+    lines that point a reader on GitHub past an include or a marker (their links leave docs/, which would fail the
+    strict build; the site shows the included text itself). Only the page's own text: what a `--8<--` include
+    brings in is added later, by the Markdown extension."""
+    return GITHUB_ONLY.sub("", markdown)
+
+
 def on_page_markdown(markdown, page, config, files):
-    if markdown.startswith(CHANGELOG_MARKER):
+    markdown = without_github_only(markdown)  # before anything else
+    if markdown.lstrip().startswith(CHANGELOG_MARKER):
         return changelog()
     return render(markdown)

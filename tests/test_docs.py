@@ -81,6 +81,8 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert 'src="img/digits-history.svg"' in (site / "getting-started.html").read_text() and (site / "img" / "digits-history.svg").exists()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
+    for page in sorted(glob.glob(str(site / "*.html"))):  # the lines for readers on GitHub stay there
+        assert "github-only" not in open(page).read(), os.path.basename(page)
     wide = []  # also the API reference's docstring examples: no built code block scrolls sideways
     for page in sorted(glob.glob(str(site / "*.html"))):
         for block in re.findall(r"<pre\b.*?</pre>", open(page).read(), re.S):
@@ -243,3 +245,111 @@ def test_the_python_blocks_of_each_page_run_in_order(page, tmp_path):
         assert {"ce", "val_ce"} <= set(rows[2]), rows[2]
     if page == "docs/connect.md":
         assert "prediction" in result.stdout
+
+
+PARAGRAPH_WORDS = 150  # a longer paragraph is a wall of text on the site: split it, or lead into a list
+COMMENT = re.compile(r"^ *<!--")
+
+
+def paragraphs(page):
+    """(file, first line, text) of each prose paragraph of a page and of what it includes: fenced code, table rows,
+    headings and HTML comments left out, each list item (sub-items too) a paragraph of its own."""
+    found, current, fence, in_comment = [], None, None, False
+
+    def close():
+        nonlocal current
+        if current:
+            found.append((current[0], current[1], " ".join(current[2])))
+        current = None
+
+    for path, number, line in site_lines(page):
+        if fence is not None:
+            closing = FENCE.match(line)
+            if closing and closing.group(2)[0] == fence[0] and len(closing.group(2)) >= len(fence) \
+                    and not line[closing.end():].strip():
+                fence = None
+            continue
+        opening = FENCE.match(line)
+        if opening:
+            close()
+            fence = opening.group(2)
+            continue
+        if in_comment or COMMENT.match(line):
+            close()
+            in_comment = "-->" not in line
+            continue
+        stripped = line.strip()
+        if not stripped or stripped.startswith("|") or re.match(r"#{1,6} ", line):
+            close()
+        elif LIST_ITEM.match(line) or current is None:
+            close()
+            current = (path, number, [stripped])
+        else:
+            current[2].append(stripped)
+    close()
+    return found
+
+
+def test_no_paragraph_is_longer_than_150_words():
+    """The manual's pages, the README and CONTRIBUTING.md, with what they include: no paragraph or list item runs
+    over 150 words."""
+    long, seen = [], set()
+    for page in markdown_files() + ["CONTRIBUTING.md"]:
+        for path, number, text in paragraphs(page):
+            words = len(text.split())
+            if words > PARAGRAPH_WORDS and (path, number) not in seen:
+                seen.add((path, number))
+                long.append(f"{path}:{number}: {words} words: {' '.join(text.split()[:12])} ...")
+    assert not long, f"{len(long)} paragraphs over {PARAGRAPH_WORDS} words (split them into several, or a lead " \
+                     "sentence and a list):\n" + "\n".join(long)
+
+
+GITHUB_ONLY = re.compile(r"^<!-- github-only -->\n(.*?)^<!-- /github-only -->$", re.S | re.M)
+HOOK_MARKERS = ("<!-- params of ", "<!-- the changelog: ")
+
+
+def docs_hooks():
+    sys.path.insert(0, os.path.join(ROOT, ".ci"))
+    try:
+        import docs_hooks
+    finally:
+        sys.path.pop(0)
+    return docs_hooks
+
+
+def test_every_include_and_marker_has_a_line_for_readers_on_github():
+    """On GitHub a page shows its `--8<--` includes, mkdocstrings' `:::` lines and the hook's markers as they are: a
+    `<!-- github-only -->` block beside each says where the text is (a link to the included file), and the hook
+    takes the blocks out of the site."""
+    missing = []
+    for page in pages():
+        text = read(page)
+        lines = text.splitlines()
+        blocks = [(text[:m.start()].count("\n"), text[:m.end()].count("\n"), m.group(1))
+                  for m in GITHUB_ONLY.finditer(text)]  # (first line, last line, text), 0-based
+        for index, line in enumerate(lines):
+            include = re.match(r' *--8<-- "([^":]+)', line)
+            marker = line.startswith(HOOK_MARKERS)
+            if not (include or marker or line.startswith("::: ")):
+                continue
+            near = [body for first, last, body in blocks if index - 5 <= last < index or index < first <= index + 4]
+            if line.startswith("::: "):  # the API reference: one block above its first `:::` line
+                near = [body for first, last, body in blocks if last < index]
+            if not near:
+                missing.append(f"{page}:{index + 1}: {line.strip()} has no github-only block beside it")
+            elif include and not any(re.search(rf"\]\(\.\./{re.escape(include.group(1))}[)#]", body) for body in near):
+                missing.append(f"{page}:{index + 1}: its github-only block does not link ../{include.group(1)}")
+    assert not missing, "\n".join(missing)
+    for body in [m.group(1) for p in pages() for m in GITHUB_ONLY.finditer(read(p))]:
+        assert body.strip() and "--8<--" not in body, body  # a line GitHub shows; no snippet syntax in it
+    hooks = docs_hooks()
+    page = ("# Page\n\nText.\n\n<!-- github-only -->\n> On GitHub: [README](../README.md#install).\n"
+            "<!-- /github-only -->\n\n--8<-- \"README.md:install\"\n\n<!-- github-only -->\nsecond\n"
+            "<!-- /github-only -->\nMore text.\n")
+    assert hooks.without_github_only(page) == "# Page\n\nText.\n\n\n--8<-- \"README.md:install\"\n\nMore text.\n"
+    assert hooks.on_page_markdown(page, None, None, None) == hooks.without_github_only(page)
+    changelog = read("docs/changelog.md")
+    assert "github-only" in changelog and hooks.on_page_markdown(changelog, None, None, None) == hooks.changelog()
+    for page in pages():  # every page as the site gets it: no block, no comment of one, no link out of docs/
+        built = hooks.on_page_markdown(read(page), None, None, None)
+        assert "github-only" not in built and "](../" not in built, page
