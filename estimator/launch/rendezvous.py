@@ -83,16 +83,13 @@ def find_rank0(store: Any, path: str, rank: int, hosts: Sequence[str], timeout: 
         port = _published_port(store, path)
         if port is not None:
             try:
-                client = TCPStore(hosts[0], port, len(hosts), is_master=False,
-                                  timeout=timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
-                client.set_timeout(timedelta(seconds=timeout))
-                return port, client
+                return port, _client(hosts[0], port, len(hosts), max(1.0, min(10.0, deadline - time.monotonic())),
+                                     timeout)
             except Exception as exc:  # noqa: BLE001 - read the address again until the deadline
-                refused = f"{hosts[0]}:{port} ({type(exc).__name__}: {exc})"
+                refused = exc
         if time.monotonic() > deadline:
             if refused is not None:
-                raise RendezvousFailed(rank, f"rank {rank} could not connect to rank 0's rendezvous store at "
-                                             f"{refused} within rendezvous_timeout={timeout:g} s. {UNREACHABLE}")
+                raise _unreachable(rank, hosts[0], port, timeout, refused)
             raise RendezvousFailed(rank, f"rank 0 (host {hosts[0]}) did not reach the rendezvous within "
                                          f"rendezvous_timeout={timeout:g} s (rank {rank} waited for its store's "
                                          f"address). {LATE_TO_START}")
@@ -108,9 +105,22 @@ def _published_port(store: Any, path: str) -> Optional[int]:
 
 
 def connect(rank: int, host: str, port: int, world: int, timeout: float) -> TCPStore:
+    """A connection to rank 0's TCPStore at an address already known (a rank whose task did not connect for it)."""
     try:
-        return TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout))
+        return _client(host, port, world, timeout, timeout)
     except Exception as exc:  # noqa: BLE001 - unreachable rank 0: say which address and why it matters
-        raise RendezvousFailed(rank, f"rank {rank} could not connect to rank 0's rendezvous store at {host}:{port} "
-                                     f"within rendezvous_timeout={timeout:g} s ({type(exc).__name__}: {exc}). "
-                                     f"{UNREACHABLE}") from None
+        raise _unreachable(rank, host, port, timeout, exc) from None
+
+
+def _client(host: str, port: int, world: int, wait: float, timeout: float) -> TCPStore:
+    """A client of rank 0's TCPStore: `wait` seconds to connect, then `timeout` for each wait on it."""
+    client = TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=wait))
+    if wait != timeout:
+        client.set_timeout(timedelta(seconds=timeout))
+    return client
+
+
+def _unreachable(rank: int, host: str, port: int, timeout: float, exc: Exception) -> RendezvousFailed:
+    return RendezvousFailed(rank, f"rank {rank} could not connect to rank 0's rendezvous store at {host}:{port} "
+                                  f"within rendezvous_timeout={timeout:g} s ({type(exc).__name__}: {exc}). "
+                                  f"{UNREACHABLE}")
