@@ -307,6 +307,7 @@ def test_a_sharded_checkpoint_of_another_model_or_strategy_is_refused_by_name(st
     write_checkpoint(store, checkpoint_state(model, torch.optim.Adam(model.parameters()), [{"loss": 1.0}],
                                              Position(1), sharded="one"), [run.checkpoint])
     assert resume_point(store, run, BlockMLP(), "kept", "fsdp") == (Position(1), [{"loss": 1.0}])
+    assert resume_point(store, run, BlockMLP(), "kept", "auto") == (Position(1), [{"loss": 1.0}])  # fsdp's format
     with pytest.raises(ValueError, match=r"of a different model: .* Missing key in checkpoint state_dict: "
                                          r"model.net.0.weight"):
         resume_point(store, run, MLP(), "kept", "fsdp")

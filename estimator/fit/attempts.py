@@ -20,7 +20,8 @@ from estimator.fit.report import say, watching
 from estimator.launch.liveness import wait_for_other_launch
 from estimator.launch.session import default_retries, task_slots
 from estimator.launch.spark import SparkBarrierLauncher
-from estimator.train.checkpoint import Position, describe, load_checkpoint, position_of, restore, strategy_of
+from estimator.train.checkpoint import (Position, describe, format_of, load_checkpoint, position_of, restore,
+                                        strategy_of)
 from store import Store
 
 log = logging.getLogger("estimator")
@@ -140,7 +141,7 @@ def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, st
     if not store.exists(run.checkpoint):
         return Position(), []
     state = load_checkpoint(store, run.checkpoint)
-    if strategy_of(state) != {"auto": "fsdp"}.get(strategy, strategy):  # auto writes fsdp's checkpoints
+    if strategy_of(state) != format_of(strategy):
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) written with "
                          f"strategy={strategy_of(state)!r}, and this fit has strategy={strategy!r}: a run continues "
                          f"with the strategy it began with. Set strategy={strategy_of(state)!r}, or use a new run_id.")

@@ -167,7 +167,14 @@ def restore(store: Any, run: Any, path: str, model: nn.Module, optimizer: Option
 
 
 def strategy_of(state: Dict[str, Any]) -> str:
+    """The format a checkpoint was written in: 'fsdp' (folders of shards) or 'ddp'."""
     return "fsdp" if state.get(SHARDED) else "ddp"
+
+
+def format_of(strategy: str) -> str:
+    """The format a strategy's checkpoints take: 'auto', sharding or not, writes fsdp's (folders of shards), so
+    that a run resumes whatever auto decides at another number of ranks."""
+    return "fsdp" if strategy in ("fsdp", "auto") else "ddp"
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:

@@ -26,7 +26,7 @@ from estimator.core.spec import TrainSpec, UserObjects, WorkerResult, compile_op
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
 from estimator.train import lightning
-from estimator.train.checkpoint import position_of, restore
+from estimator.train.checkpoint import format_of, position_of, restore
 from estimator.train.distributed import RankContext
 from estimator.train.epochs import Run
 from estimator.train.host_allreduce import HostAllreduce
@@ -50,7 +50,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                   checkpoint_activations(model, objs.shard_units))
     # strategy='fsdp' on one rank: nothing to shard, so the model trains whole as ddp's would (FSDP2's per-unit hooks
     # cost 2-3x on a model that fits), its checkpoints still folders of shards that more ranks resume from
-    shard_format = spec.strategy in ("fsdp", "auto")
+    shard_format = format_of(spec.strategy) == "fsdp"
     sharded = shard_format and (ctx.world_size > 1 or spec.shard_alone)
     chosen = ""
     if spec.strategy == "auto":  # the same decision on every rank (auto_shards reduces over them)
