@@ -62,7 +62,7 @@ def report_epoch(p: Dict[str, Any], run_id: str, row: Dict[str, float], seconds:
     """One epoch's line, live on the driver, ending with the epoch's seconds on rank 0 (its training and
     validation); a warning for an epoch whose loss is not finite (reached only with terminate_on_nan=False:
     otherwise the ranks stop at the first such step)."""
-    took = f" ({seconds:.1f} s)" if seconds is not None else ""
+    took = "" if seconds is None else f" ({seconds:.2f} s)" if seconds < 10 else f" ({seconds:.1f} s)"
     say(p, f"run {run_id} epoch {row['epoch']:.0f}: {format_metrics(row)}{took}")
     bad = [f"{k}={v}" for k, v in non_finite_losses(row).items()]
     if bad:
