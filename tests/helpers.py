@@ -110,7 +110,7 @@ def seeded(model_cls, *args, seed: int = 0):
 
 
 def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None,
-              model_factory=None, weights_folder=None, **spec_fields):
+              model_factory=None, weights_folder=None, metrics=("accuracy",), **spec_fields):
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
@@ -125,7 +125,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
                     ("features",), ("label",))
-    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], ["accuracy"],
+    objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], list(metrics),
                         model_factory=model_factory)
     objs.weights_folder = weights_folder
     return TrainSpec(data, dumps(objs, "model", roots=[model_factory or model]), store.run(run), batch, 50, epochs,

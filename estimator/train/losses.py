@@ -6,7 +6,9 @@ weights), not means of batch means.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -165,6 +167,7 @@ class Objective:
                 self.metrics.append((name, i, Accuracy(self.losses[i]) if m == "accuracy" else m))
         self.width = 3 + len(self.metrics)
         self.own = any(isinstance(fn, ModelsOwnLoss) for fn in self.losses)
+        self._counts: Dict[int, torch.Tensor] = {}  # batch_sums' (rows, rows, 0...) by batch size
 
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -174,19 +177,33 @@ class Objective:
         rows = labels[0].shape[0]
         targets = [adapt_target(fn, out, lab) for fn, out, lab in zip(self.losses, outputs, labels)]
         loss_of = per_row_loss if self.weighted else (lambda fn, out, tgt: fn(out, tgt))
-        parts = [w * loss_of(fn, out, tgt) for fn, w, out, tgt in zip(self.losses, self.loss_weights, outputs, targets)]
-        sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
+        # a weight of 1 multiplies nothing, and one loss is not added to 0: each op is a kernel launch per step
+        parts = [loss_of(fn, out, tgt) if isinstance(w, (int, float)) and w == 1 else w * loss_of(fn, out, tgt)
+                 for fn, w, out, tgt in zip(self.losses, self.loss_weights, outputs, targets)]
         if self.weighted:
-            per_row = sum(p.reshape(rows, -1).mean(dim=1) for p in parts)
+            per_row = functools.reduce(operator.add, (p.reshape(rows, -1).mean(dim=1) for p in parts))
             weighted_sum = (per_row * weights).sum()
             denominator = weights.sum()
             loss = weighted_sum / denominator.clamp_min(1e-12)
-            sums[0], sums[1] = weighted_sum.detach(), denominator.detach()
+            sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
+            sums[0], sums[1], sums[2] = weighted_sum.detach(), denominator.detach(), rows
         else:
-            loss = sum(parts)
-            sums[0], sums[1] = loss.detach() * rows, rows
-        sums[2] = rows
+            loss = functools.reduce(operator.add, parts)
+            sums = self.batch_sums(loss, rows)
         return loss, self.metric_sums(sums, outputs, targets)
+
+    def batch_sums(self, loss: torch.Tensor, rows: int) -> torch.Tensor:
+        """(loss x rows, rows, rows, a 0 for each metric) in float64 on the loss's device: the loss's product and
+        one concatenation per step, the counts kept per batch size (a vector filled element by element cost
+        six kernel launches a step, a host's time a small model's GPU step waits on)."""
+        counts = self._counts.get(rows)
+        if counts is None or counts.device != loss.device:
+            if len(self._counts) > 8:  # batch sizes vary (a last partial batch): keep a few
+                self._counts.clear()
+            counts = torch.zeros(self.width - 1, dtype=torch.float64, device=loss.device)
+            counts[:2] = rows
+            self._counts[rows] = counts
+        return torch.cat([(loss.detach() * rows).double().reshape(1), counts])
 
     def metric_sums(self, sums: torch.Tensor, outputs: Sequence[torch.Tensor],
                     targets: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -204,9 +221,7 @@ class Objective:
             return self(outputs_of(forward(model, features)), labels, weights)
         raw = forward(model, features, labels=labels[0])
         loss, outputs, rows = own_loss_of(raw), outputs_of(raw), labels[0].shape[0]
-        sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
-        sums[0], sums[1], sums[2] = loss.detach() * rows, rows, rows
-        return loss, self.metric_sums(sums, outputs, labels)
+        return loss, self.metric_sums(self.batch_sums(loss, rows), outputs, labels)
 
     def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
         return summarize_sums(sums, self.width, [name for name, _, _ in self.metrics], with_val)
