@@ -50,7 +50,7 @@ def test_seed_002_runs_with_only_its_imports_changed(tmp_path, session):
             server.stop()
     assert result.returncode == 0, result.stderr[-4000:]
     epochs = re.findall(r"^\w{3} \w{3} [ \d]\d [\d:]{8} \d{4} run \S+ epoch (\d): loss=([\d.]+) val_loss=([\d.]+)"
-                        r" data_wait=[\d.]+$",
+                        r" data_wait=[\d.]+ \([\d.]+ s\)$",  # the line ends with the epoch's seconds
                         result.stdout, re.MULTILINE)
     assert [e[0] for e in epochs] == ["1", "2", "3"], result.stdout[-3000:]
     accuracy = float(re.search(r"^Test accuracy: ([\d.]+)$", result.stdout, re.MULTILINE).group(1))
