@@ -107,20 +107,16 @@ def test_a_site_published_under_a_path_has_a_sitemap_a_working_404_page_and_a_re
 
 
 def test_the_param_hook_puts_the_param_table_under_its_markers():
-    sys.path.insert(0, os.path.join(ROOT, ".ci"))
-    try:
-        import docs_hooks
-    finally:
-        sys.path.pop(0)
+    hooks = docs_hooks()
     from estimator.core.param_table import ESTIMATOR_PARAMS
     from estimator.core.params import markdown_table
 
-    page = docs_hooks.render(read("docs/params.md"))
-    assert docs_hooks.linked(markdown_table(ESTIMATOR_PARAMS, anchor="estimator-")) in page
+    page = hooks.render(read("docs/params.md"))
+    assert hooks.linked(markdown_table(ESTIMATOR_PARAMS, anchor="estimator-")) in page
     assert "[training.md 'Text columns'](training.md#text-columns)" in page  # a reference made a link
     for spec in ESTIMATOR_PARAMS:
         assert f'| <a id="estimator-{spec.name}"></a>`{spec.name}` |' in page
-        assert docs_hooks.linked(spec.doc.replace("|", "\\|")) in page
+        assert hooks.linked(spec.doc.replace("|", "\\|")) in page
     assert "`num_proc` |" not in read("docs/params.md")  # the page itself repeats nothing of the table
 
 
