@@ -220,3 +220,22 @@ def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_anothe
     assert texts(do_sample=True, top_k=0, temperature=2.0, seed=7) == sampled
     assert texts(do_sample=True, top_k=0, temperature=2.0, seed=8) != sampled != texts()
     assert texts() == texts()  # greedy without a seed
+
+
+def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama, tokenizer):
+    """generate_kwargs' own eos_token_id (a chat's end-of-turn token) and pad_token_id win over the tokenizer's."""
+    from estimator.predict.generation import generate_texts
+
+    model, prompt = plain_causal_lm(llama).eval(), lm_rows(1)[0][0]
+    ids = tokenizer([prompt], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        greedy = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    second = int(greedy[0, ids.shape[1] + 1])  # the second token it writes, made the end
+
+    def text(**kwargs):
+        return generate_texts(model, tokenizer, [prompt], False, "prompt", 1, "cpu", 12, kwargs)[0]
+
+    full, cut = text(), text(eos_token_id=second, pad_token_id=second)
+    assert full.startswith(cut) and len(cut) < len(full), (full, cut)
+

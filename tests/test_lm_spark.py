@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import logging
+import os
 import sys
 
 import pytest
@@ -81,6 +82,13 @@ def test_sft_with_lora_on_two_ranks_then_transform_writes_what_generate_writes(s
     pipeline = PipelineModel.load(str(tmp_path / "pipeline"))
     for again in (loaded, pipeline):
         assert {r.prompt: r.prediction for r in again.transform(test_df).collect()} == {p: got[p][0] for p in prompts}
+    os.rename(llama, llama + "-moved")  # the base's folder gone: the saved adapters have nothing to go on
+    try:
+        with pytest.raises(ValueError, match="holds a model's adapters .peft_config. without its base weights.*"
+                                             "tiny.*fitted.save_pretrained"):
+            TorchModel.load(str(tmp_path / "model"))
+    finally:
+        os.rename(llama + "-moved", llama)
 
     fitted.save_pretrained(str(tmp_path / "merged"))  # a plain model for serving: the adapters merged in
     served = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
@@ -153,6 +161,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     bert = save_pretrained_bert(str(tmp_path / "bert"), ["a b c", "d e f"])
     texts = spark.createDataFrame(lm_rows(8), "prompt string, response string")
     bad_chat = spark.createDataFrame([([("user", "hi")],)], "chat array<struct<role:string, text:string>>")
+    map_chat = spark.createDataFrame([([{"role": "user", "content": "hi"}],)], "chat array<map<string,string>>")
+    int_responses = spark.createDataFrame([(p, i) for i, (p, _) in enumerate(lm_rows(8))], "prompt string, response int")
     cases = [
         (dict(model=functools.partial(transformers.AutoModelForSequenceClassification.from_pretrained, bert),
               tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,
@@ -162,6 +172,13 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         (dict(feature_cols=["chat"], label_cols=None), bad_chat, r"need \['role', 'content'\].*missing: \['content'\]"),
         (dict(optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())), texts,
          "optimizer must be built over them"),
+        (dict(), int_responses, r"Column 'response' \(from label_cols\) has type int;.*cast it first"),
+        (dict(feature_cols=["chat"], label_cols=None), map_chat,
+         r"is array<map<string,string>>, and a chat column's messages are structs.*F\.transform"),
+        (dict(label_cols=None), texts, r"got label_cols=\[\]\. A chat's messages are a column of .*F\.from_json"),
+        (dict(optimizer=None), texts, "'optimizer' parameter .* must be with peft_config, a callable"),
+        (dict(generate_kwargs={"max_new_tokens": 2}), texts,
+         "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
     ]
     for params, df, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -27,6 +27,20 @@ def _optimizer_list_hint(v: Any) -> str:
     return ""
 
 
+GENERATE_OWN = {"input_ids": "the prompts' tokens", "attention_mask": "the prompts' padding",
+                "max_new_tokens": "its own param: set max_new_tokens"}  # generate() keywords the transform sets
+
+
+def _generate_kwargs_ok(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and k not in GENERATE_OWN for k in v))
+
+
+def _generate_kwargs_hint(v: Any) -> str:
+    taken = [k for k in (v if isinstance(v, dict) else ()) if k in GENERATE_OWN]
+    return (f"{taken[0]!r} is set by the transform ({GENERATE_OWN[taken[0]]}): leave it out of generate_kwargs."
+            if taken else "")
+
+
 TOKENIZER = ParamSpec("tokenizer", "a Hugging Face tokenizer, or a callable(list of str) -> dict of arrays: string "
                       "feature columns are tokenized with it on the ranks (the reader's workers) and in transform, "
                       "padded per batch, and reach forward by keyword (input_ids=..., attention_mask=...; "
@@ -213,8 +227,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("generate_kwargs", "transform of a causal LM: keyword arguments of model.generate, e.g. "
               "{'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'seed': 0} ('seed' seeds the sampling of each "
               "batch of prompts: the same prompts give the same text); default greedy decoding", None,
-              optional(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)),
-              "a dict of model.generate keyword arguments, or None"),
+              _generate_kwargs_ok, "a dict of model.generate keyword arguments (not input_ids, attention_mask "
+              "or max_new_tokens), or None", hint=_generate_kwargs_hint),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "

@@ -12,10 +12,10 @@ from torch import nn
 from estimator.core.params import param_error
 from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
-from estimator.fit.language import check_lm_params, is_chat, is_lm_fit, string_label_error
+from estimator.fit.language import check_lm_params, is_lm_fit, string_label_error
 from estimator.fit.strategy import check_strategy
 from estimator.train.lightning import is_lightning_module
-from estimator.train.losses import ModelsOwnLoss, Objective, check_metrics, takes_labels
+from estimator.train.losses import Objective, check_metrics, takes_labels
 
 OWNER = "TorchEstimator"
 
@@ -33,6 +33,10 @@ def check_params(p: Dict[str, Any]) -> None:
                                      "their own loss, train without labels", None))
     if own is None and is_lightning_module(p["model"]):
         check_lightning(p)
+    elif p["optimizer"] is None and p["peft_config"] is not None:  # an instance is refused: recipes.with_peft
+        raise ValueError(param_error(OWNER, "optimizer", "with peft_config, a callable(params) returning a "
+                                     "torch.optim.Optimizer, as functools.partial(torch.optim.AdamW, lr=2e-4): it "
+                                     "is called over the adapters' parameters", None))
     elif p["optimizer"] is None:
         raise ValueError(param_error(OWNER, "optimizer", "a torch.optim.Optimizer built over model.parameters(), or a "
                                      "callable(params) returning one, as functools.partial(torch.optim.AdamW, "
@@ -167,8 +171,8 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
             if not is_lm_fit(p):
                 raise ValueError(string_label_error(column, p))
             continue
-        if is_chat(dtype) and param == "feature_cols" and is_lm_fit(p):
-            continue  # its fields: language.lm_spec
+        if param == "feature_cols" and is_lm_fit(p):
+            continue  # a prompt or a chat: its type and fields, language.lm_spec
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
-from pyspark.sql.types import ArrayType, DataType, StringType, StructType
+from pyspark.sql.types import ArrayType, DataType, MapType, StringType, StructType
 
 from estimator.core.adapters import base_config, can_generate
 from estimator.core.spec import DataSpec, LMSpec
@@ -17,6 +17,7 @@ from estimator.data.text import length_limit
 
 OWNER = "TorchEstimator"
 CHAT_FIELDS = ("role", "content")
+CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 
 
@@ -52,6 +53,12 @@ def lm_spec(p: Dict[str, Any], schema: StructType) -> Optional[LMSpec]:
                          f"feature_cols={features}. Join the prompt's parts into one string column first "
                          "(concat_ws).")
     column, dtype = features[0], schema[features[0]].dataType
+    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, MapType):
+        raise ValueError(f"Column {column!r} (from feature_cols) is {dtype.simpleString()}, and a chat column's "
+                         f"messages are structs: {CHAT_TYPE} (a list of dicts given to createDataFrame without a "
+                         "schema becomes maps). Convert it first: F.transform(F.col(" + repr(column) + "), lambda m: "
+                         "F.struct(m['role'].alias('role'), m['content'].alias('content'))), or give createDataFrame "
+                         "the schema.")
     if is_chat(dtype):
         names = dtype.elementType.names
         missing = [f for f in CHAT_FIELDS if f not in names]
@@ -65,10 +72,16 @@ def lm_spec(p: Dict[str, Any], schema: StructType) -> Optional[LMSpec]:
         return LMSpec(column)
     if not isinstance(dtype, StringType):
         raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
-                         f"column), or a chat column; {column!r} has type {dtype.simpleString()}.")
-    if len(labels) != 1 or not isinstance(schema[labels[0]].dataType, StringType):
+                         f"column), or a chat column ({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")
+    if len(labels) != 1:
         raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} needs the response as one string "
-                         f"label column (label_cols=['response']); got label_cols={labels}.")
+                         f"label column (label_cols=['response']); got label_cols={labels}. A chat's messages are a "
+                         f"column of {CHAT_TYPE} (from a JSON string: F.from_json(column, '{CHAT_TYPE}')).")
+    label_type = schema[labels[0]].dataType
+    if not isinstance(label_type, StringType):
+        raise ValueError(f"Column {labels[0]!r} (from label_cols) has type {label_type.simpleString()}; the response a "
+                         "causal LM is fine-tuned to write after the prompt is a string column: cast it first "
+                         f"(F.col({labels[0]!r}).cast('string')).")
     return LMSpec(column, labels[0])
 
 

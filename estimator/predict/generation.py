@@ -30,6 +30,8 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     seed = kwargs.pop("seed", None)
     kwargs.setdefault("do_sample", False)
     pad = pad_id(tokenizer)
+    kwargs.setdefault("pad_token_id", pad)  # a user's own pad or eos (a chat's end-of-turn token) is kept
+    kwargs.setdefault("eos_token_id", eos_id(tokenizer))
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
@@ -43,8 +45,7 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
             if seed is not None:
                 torch.manual_seed(int(seed))
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos_id(tokenizer),
-                                 **kwargs)
+                                 max_new_tokens=max_new_tokens, **kwargs)
             for j, text in enumerate(tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)):
                 texts[rows[j]] = text
     result = np.empty(len(texts), dtype=object)

@@ -74,6 +74,18 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
         json.dump(kind, f)
 
 
+def base_model(factory: Callable[[], nn.Module], root: str) -> nn.Module:
+    """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved)."""
+    try:
+        return factory()
+    except Exception as exc:
+        raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
+                         f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
+                         "Make the base loadable there again (the folder it names, moved or deleted?), or save a model "
+                         "that stands alone: fitted.save_pretrained(folder) writes the adapters merged into the base, "
+                         "which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
+
+
 def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
                 ) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer]]]:
     """(the module, the optimizer or None) saved by save_module under `root`; None when `root` holds none (a
@@ -91,7 +103,7 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
             from peft import PeftModel
 
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
-            model = PeftModel.from_pretrained(factory(), local, is_trainable=True)
+            model = PeftModel.from_pretrained(base_model(factory, root), local, is_trainable=True)
         elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)
