@@ -22,10 +22,11 @@ class FailureKind(str, enum.Enum):
     WORKER_DEATH = "worker_death"  # the rank's Python worker died without an error (killed, out of memory)
     DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
     ENVIRONMENT = "environment"  # the executor's Python lacks a module the ranks import: it recurs
+    USAGE = "usage"  # a train_fn that breaks its contract (no epoch reported, its own process group): it recurs
 
     @property
     def retryable(self) -> bool:
-        return self not in (FailureKind.NAN, FailureKind.DATA, FailureKind.ENVIRONMENT)
+        return self not in (FailureKind.NAN, FailureKind.DATA, FailureKind.ENVIRONMENT, FailureKind.USAGE)
 
 
 class RankFailed(RuntimeError):

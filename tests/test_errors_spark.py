@@ -30,7 +30,9 @@ def _est(store, **kw):
 @pytest.mark.parametrize("kw, message", [
     (dict(feature_cols=["pixels"]), "Column 'pixels' (from feature_cols) is not in the DataFrame. Available columns: "
                                     "features, label, ink"),
-    (dict(label_cols=["name"]), "Column 'name' (from label_cols) holds strings. A string label is the response"),
+    (dict(label_cols=["name"]), "Column 'name' (from label_cols) holds strings: index the labels first (StringIndexer"),
+    (dict(label_cols=["name"], loss=nn.MSELoss()), "holds strings, and the loss regresses numbers: cast the column "
+                                                   "first (F.col('name').cast('double'))"),
     (dict(sample_weight_col="nope"), "Column 'nope' (from sample_weight_col) is not in the DataFrame"),
     (dict(validation="features"), "Column 'features' (from validation) has type array<float>"),
     (dict(input_shapes=[[-1, 64], [-1, 1]]), "The 'input_shapes' parameter of TorchEstimator must be a list of 1 shapes"),
@@ -76,6 +78,16 @@ def test_unpicklable_loss_is_named(spark, store, df):
 
     with pytest.raises(ValueError, match="cannot be sent to the Spark executors"):
         _est(store, loss=loss).fit(df)
+
+
+def test_a_model_holding_a_lock_is_named_with_the_attribute(spark, store, df):
+    import threading
+
+    model = seeded(MLP)
+    model.net[0].guard = threading.Lock()
+    with pytest.raises(ValueError, match=r"The model cannot be sent to the Spark executors: TypeError: cannot pickle "
+                                         r"'_thread.lock' object \(held by model.net.0.guard\)"):
+        _est(store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(df)
 
 
 def test_more_processes_than_training_rows(spark, store):

@@ -3,7 +3,6 @@
 on 2 ranks; a rank killed in the second epoch is retried from the first epoch's checkpoint and ends with the
 weights of an uninterrupted run (both optimizers' momentum restored)."""
 import json
-import os
 
 import pytest
 import torch
@@ -91,9 +90,34 @@ def without_report(ctx):
             pass
 
 
-@pytest.mark.connect
-def test_a_train_fn_that_does_not_report_an_epoch_fails_naming_it(spark, store, digits):
-    from estimator.failures import RankFailed
+def own_epoch_loop(ctx):  # a TorchDistributor script's loop: its own range, no report
+    for _ in range(3):
+        for batch in ctx.train_batches():
+            ctx.optimizer.zero_grad()
+            F.cross_entropy(ctx.model(*batch.features), batch["label"]).backward()
+            ctx.optimizer.step()
+    return ctx.module
 
-    with pytest.raises(RankFailed, match=r"train_fn finished epoch 1 without ctx.report\(metrics\)"):
-        _est(store, train_fn=without_report, max_retries=0).fit(digits_frame(spark, digits))
+
+def own_process_group(ctx):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+
+@pytest.mark.connect
+def test_a_train_fn_that_breaks_its_contract_fails_once_naming_the_fix(spark, store, digits, caplog):
+    """Not reporting an epoch, an epoch loop of its own, a process group of its own: each would recur, so none is
+    retried (max_retries=1 here); each names what to do instead."""
+    from estimator.failures import FailureKind, RankFailed
+
+    df = digits_frame(spark, digits)
+    for fn, message in [(without_report, r"train_fn finished epoch 1 without ctx.report\(metrics\)"),
+                        (own_epoch_loop, r"train_fn returned without reporting an epoch \(5 to train\): loop over "
+                                         r"`for epoch in ctx.epochs_to_run\(\):`"),
+                        (own_process_group, "train_fn called torch.distributed.init_process_group.*remove the call")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="estimator"), pytest.raises(RankFailed, match=message) as failed:
+            _est(store, train_fn=fn).fit(df)
+        assert failed.value.kind is FailureKind.USAGE and "TrainFnMisuse" in failed.value.summary
+        assert not [r for r in caplog.records if "retrying" in r.getMessage()], fn.__name__

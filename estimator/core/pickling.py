@@ -34,7 +34,7 @@ def user_objects(model: nn.Module, optimizer: Any, losses: List[Any], loss_weigh
     configure_optimizers builds one on every rank. `model_factory`: what built `model` (the ranks call it; the
     model is not pickled). An optimizer that is a callable is called with each rank's parameters."""
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        return UserObjects(model=model if model_factory is not None else copy.deepcopy(model).cpu(),
+        return UserObjects(model=model if model_factory is not None else copied(model, "model").cpu(),
                            optimizer_cls=None, optimizer_groups=[], optimizer_defaults={}, optimizer_state={},
                            losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics),
                            lightning=optimizer is None, model_factory=model_factory, optimizer_factory=optimizer,
@@ -48,7 +48,7 @@ def user_objects(model: nn.Module, optimizer: Any, losses: List[Any], loss_weigh
             defaults["lr"] = lr
         for group in state["param_groups"]:
             group["lr"] = lr
-    return UserObjects(model=model if model_factory is not None else copy.deepcopy(model).cpu(),
+    return UserObjects(model=model if model_factory is not None else copied(model, "model").cpu(),
                        optimizer_cls=type(optimizer), optimizer_groups=groups, optimizer_defaults=defaults,
                        optimizer_state=state, losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights),
                        metrics=list(metrics), model_factory=model_factory)
@@ -150,13 +150,41 @@ def _dumps(pickler: ModuleType, obj: Any, what: str, modules: List[ModuleType]) 
     try:
         return pickler.dumps(obj)
     except Exception as exc:  # noqa: BLE001 - any pickling failure gets the same advice
-        raise ValueError(
-            f"The {what} cannot be sent to the Spark executors: {type(exc).__name__}: {exc}. Objects that "
-            "hold open files, locks, sockets, generators or Spark objects (SparkSession, DataFrame) cannot be "
-            "pickled; keep such state out of the model, loss and metrics.") from None
+        raise ValueError(unsendable(what, exc, obj)) from None
     finally:
         for module in modules:
             pickler.unregister_pickle_by_value(module)
+
+
+def copied(obj: Any, what: str) -> Any:
+    """A deep copy of the user's `obj` (its own stays untouched), refused as _dumps refuses what cannot travel."""
+    try:
+        return copy.deepcopy(obj)
+    except Exception as exc:  # noqa: BLE001 - any copying failure gets the same advice
+        raise ValueError(unsendable(what, exc, obj)) from None
+
+
+def unsendable(what: str, exc: BaseException, obj: Any) -> str:
+    where = holder(obj)
+    return (f"The {what} cannot be sent to the Spark executors: {type(exc).__name__}: {exc}"
+            + (f" (held by {where})" if where else "") + ". Objects that hold open files, locks, sockets, "
+            "generators or Spark objects (SparkSession, DataFrame) cannot be pickled; keep such state out of the "
+            "model, loss and metrics (create it where it is used, or leave it out in __getstate__).")
+
+
+def holder(obj: Any) -> Optional[str]:
+    """The attribute of a module (`model.cache.lock`) whose value cannot be copied, when one alone is to blame."""
+    if not isinstance(obj, nn.Module):
+        return None
+    for name, module in obj.named_modules():
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules") or attr.startswith("__"):
+                continue
+            try:
+                copy.deepcopy(value)
+            except Exception:  # noqa: BLE001 - whatever stops the copy
+                return ".".join(["model", *([name] if name else []), attr])
+    return None
 
 
 def driver_only_modules(roots: Iterable[Any]) -> List[ModuleType]:

@@ -14,6 +14,7 @@ from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
+from estimator.train.losses import loss_kind
 
 OWNER = "TorchEstimator"
 CHAT_FIELDS = ("role", "content")
@@ -34,6 +35,14 @@ def is_chat(dtype: DataType) -> bool:
 
 
 def string_label_error(column: str, p: Dict[str, Any]) -> str:
+    losses = p.get("loss") if isinstance(p.get("loss"), (list, tuple)) else [p.get("loss")]
+    if any(loss_kind(fn) == "regression" for fn in losses if fn is not None):
+        return (f"Column {column!r} (from label_cols) holds strings, and the loss regresses numbers: cast the "
+                f"column first (F.col({column!r}).cast('double')); for classes, index it (StringIndexer).")
+    if p.get("loss") is not None:
+        return (f"Column {column!r} (from label_cols) holds strings: index the labels first (StringIndexer, whose "
+                "index column CrossEntropyLoss takes), or cast numbers kept as text (.cast('double')). A string label "
+                "trains only a causal language model's fine-tuning: no loss, a tokenizer (docs/language-models.md).")
     why = ("its loss is set: a causal LM trains on its own next-token loss over the response, so leave loss unset"
            if not built_in_loop(p) else "no tokenizer is set" if p["tokenizer"] is None
            else f"the model ({type(p['model']).__name__}) cannot generate (it is no causal LM)")

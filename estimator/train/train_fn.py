@@ -23,8 +23,16 @@ import torch
 
 from estimator.core.faults import inject
 from estimator.data.shards import Shard
+from estimator.failures import FailureKind
 from estimator.train.loop import reduce_sums
 from estimator.train.steps import Batch, Named, as_batch
+
+
+class TrainFnMisuse(RuntimeError):
+    """A train_fn that breaks its contract with the estimator (an epoch without a report, no epoch reported at all,
+    a process group of its own). Another launch would meet it again: not retried."""
+
+    failure_kind = FailureKind.USAGE
 
 
 class TrainContext(Named):
@@ -80,8 +88,8 @@ class TrainContext(Named):
             inject(self._run.faults, "epoch", self.rank, self._run.attempt, epoch + 1)
             yield epoch
             if len(self._run.history) == epoch:
-                raise RuntimeError(f"train_fn finished epoch {epoch + 1} without ctx.report(metrics): report once "
-                                   "per epoch (the history, early stopping and the checkpoint come from it).")
+                raise TrainFnMisuse(f"train_fn finished epoch {epoch + 1} without ctx.report(metrics): report "
+                                    "once per epoch (the history, early stopping and the checkpoint come from it).")
 
     def train_batches(self) -> Iterator[Batch]:
         """This rank's training batches of the current epoch, on the device, shuffled as the built-in loop's."""
@@ -159,4 +167,19 @@ class TrainContext(Named):
         return row
 
     def run(self, fn: Callable[["TrainContext"], Any]) -> None:
-        fn(self)
+        """`fn(self)`, refused by name where it breaks the contract (a TorchDistributor script's habits: its own
+        epoch loop, its own process group)."""
+        try:
+            fn(self)
+        except ValueError as exc:
+            if "default process group twice" not in str(exc):
+                raise
+            raise TrainFnMisuse("train_fn called torch.distributed.init_process_group, but every rank's process "
+                                "group is set up before train_fn runs (ctx.rank, ctx.world_size): remove the call, "
+                                "and train ctx.model, which is already DistributedDataParallel.") from exc
+        left = self.epochs - self.start_epoch
+        if left > 0 and len(self._run.history) == self.start_epoch and self._run.stop_reason(self.start_epoch) is None:
+            raise TrainFnMisuse(f"train_fn returned without reporting an epoch ({left} to train): loop over `for "
+                                "epoch in ctx.epochs_to_run():` and end each epoch with ctx.report(metrics) "
+                                "(docs/training.md 'Your own training loop'). The history, early stopping and the "
+                                "checkpoint the fitted model comes from are made by the reports.")
