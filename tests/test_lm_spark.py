@@ -153,6 +153,14 @@ def test_embeddings_of_a_pretrained_model_over_a_table_without_a_fit(spark, tmp_
     model.write().overwrite().save(str(tmp_path / "embedder"))
     again = torch.tensor([r.output for r in TorchModel.load(str(tmp_path / "embedder")).transform(df).collect()])
     assert torch.equal(again, got)
+    from pyspark.ml.clustering import KMeans
+    from pyspark.ml.functions import array_to_vector, vector_to_array
+
+    vectors = model.transform(df).withColumn("v", array_to_vector("output"))  # for Spark ML, as the docs say
+    clusters = KMeans(k=2, seed=1, featuresCol="v").fit(vectors).transform(vectors)
+    rows = clusters.select(vector_to_array("v").alias("back"), "prediction").collect()
+    assert torch.allclose(torch.tensor([r.back for r in rows]), got, atol=1e-6)  # the same rows, in order
+    assert {r.prediction for r in rows} == {0, 1}
 
 
 def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama, tmp_path, monkeypatch):
