@@ -78,7 +78,7 @@ def base_model(factory: Callable[[], nn.Module], root: str) -> nn.Module:
     """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved)."""
     try:
         return factory()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with what to do
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
                          "Make the base loadable there again (the folder it names, moved or deleted?), or save a model "
