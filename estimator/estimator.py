@@ -33,7 +33,8 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
-from estimator.fit.language import check_max_length, check_max_new_tokens, check_room, is_lm_fit, lm_spec
+from estimator.fit.language import (check_max_length, check_max_new_tokens, check_room, check_vocabulary,
+                                   effective_max_length, is_lm_fit, lm_spec)
 from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
@@ -154,6 +155,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         p["model"] = with_peft(p["model"], p["model_factory"], p["peft_config"], p["weights_folder"], p["optimizer"])
         checks.check_params(p)
         check_max_length(p)
+        check_vocabulary(p)
         if is_lm_fit(p):
             check_max_new_tokens(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
@@ -328,7 +330,7 @@ def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val:
     return DataSpec(store, train, val, tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
                     checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
                     materialize_seconds=materialize_seconds, text_cols=tuple(p.get("text_cols", ())),
-                    max_length=p["max_length"], lm=p.get("lm"))
+                    max_length=effective_max_length(p), lm=p.get("lm"))
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

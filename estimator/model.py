@@ -31,7 +31,8 @@ from estimator.core.quiet import hf_bars_off
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
-from estimator.fit.language import check_max_length, check_max_new_tokens, is_chat
+from estimator.fit.language import (check_max_length, check_max_new_tokens, check_vocabulary, effective_max_length,
+                                   is_chat)
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
@@ -123,7 +124,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             head=head_of(kinds[0], shapes[0]) if len(outputs) == 1 and p["label_cols"] else None, batch_size=p["inference_batch_size"],
             use_gpu=p["use_gpu"], torch_threads=torch_threads,
             feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]),
-            tokenize=Tokenize(p["tokenizer"], (), p["max_length"]) if p["tokenizer"] is not None else None)
+            tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)) if p["tokenizer"] is not None else None)
 
     def _kind_layout(self, p: Dict[str, Any], torch_threads: Optional[int]) -> InferenceLayout:
         """output_kind 'generate' or 'embedding' (estimator.predict.generation): one text or chat column."""
@@ -138,6 +139,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             raise ValueError(f"TorchModel with output_kind='generate' needs a model that generates (a causal LM, "
                              f"AutoModelForCausalLM); {type(p['model']).__name__} does not.")
         check_max_length(p, "TorchModel")
+        check_vocabulary(p, "TorchModel")
         if kind == "generate":
             check_max_new_tokens(p, "TorchModel")
         return InferenceLayout(
@@ -145,7 +147,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             output_names=tuple(f"_{i}" for i in range(len(outputs))),
             output_is_vector=(kind == "embedding",) * len(outputs), head=None, batch_size=p["inference_batch_size"],
             use_gpu=p["use_gpu"], torch_threads=torch_threads,
-            tokenize=Tokenize(p["tokenizer"], (), p["max_length"]), kind=kind,
+            tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)), kind=kind,
             max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
 
     def transform(self, dataset: DataFrame, params: Any = None) -> DataFrame:

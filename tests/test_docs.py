@@ -240,6 +240,8 @@ def test_the_python_blocks_of_each_page_run_in_order(page, tmp_path):
         assert len(rows) == 5 and all(row["epoch"] == 4 for row in rows), result.stdout
         assert [row.get("val_accuracy", 1.0) >= 0.85 for row in rows] == [True] * 5, rows
         assert {"ce", "val_ce"} <= set(rows[2]), rows[2]
+        stopped, best = map(int, re.search(r"^stopped after (\d+) best (\d+)$", result.stdout, re.M).groups())
+        assert 1 <= best <= stopped < 30, result.stdout  # patience 2 of 30 epochs: it stops early
     if page == "docs/connect.md":
         assert "prediction" in result.stdout
 

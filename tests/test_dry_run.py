@@ -160,3 +160,29 @@ def test_binary_losses_refuse_labels_outside_zero_one_from_the_whole_data(store)
     head = {"x": np.zeros((6, 4), np.float32), "y": np.array([0, 2, 1, 0, 1, 0], np.float32)}
     with pytest.raises(ValueError, match="holds 2 "):
         dry_run(_objs(nn.Linear(4, 1), nn.BCEWithLogitsLoss()), direct, head)
+
+
+class ProblemTypeFromLabels(nn.Linear):
+    """As a Hugging Face *ForSequenceClassification picks its loss: integer labels are class indices, float labels
+    one target per class (multi-label, BCEWithLogitsLoss)."""
+
+    def forward(self, x, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = super().forward(x)
+        loss = None
+        if labels is not None:
+            loss = (nn.functional.binary_cross_entropy_with_logits(logits, labels) if labels.is_floating_point()
+                    else nn.functional.cross_entropy(logits, labels))
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def test_float_class_labels_for_a_models_own_loss_are_told_to_be_integers(store):
+    from estimator.train.losses import ModelsOwnLoss
+
+    indexed = _data(store, np.array([0.0, 1.0, 2.0] * 10))  # StringIndexer's output: a double
+    with pytest.raises(ValueError, match=r"The model computes its own loss from the labels.*float labels as several "
+                                         r"targets.*F.col\('y'\).cast\('int'\)"):
+        dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), indexed)
+    store.rm(store.path("train"))
+    assert dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), _data(store, np.array([0, 1, 2] * 10))) == [(3,)]

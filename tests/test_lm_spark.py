@@ -162,6 +162,16 @@ def test_embeddings_of_a_pretrained_model_over_a_table_without_a_fit(spark, tmp_
     assert torch.allclose(torch.tensor([r.back for r in rows]), got, atol=1e-6)  # the same rows, in order
     assert {r.prediction for r in rows} == {0, 1}
 
+    unbounded = transformers.AutoTokenizer.from_pretrained(path)
+    unbounded.model_max_length = int(1e30)  # as a tokenizer saved without a maximum reads: it cuts nothing
+    long_text = " ".join(texts) * 3  # hundreds of tokens, past the model's 64 positions
+    wide = TorchModel(model=functools.partial(transformers.AutoModel.from_pretrained, path), tokenizer=unbounded,
+                      feature_cols=["text"], output_kind="embedding")
+    out = wide.transform(spark.createDataFrame([(long_text,)], "text string")).collect()[0].output
+    cut = tokenizer([long_text], truncation=True, max_length=64, return_tensors="pt")  # cut at the positions
+    with torch.no_grad():
+        assert torch.allclose(torch.tensor(out), encoder(**cut).last_hidden_state.mean(1)[0], atol=1e-5)
+
 
 def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama, tmp_path, monkeypatch):
     from text_helpers import save_pretrained_bert

@@ -65,3 +65,48 @@ def test_text_columns_are_refused_by_name_where_training_could_not_read_them():
         text_columns(params(reader="petastorm"), SCHEMA)
     with pytest.raises(ValueError, match=r"tokenizer is set, and no column of feature_cols \['x'\] holds strings"):
         text_columns(params(feature_cols=["x"]), SCHEMA)
+
+
+def test_without_max_length_texts_are_cut_at_the_models_positions_when_the_tokenizer_has_no_maximum(tokenizer):
+    """A tokenizer saved without a maximum cuts nothing; the model's position embedding then fails on a longer text,
+    on the ranks. Unset, max_length is the tokenizer's maximum capped at the model's positions."""
+    import copy
+
+    from torch.nn import Linear
+    from transformers import BertConfig, BertModel
+
+    from estimator.fit.language import effective_max_length
+
+    model = BertModel(BertConfig(vocab_size=200, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                 intermediate_size=8, max_position_embeddings=40))
+    unbounded = copy.deepcopy(tokenizer)
+    unbounded.model_max_length = int(1e30)
+    assert effective_max_length({"model": model, "tokenizer": unbounded, "max_length": None}) == 40
+    assert effective_max_length({"model": model, "tokenizer": tokenizer, "max_length": None}) == 40  # 64 > 40
+    assert effective_max_length({"model": model, "tokenizer": unbounded, "max_length": 20}) == 20
+    assert effective_max_length({"model": Linear(2, 2), "tokenizer": unbounded, "max_length": None}) is None
+
+
+def test_a_tokenizer_with_more_tokens_than_the_models_embeddings_is_refused_naming_both(tokenizer):
+    import functools
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from estimator import TorchEstimator
+
+    def bert(vocabulary):
+        return BertForSequenceClassification(BertConfig(vocab_size=vocabulary, hidden_size=8, num_hidden_layers=1,
+                                                        num_attention_heads=1, intermediate_size=8,
+                                                        max_position_embeddings=64))
+
+    def checked(model):  # the driver's checks of fit, before any Spark job
+        return TorchEstimator(model=model, tokenizer=tokenizer, optimizer=functools.partial(torch.optim.AdamW),
+                              feature_cols=["text"], label_cols=["label"])._checked()
+
+    tokens = tokenizer.vocab_size  # what WordPiece learned of the 200 it was allowed
+    with pytest.raises(ValueError, match=f"The tokenizer of TorchEstimator has {tokens} tokens, and the model's "
+                                         "input embeddings 50 rows.*resize_token_embeddings"):
+        checked(bert(50))
+    checked(bert(tokens))
+

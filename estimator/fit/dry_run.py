@@ -64,9 +64,14 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     except Exception as exc:  # noqa: BLE001
         got = ", ".join(str(tuple(o.shape)) for o in outputs)
         want = ", ".join(f"{c}: {tuple(t.shape)} {t.dtype}" for c, t in zip(data.label_cols, labels))
+        hint = ""
+        if objective.own and labels[0].is_floating_point() and outputs[0].dim() == 2 and outputs[0].shape[1] > 1:
+            hint = (f" The model computes its own loss from the labels, and a Hugging Face classifier reads float "
+                    f"labels as several targets per row (multi-label): give the class index as an integer, "
+                    f"F.col({data.label_cols[0]!r}).cast('int') (StringIndexer's index is a double).")
         raise ValueError(f"The loss or metrics failed on the model's outputs ({got}) and the labels ({want}): "
-                         f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, label_cols, label_shapes and the model's "
-                         "output shape.") from None
+                         f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, "
+                         "label_cols, label_shapes and the model's output shape." + hint) from None
     return [tuple(o.shape[1:]) for o in outputs]
 
 

@@ -113,6 +113,34 @@ def check_max_length(p: Dict[str, Any], owner: str = OWNER) -> None:
                          f"set max_length <= {positions}.")
 
 
+def check_vocabulary(p: Dict[str, Any], owner: str = OWNER) -> None:
+    """A Hugging Face tokenizer whose token ids fit the model's input embeddings (a larger vocabulary fails on the
+    ranks with an IndexError that names neither)."""
+    tokenizer, embeddings = p.get("tokenizer"), getattr(p["model"], "get_input_embeddings", None)
+    # its own vocabulary, which any text draws from (tokens added to it, a chat's markers, may go unused)
+    tokens = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(tokens, int) or embeddings is None:
+        return
+    try:
+        rows = getattr(embeddings(), "num_embeddings", None)
+    except NotImplementedError:  # a model without token embeddings
+        return
+    if isinstance(rows, int) and tokens > rows:
+        raise ValueError(f"The tokenizer of {owner} has {tokens} tokens, and the model's input embeddings "
+                         f"{rows} rows: token ids past {rows - 1} have no embedding. Use the tokenizer saved with the "
+                         "model, or resize its embeddings first (model.resize_token_embeddings(len(tokenizer))).")
+
+
+def effective_max_length(p: Dict[str, Any]) -> Optional[int]:
+    """max_length; unset, the tokenizer's model maximum capped at the model's positions (a tokenizer saved without a
+    maximum cuts nothing, and a longer text then fails on the ranks, deep in the model's position embedding)."""
+    positions = model_positions(p["model"])
+    if p.get("max_length") is not None or p.get("tokenizer") is None or positions is None:
+        return p.get("max_length")
+    known = length_limit(p["tokenizer"], None)
+    return positions if known is None else min(known, positions)
+
+
 def check_max_new_tokens(p: Dict[str, Any], owner: str = OWNER) -> None:
     """max_new_tokens below the model's positions (the prompt needs one at least): past them a model's text is
     garbage (transformers only warns) or its position embedding fails on the executors."""
