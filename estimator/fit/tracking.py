@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import textwrap
 import warnings
 from typing import Any, Dict, Iterator, Optional
 
@@ -39,7 +40,7 @@ def check_mlflow(setting: Optional[bool]) -> None:
         with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10"):  # a dead server: seconds
             MlflowClient(uri).search_experiments(max_results=1)
     except Exception as exc:  # noqa: BLE001 - whatever the store raises, the fix is the same
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        first = textwrap.shorten((str(exc).strip().splitlines() or [""])[0], 300, placeholder=" ...")  # whole words
         raise ValueError(f"mlflow={setting!r}: MLflow's tracking store {uri!r} cannot be used "
                          f"({type(exc).__name__}: {first}). Point MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) at "
                          "a tracking server (http://host:5000), at a database URI with the full mlflow package (pip "
@@ -135,7 +136,7 @@ class MlflowLog:
             if self.failed:
                 return  # said once
             self.failed = True
-            warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {str(exc)[:500]}); the fit goes "
+            warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {textwrap.shorten(str(exc), 500, placeholder=' ...')}); the fit goes "
                           "on and returns its model, and logs nothing more to MLflow. Its history is on the model "
                           "(getHistory()).", RuntimeWarning, stacklevel=2)
 
