@@ -185,4 +185,5 @@ def test_float_class_labels_for_a_models_own_loss_are_told_to_be_integers(store)
                                          r"targets.*F.col\('y'\).cast\('int'\)"):
         dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), indexed)
     store.rm(store.path("train"))
-    assert dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), _data(store, np.array([0, 1, 2] * 10))) == [(3,)]
+    classes = _data(store, np.array([0, 1, 2] * 10))
+    assert dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), classes) == [(3,)]

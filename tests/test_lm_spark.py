@@ -180,7 +180,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     texts = spark.createDataFrame(lm_rows(8), "prompt string, response string")
     bad_chat = spark.createDataFrame([([("user", "hi")],)], "chat array<struct<role:string, text:string>>")
     map_chat = spark.createDataFrame([([{"role": "user", "content": "hi"}],)], "chat array<map<string,string>>")
-    int_responses = spark.createDataFrame([(p, i) for i, (p, _) in enumerate(lm_rows(8))], "prompt string, response int")
+    int_responses = spark.createDataFrame([(p, i) for i, (p, _) in enumerate(lm_rows(8))],
+                                          "prompt string, response int")
     cases = [
         (dict(model=functools.partial(transformers.AutoModelForSequenceClassification.from_pretrained, bert),
               tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,

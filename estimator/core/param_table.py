@@ -123,8 +123,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("transformation_fn", "function(pandas.DataFrame) -> pandas.DataFrame applied to every training and "
               "validation batch", None, optional(callable), "a callable or None", json=False),
     TOKENIZER,
-    ParamSpec("max_length", "tokens kept per text (longer texts are truncated); None: the tokenizer's model maximum, at most the "
-              "model's positions (a Hugging Face config's max_position_embeddings)",
+    ParamSpec("max_length", "tokens kept per text (longer texts are truncated); None: the tokenizer's model maximum, "
+              "at most the model's positions (a Hugging Face config's max_position_embeddings)",
               None, optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("train_step", "your training step: function(model, batch, ctx) -> the loss (a scalar tensor) or a dict "
               "with 'loss' and other numbers (history keys); the estimator does backward, precision, clipping, "

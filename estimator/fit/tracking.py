@@ -40,12 +40,17 @@ def check_mlflow(setting: Optional[bool]) -> None:
         with _env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="10"):  # a dead server: seconds
             MlflowClient(uri).search_experiments(max_results=1)
     except Exception as exc:  # noqa: BLE001 - whatever the store raises, the fix is the same
-        first = textwrap.shorten((str(exc).strip().splitlines() or [""])[0], 300, placeholder=" ...")  # whole words
+        first = brief((str(exc).strip().splitlines() or [""])[0], 300)
         raise ValueError(f"mlflow={setting!r}: MLflow's tracking store {uri!r} cannot be used "
                          f"({type(exc).__name__}: {first}). Point MLFLOW_TRACKING_URI (or mlflow.set_tracking_uri) at "
                          "a tracking server (http://host:5000), at a database URI with the full mlflow package (pip "
                          "install mlflow), or at a folder with MLFLOW_ALLOW_FILE_STORE=true; or set mlflow=False."
                          ) from None
+
+
+def brief(text: str, width: int) -> str:
+    """`text` within `width` characters, cut between words (MLflow's errors run to pages)."""
+    return textwrap.shorten(text, width, placeholder=" ...")
 
 
 @contextlib.contextmanager
@@ -136,8 +141,8 @@ class MlflowLog:
             if self.failed:
                 return  # said once
             self.failed = True
-            warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {textwrap.shorten(str(exc), 500, placeholder=' ...')}); the fit goes "
-                          "on and returns its model, and logs nothing more to MLflow. Its history is on the model "
+            warnings.warn(f"Logging {what} to MLflow failed ({type(exc).__name__}: {brief(str(exc), 500)}); the fit "
+                          "goes on and returns its model, and logs nothing more to MLflow. Its history is on the model "
                           "(getHistory()).", RuntimeWarning, stacklevel=2)
 
 
