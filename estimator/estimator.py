@@ -14,7 +14,8 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
@@ -24,7 +25,7 @@ from estimator.compression import compression_name
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps, user_objects
-from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec, UserObjects
+from estimator.core.spec import DataSpec, LMSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.core.stopping import Monitor
 from estimator.data.parquet import list_pieces, parquet_columns, parquet_schema
 from estimator.data.plan import optimizer_steps, plan_steps
@@ -34,11 +35,11 @@ from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
 from estimator.fit.language import (check_max_length, check_max_new_tokens, check_room, check_vocabulary,
-                                   effective_max_length, is_lm_fit, lm_spec)
+                                   effective_max_length, lm_spec)
 from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
-from estimator.fit.strategy import check_shared_gpus
+from estimator.fit.strategy import check_shared_gpus, strategy_class
 from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
@@ -46,6 +47,7 @@ from estimator.predict.persistence import Persistable
 from estimator.train.checkpoint import load_checkpoint, restore
 from estimator.train.lightning import optimizer_for
 from estimator.train.losses import ModelsOwnLoss, loss_kind
+from estimator.train.objectives.registry import choose_objective
 from estimator.train.worker import build_optimizer
 from store import LocalStore, Store
 from store.runs import enforce_runs
@@ -107,20 +109,20 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
     def _fit(self, df: DataFrame) -> TorchModel:
         checks.check_dataframe(df)
-        p = self._checked()
-        checks.check_schema(p, df.schema)
-        p["text_cols"], p["lm"] = checks.text_columns(p, df.schema), lm_spec(p, df.schema)
-        run = self._prepare(p, df.sparkSession, has_validation=bool(p["validation"]))
-        columns = list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
-                                                                      else [])
+        p, objective = self._checked()
+        checks.check_schema(p, objective, df.schema)
+        text = TextColumns.of(p, objective, df.schema)
+        run = self._prepare(p, objective, df.sparkSession, has_validation=bool(p["validation"]))
+        columns = columns_of(p)
         if p["data_mode"] == "direct":
             plain, source = direct_source(df, columns, p["validation"], run.split_seed, run.num_proc, p["drop_nulls"])
-            return self._train(p, run, data_spec(p, run.store), df.sparkSession, source,
+            return self._train(p, run, data_spec(p, text, run.store), df.sparkSession, source,
                                head(plain, columns, HEAD_ROWS))
         materialize_started = time.perf_counter()
         m = materialize(df, run.store, columns, p["validation"], run.split_seed, run.num_proc,
                         p["partitions_per_process"], p["drop_nulls"])
-        data = data_spec(p, run.store, m.train, m.val, materialize_seconds=time.perf_counter() - materialize_started)
+        data = data_spec(p, text, run.store, m.train, m.val,
+                         materialize_seconds=time.perf_counter() - materialize_started)
         try:
             return self._train(p, run, data, df.sparkSession)
         finally:
@@ -129,34 +131,40 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
     def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
         """Train on Parquet already in the store: folders (paths inside the store, or full URLs of it)
         holding the feature, label and weight columns."""
-        p = self._checked()
+        p, objective = self._checked()
         spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-        run = self._prepare(p, spark, has_validation=val_path is not None)
+        run = self._prepare(p, objective, spark, has_validation=val_path is not None)
         store = run.store
         train_dir, val_dir = (_in_store(store, path) if path else "" for path in (train_path, val_path))
-        data = data_spec(p, store, list_pieces(store, train_dir), list_pieces(store, val_dir) if val_dir else ())
-        if not data.train:
+        train = list_pieces(store, train_dir)
+        if not train:
             raise ValueError(f"fit_on_parquet found no Parquet rows under {train_path!r} in {store!r}.")
-        available = parquet_columns(store, data.train[0])
-        missing = [c for c in data.columns if c not in available]
+        available = parquet_columns(store, train[0])
+        missing = [c for c in columns_of(p) if c not in available]
         if missing:
             raise ValueError(f"Columns {missing} are not in the Parquet files under {train_path!r}. "
                              f"Available columns: {', '.join(available)}.")
-        schema = from_arrow_schema(parquet_schema(store, data.train[0]))
-        p["text_cols"], p["lm"] = checks.text_columns(p, schema), lm_spec(p, schema)
-        return self._train(p, run, replace(data, text_cols=p["text_cols"], lm=p["lm"]), spark)
+        schema = from_arrow_schema(parquet_schema(store, train[0]))
+        text = TextColumns.of(p, objective, schema)
+        return self._train(p, run, data_spec(p, text, store, train, list_pieces(store, val_dir) if val_dir else ()),
+                           spark)
 
     # -- steps ---------------------------------------------------------------------------------
-    def _checked(self) -> Dict[str, Any]:
-        p = self.validated()
-        p["label_cols"] = list(p["label_cols"] or [])  # none: a loop that computes its own loss (checked below)
+    def _checked(self) -> Tuple[Mapping[str, Any], Any]:
+        """The params, validated and completed once (read-only from here on: the driver's module, the factory that
+        built it, the label columns as a list), and the fit's objective, chosen once (estimator.train.objectives)."""
+        validated = self.validated()
         # a factory is called here once, then on each rank; what it left on the meta device read here whole
-        p["model"], p["model_factory"] = model_of(p["model"], p["weights_folder"])
-        p["model"] = with_peft(p["model"], p["model_factory"], p["peft_config"], p["weights_folder"], p["optimizer"])
-        checks.check_params(p)
+        model, factory = model_of(validated["model"], validated["weights_folder"])
+        model = with_peft(model, factory, validated["peft_config"], validated["weights_folder"], validated["optimizer"])
+        p = MappingProxyType({**validated, "model": model, "model_factory": factory,
+                              # none: a loop that computes its own loss (checked below)
+                              "label_cols": list(validated["label_cols"] or [])})
+        objective = choose_objective(p)
+        checks.check_params(p, objective)
         check_max_length(p)
         check_vocabulary(p)
-        if is_lm_fit(p):
+        if checks.language_model(objective):
             check_max_new_tokens(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
@@ -173,35 +181,37 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                 raise ValueError("checkpoint_steps needs the default reader='arrow': petastorm's training stream runs "
                                  "across epochs, so a position inside an epoch cannot be resumed. Set "
                                  "checkpoint_steps=None or reader='arrow'.")
-        return p
+        return p, objective
 
-    def _prepare(self, p: Dict[str, Any], spark: SparkSession, has_validation: bool) -> RunPlan:
+    def _prepare(self, p: Mapping[str, Any], objective: Any, spark: SparkSession, has_validation: bool) -> RunPlan:
         """Everything decided on the driver before any Spark job: pickled objects, process count, seed."""
+        lm = checks.language_model(objective)
         losses = checks.losses_per_label(p["loss"], len(p["label_cols"])) if p["loss"] is not None else \
-            [ModelsOwnLoss()] if checks.own_loss(p) and not p.get("lm") else []
+            [ModelsOwnLoss()] if checks.own_loss(p) and not lm else []
         constructors = checks.losses_per_label(p["loss_constructors"], len(p["label_cols"])) \
             if p["loss_constructors"] is not None else []
         labels = len(p["label_cols"])
         weights = list(p["loss_weights"] or [1.0 / max(labels, 1)] * labels)
+        strategy = strategy_class(p)
         objs = user_objects(p["model"], p["optimizer"], losses, weights, list(p["metrics"]), p["lr"],
-                            model_factory=p["model_factory"])
+                            model_factory=p["model_factory"], loss_constructors=constructors,
+                            transformation_fn=p["transformation_fn"], callbacks=list(p["callbacks"]),
+                            lr_scheduler_fn=p["lr_scheduler_fn"], train_step=p["train_step"], train_fn=p["train_fn"],
+                            tokenizer=p["tokenizer"], shard_units=p["shard_units"],
+                            weights_folder=p["weights_folder"], peft_config=p["peft_config"], objective=objective,
+                            strategy=strategy)
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
         else:  # train_step's keys are known after its dry run
-            names = (["loss", "perplexity"] if p.get("lm") else
+            names = (["loss", "perplexity"] if lm else
                      checks.metric_names(p, losses or [make() for make in constructors]))
             monitor = None if p["train_step"] is not None or objs.lightning else checks.monitor_for(
                 p, names, has_validation)
-        objs.loss_constructors, objs.transformation_fn = constructors, p["transformation_fn"]
-        objs.callbacks, objs.lr_scheduler_fn = list(p["callbacks"]), p["lr_scheduler_fn"]
-        objs.train_step, objs.train_fn, objs.tokenizer = p["train_step"], p["train_fn"], p["tokenizer"]
-        objs.shard_units, objs.weights_folder = p["shard_units"], p["weights_folder"]
-        objs.peft_config = p["peft_config"]
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
                                *p["metrics"], p["transformation_fn"], p["train_step"], p["train_fn"], *p["callbacks"],
-                               p["lr_scheduler_fn"], p["tokenizer"], p["shard_units"]])
+                               p["lr_scheduler_fn"], p["tokenizer"], p["shard_units"], objective, strategy])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)
@@ -226,7 +236,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id,
                        monitor, per_task)
 
-    def _train(self, p: Dict[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
+    def _train(self, p: Mapping[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
                first_rows: Optional[Dict[str, Any]] = None) -> TorchModel:
         """`source` and `first_rows`: the direct mode's input DataFrame (estimator.fit.direct) and its first rows."""
         started = time.perf_counter()
@@ -293,7 +303,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             log.warning("Store budget: could not check the run folders: %s", exc)
         return model
 
-    def _model(self, p: Dict[str, Any], run: RunPlan, output_shapes: List[tuple], stepping: int) -> TorchModel:
+    def _model(self, p: Mapping[str, Any], run: RunPlan, output_shapes: List[tuple], stepping: int) -> TorchModel:
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
         restore_best, of its best epoch's checkpoint (the history stays whole)."""
         objs, store, run_id, layout = run.objs, run.store, run.run_id, run.store.run(run.run_id)
@@ -317,20 +327,41 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
-                          tokenizer=p["tokenizer"], output_kind="generate" if p.get("lm") else None,
+                          tokenizer=p["tokenizer"],
+                          output_kind=objs.objective.transform_output if objs.objective is not None else None,
                           **{s.name: p[s.name] for s in TRAINING_PARAMS})
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)
 
 
-def data_spec(p: Dict[str, Any], store: Store, train: Tuple[Any, ...] = (), val: Tuple[Any, ...] = (),
-              materialize_seconds: float = 0.0) -> DataSpec:
+@dataclass(frozen=True)
+class TextColumns:
+    """What the schema says of the string columns, decided once: the text feature columns tokenized per batch, or
+    a causal LM's prompt and response (or chat) columns (its objective says the fit is one)."""
+
+    text_cols: Tuple[str, ...] = ()
+    lm: Optional[LMSpec] = None
+
+    @classmethod
+    def of(cls, p: Mapping[str, Any], objective: Any, schema: Any) -> "TextColumns":
+        return cls(checks.text_columns(p, objective, schema),
+                   lm_spec(p, schema) if checks.language_model(objective) else None)
+
+
+def columns_of(p: Mapping[str, Any]) -> List[str]:
+    """The columns a fit reads: features, labels, the sample weights."""
+    return list(p["feature_cols"]) + list(p["label_cols"]) + ([p["sample_weight_col"]] if p["sample_weight_col"]
+                                                              else [])
+
+
+def data_spec(p: Mapping[str, Any], text: TextColumns, store: Store, train: Tuple[Any, ...] = (),
+              val: Tuple[Any, ...] = (), materialize_seconds: float = 0.0) -> DataSpec:
     """The columns and shapes from the params; the pieces (none in the direct mode: the ranks have them)."""
-    return DataSpec(store, train, val, tuple(p["feature_cols"]), tuple(p["label_cols"]), p["sample_weight_col"],
-                    checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
-                    materialize_seconds=materialize_seconds, text_cols=tuple(p.get("text_cols", ())),
-                    max_length=effective_max_length(p), lm=p.get("lm"))
+    return DataSpec(store, tuple(train), tuple(val), tuple(p["feature_cols"]), tuple(p["label_cols"]),
+                    p["sample_weight_col"], checks.shapes(p["input_shapes"]), checks.shapes(p["label_shapes"]),
+                    materialize_seconds=materialize_seconds, text_cols=text.text_cols,
+                    max_length=effective_max_length(p), lm=text.lm)
 
 
 def run_metadata(store: Store, run_id: str) -> Dict[str, Any]:

@@ -117,6 +117,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
     from estimator.data.parquet import list_pieces
+    from estimator.train.losses import Objective
 
     X, y = digits
     store.makedirs(store.path("train"))
@@ -126,8 +127,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
                     ("features",), ("label",))
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], list(metrics),
-                        model_factory=model_factory)
-    objs.weights_folder = weights_folder
+                        model_factory=model_factory, weights_folder=weights_folder, objective=Objective)
     return TrainSpec(data, dumps(objs, "model", roots=[model_factory or model]), store.run(run), batch, 50, epochs,
                      seed=3, **spec_fields)
 

@@ -49,6 +49,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, LMSpec, TrainSpec
     from estimator.data.parquet import list_pieces
+    from estimator.train.objectives.tokens import TokenObjective
 
     def write(name, part):
         store.makedirs(store.path(name))
@@ -65,7 +66,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     data = DataSpec(store, train, val, (lm.column,), () if chat else ("response",), lm=lm, max_length=max_length)
     factory = functools.partial(AutoModelForCausalLM.from_pretrained, path)
     objs = user_objects(with_adapters(factory(), peft_config), functools.partial(torch.optim.AdamW, lr=lr), [], [],
-                        [], model_factory=factory)
-    objs.tokenizer, objs.peft_config = AutoTokenizer.from_pretrained(path), peft_config
+                        [], model_factory=factory, tokenizer=AutoTokenizer.from_pretrained(path),
+                        peft_config=peft_config, objective=TokenObjective)
     return TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run(run), batch, batch, epochs, seed=3,
                      shuffle=False, **fields)

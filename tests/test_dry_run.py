@@ -12,6 +12,7 @@ from estimator.core.spec import DataSpec
 from estimator.data.parquet import list_pieces
 from estimator.fit.dry_run import dry_run
 from estimator.train.losses import Objective
+from estimator.train.sums import split
 
 
 def _data(store, labels, width=4, label_width=None):
@@ -108,7 +109,8 @@ def test_accuracy_reads_the_output_as_the_loss_does():
 
     def accuracy_of(loss, output):
         objective = Objective([loss], [1.0], ["accuracy"], ["y"], weighted=False)
-        return objective.summarize(objective((output,), (target,), None)[1].tolist(), with_val=False)["accuracy"]
+        sums = objective((output,), (target,), None)[1].tolist()
+        return objective.summarize(*split(objective.layout, sums, with_val=False))["accuracy"]
 
     assert accuracy_of(nn.BCEWithLogitsLoss(), logits) == 0.75  # logits >= 0; thresholding at 0.5 gave 0.5
     assert accuracy_of(nn.BCELoss(), torch.sigmoid(logits)) == 0.75  # probabilities >= 0.5

@@ -196,7 +196,7 @@ def test_fsdp_on_one_rank_trains_the_whole_model_as_ddp_and_leaves_shards_that_t
     checkpoint is a folder of shards, so the run goes on with strategy='fsdp' on 2 ranks."""
     from dataclasses import replace
 
-    from estimator.train.worker import SOLO
+    from estimator.train.strategies.ddp import SOLO
 
     ddp = LocalLauncher().run(spec(store, digits, "one-ddp", epochs=1), 1)
     one = LocalLauncher().run(spec(store, digits, "one-fsdp", strategy="fsdp", epochs=1), 1)

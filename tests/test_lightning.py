@@ -7,6 +7,7 @@ from torch import nn
 
 from estimator.train import lightning
 from estimator.train.steps import StepContext
+from estimator.train.sums import split
 
 L = pytest.importorskip("lightning")
 
@@ -120,15 +121,15 @@ def test_a_lightning_objective_sums_the_loss_and_each_logged_key_over_the_rows_t
     steps = lightning.LightningSteps(module)
     torch.manual_seed(0)
     batches = [(torch.randn(n, 4), torch.randint(0, 3, (n,))) for n in (4, 6, 2)]
-    train = torch.zeros(objective.width, dtype=torch.float64)
-    val = torch.zeros(objective.width, dtype=torch.float64)
+    train = torch.zeros(objective.layout.width, dtype=torch.float64)
+    val = torch.zeros(objective.layout.width, dtype=torch.float64)
     for index, (x, y) in enumerate(batches):
         ctx = StepContext(0, 1, torch.device("cpu"), 1, True, batch_idx=index)
         train += objective.on_batch(steps, ([x], [y], None), ctx)[1]
         with torch.no_grad():
             val += objective.on_batch(module, ([x], [y], None), StepContext(0, 1, torch.device("cpu"), 1, False,
                                                                             batch_idx=index))[1]
-    row = objective.summarize(torch.cat([train, val]).tolist(), with_val=True)
+    row = objective.summarize(*split(objective.layout, torch.cat([train, val]).tolist(), with_val=True))
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     with torch.no_grad():
         whole = float(F.cross_entropy(module(x), y))

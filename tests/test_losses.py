@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from estimator.train.losses import Objective, adapt_target
+from estimator.train.sums import split
 
 
 def test_float_class_labels_are_cast_for_class_index_losses():
@@ -28,7 +29,7 @@ def test_weighted_loss_is_weighted_mean_of_row_losses():
     loss, sums = objective((out,), (target,), weights)
     assert torch.isclose(loss, torch.tensor((3 * 1 + 1 * 9) / 4.0))
     assert sums[0].item() == 12.0 and sums[1].item() == 4.0
-    summary = objective.summarize(sums.tolist() * 2, with_val=True)
+    summary = objective.summarize(*split(objective.layout, sums.tolist() * 2, with_val=True))
     assert summary == {"loss": 3.0, "val_loss": 3.0}
 
 

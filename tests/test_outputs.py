@@ -79,13 +79,17 @@ def test_loss_none_trains_on_the_models_own_loss_as_the_same_loss_given(store, d
 
 def test_loss_none_is_refused_by_name_unless_the_forward_takes_labels():
     from estimator.fit.checks import check_params
+    from estimator.train.objectives.registry import choose_objective
+
+    def check(p):
+        check_params(p, choose_objective(p))
 
     base = dict(estimator_params())
     with pytest.raises(ValueError, match=r"needs 'loss'.*MLP.forward takes no 'labels'"):
-        check_params({**base, "model": MLP()})
+        check({**base, "model": MLP()})
     with pytest.raises(ValueError, match=r"one label column and no sample weights.*sample_weight_col='w'"):
-        check_params({**base, "model": OwnLoss(), "sample_weight_col": "w"})
-    check_params({**base, "model": OwnLoss()})
+        check({**base, "model": OwnLoss(), "sample_weight_col": "w"})
+    check({**base, "model": OwnLoss()})
 
 
 def estimator_params():

@@ -196,4 +196,4 @@ def test_label_cols_are_optional_only_for_loops_that_compute_their_own_loss():
                                          r"distinct column names with the built-in loop \(loss=...\)"):
         _valid(label_cols=None)._checked()
     assert _valid(label_cols=None, loss=None, train_step=lambda model, batch, ctx: model(batch.features[0]).sum()
-                  )._checked()["label_cols"] == []
+                  )._checked()[0]["label_cols"] == []

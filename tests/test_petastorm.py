@@ -68,11 +68,11 @@ def test_petastorm_applies_the_transformation_fn(store, digits):
         return frame
 
     from estimator.core.pickling import dumps, user_objects
+    from estimator.train.losses import Objective
 
     spec = _spec(store, digits, ReaderSpec("petastorm", 1, 1, "thread"), train_rows=600)
     objs = user_objects(seeded(MLP), torch.optim.Adam(seeded(MLP).parameters(), lr=0.05), [nn.CrossEntropyLoss()],
-                        [1.0], ["accuracy"])
-    objs.transformation_fn = all_zero
+                        [1.0], ["accuracy"], transformation_fn=all_zero, objective=Objective)
     import dataclasses
 
     spec = dataclasses.replace(spec, payload=dumps(objs, "model", roots=[objs.model, all_zero]))

@@ -49,22 +49,28 @@ SCHEMA = StructType([StructField("text", StringType()), StructField("title", Str
                      StructField("x", ArrayType(FloatType())), StructField("label", LongType())])
 
 
+def text_columns_of(p, schema):
+    from estimator.train.losses import Objective
+
+    return text_columns(p, Objective, schema)  # a fit on a loss: its text columns are tokenized per batch
+
+
 def params(**kw):
     return {"feature_cols": ["text", "x"], "tokenizer": len, "input_shapes": None, "reader": "arrow", **kw}
 
 
 def test_text_columns_are_refused_by_name_where_training_could_not_read_them():
-    assert text_columns(params(), SCHEMA) == ("text",)
+    assert text_columns_of(params(), SCHEMA) == ("text",)
     with pytest.raises(ValueError, match=r"Column 'text' \(from feature_cols\) holds strings: set tokenizer"):
-        text_columns(params(tokenizer=None), SCHEMA)
+        text_columns_of(params(tokenizer=None), SCHEMA)
     with pytest.raises(ValueError, match=r"2 string columns \['text', 'title'\].*concat_ws"):
-        text_columns(params(feature_cols=["text", "title"]), SCHEMA)
+        text_columns_of(params(feature_cols=["text", "title"]), SCHEMA)
     with pytest.raises(ValueError, match=r"input_shapes\[0\] is \[-1, 8\] for the text column 'text'.*None"):
-        text_columns(params(input_shapes=[[-1, 8], None]), SCHEMA)
+        text_columns_of(params(input_shapes=[[-1, 8], None]), SCHEMA)
     with pytest.raises(ValueError, match="reader='arrow'"):
-        text_columns(params(reader="petastorm"), SCHEMA)
+        text_columns_of(params(reader="petastorm"), SCHEMA)
     with pytest.raises(ValueError, match=r"tokenizer is set, and no column of feature_cols \['x'\] holds strings"):
-        text_columns(params(feature_cols=["x"]), SCHEMA)
+        text_columns_of(params(feature_cols=["x"]), SCHEMA)
 
 
 def test_without_max_length_texts_are_cut_at_the_models_positions_when_the_tokenizer_has_no_maximum(tokenizer):

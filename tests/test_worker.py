@@ -179,6 +179,42 @@ def test_a_step_checkpoint_resumes_at_its_batch_or_over_the_rows_left(store, dig
     assert ("the epoch starts over from its first batch" in caplog.text) == (global_steps == 3 + 5)
 
 
+def test_a_checkpoint_inside_an_epoch_keeps_its_sums_by_name_and_0_3_0_dev0s_list_still_resumes(store, digits):
+    """300 rows of batch 32, a checkpoint every 4 steps; the run fails at step 6, after the checkpoint of step 4.
+    The checkpoint holds the epoch's sums so far by name; resumed from it, or from the same checkpoint with the
+    sums as 0.3.0.dev0 wrote them (a list in the objective's order), the epoch reports what the uninterrupted run
+    reports. Sums of another layout (another metric) are refused by name, not added to the wrong slots."""
+    import dataclasses
+
+    from estimator.train.checkpoint import load_checkpoint, write_checkpoint
+
+    def run_spec(run, **fields):
+        model = seeded(MLP)
+        return make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=300,
+                         val_rows=50, epochs=1, batch=32, run=run, checkpoint_steps=4, **fields)
+
+    (whole,) = LocalLauncher().run(run_spec("whole"), 1)
+    cut = run_spec("cut")
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=6),)).run(cut, 1)
+    state = load_checkpoint(store, cut.run.checkpoint)
+    assert state["position"]["step"] == 4 and list(state["position"]["sums"]) == [
+        "loss", "loss_weight", "rows", "metric:accuracy"]
+    assert state["position"]["sums"]["rows"] == 4 * 32
+    named = state["position"]["sums"]
+    for saved in (named, list(named.values()), {**named, "metric:recall": 0.0}):
+        write_checkpoint(store, {**state, "position": {**state["position"], "sums": saved}}, [cut.run.checkpoint])
+        again = dataclasses.replace(cut, resume_from=cut.run.checkpoint, launch_id=f"again-{len(saved)}")
+        if len(saved) > len(named):
+            with pytest.raises(RankFailed, match=r"whose sums are \['loss', 'loss_weight', 'metric:accuracy', "
+                                                 r"'metric:recall', 'rows'\].*same loss and metrics"):
+                LocalLauncher().run(again, 1)
+            continue
+        (resumed,) = LocalLauncher().run(again, 1)
+        assert {k: v for k, v in resumed.history[0].items() if k != "data_wait"} == pytest.approx(
+            {k: v for k, v in whole.history[0].items() if k != "data_wait"}, rel=1e-12)
+
+
 def test_the_memory_budget_comes_from_pyspark_memory_per_executor_core():
     from estimator.estimator import pyspark_memory_per_task
 
@@ -327,18 +363,20 @@ def test_terminate_on_nan_false_trains_on(store, digits):
 def test_one_rank_trains_through_a_stand_in_with_ddps_calls_and_the_same_numbers(store, digits):
     """One rank has no gradients to average: it trains through `Solo`, not DistributedDataParallel (whose hooks
     cost 27% of a small model's steps on an H100), with the calls a train_step or train_fn makes of DDP."""
-    from estimator.train.worker import SOLO, Solo, wrap
+    from estimator.train.distributed import RankContext
+    from estimator.train.strategies.ddp import DDP, SOLO, Solo
 
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=320, val_rows=64,
+                     epochs=1, batch=64)
     module = seeded(MLP)
-    solo = wrap(module, torch.device("cpu"), 1)
+    solo = DDP("ddp", spec, RankContext(0, 1, 0, "cpu"), None).wrap(module)
     assert isinstance(solo, Solo) and solo.module is module
     x = torch.from_numpy(digits[0][:8])
     with solo.no_sync():
         assert torch.equal(solo(x), module(x))
     assert list(solo.parameters()) == list(module.parameters())
-    model = seeded(MLP)
-    (result,) = LocalLauncher().run(make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                              train_rows=320, val_rows=64, epochs=1, batch=64), 1)
+    (result,) = LocalLauncher().run(spec, 1)
     assert result.allreduce == SOLO
 
 
@@ -356,8 +394,8 @@ def test_lr_scheduler_fn_in_lightnings_dict_form_steps_per_step_or_per_epoch(sto
                      val_rows=64, epochs=2, batch=64)
     objs = pickle.loads(spec.payload)
     halving = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)  # noqa: E731
-    objs.lr_scheduler_fn = (lambda opt: {"scheduler": halving(opt), "interval": "step"}) if interval == "step" \
-        else halving
+    objs = dataclasses.replace(objs, lr_scheduler_fn=(lambda opt: {"scheduler": halving(opt), "interval": "step"})
+                               if interval == "step" else halving)
     (result,) = LocalLauncher().run(dataclasses.replace(spec, payload=dumps(objs, "model", roots=[objs.model])), 1)
     assert result.optimizer_steps == 10
     steps = 10 if interval == "step" else 2

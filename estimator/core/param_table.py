@@ -193,8 +193,8 @@ ESTIMATOR_PARAMS = [
               "sharded over the ranks (FSDP2's fully_shard), each rank writing its own shards of the checkpoints "
               "(docs/gpus.md 'Large models'); 'auto': fsdp's checkpoints and limits, the model sharded only on GPU "
               "ranks that could not hold its parameters, gradients and Adam's state in half their memory, else "
-              "trained whole as with ddp (said in the log)", "ddp", lambda v: v in ("ddp", "fsdp", "auto"),
-              "'ddp', 'fsdp' or 'auto'"),
+              "trained whole as with ddp (said in the log)", "ddp", is_instance(str),
+              "the name of a strategy ('ddp', 'fsdp' or 'auto': estimator.train.strategies.STRATEGIES)"),
     ParamSpec("shard_units", "with strategy='fsdp', the submodules sharded as units, each gathered whole only for "
               "its own forward and backward: None, the items of every nn.ModuleList (a transformer's blocks); a "
               "list of nn.Module classes; or a callable(module) -> bool. The whole model is the last unit", None,

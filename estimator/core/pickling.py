@@ -28,17 +28,18 @@ _INSTALLED_EVERYWHERE = {"estimator", "store", "torch", "numpy", "pyspark", "bui
 
 
 def user_objects(model: nn.Module, optimizer: Any, losses: List[Any], loss_weights: List[float], metrics: List[Any],
-                 lr: Optional[float] = None, model_factory: Any = None) -> UserObjects:
-    """A copy of everything the ranks need; the user's own model and optimizer are not touched. `lr`
+                 lr: Optional[float] = None, model_factory: Any = None, **chosen: Any) -> UserObjects:
+    """A copy of everything the ranks need, built whole; the user's own model and optimizer are not touched. `lr`
     (the estimator's param) replaces the learning rate of every param group. No optimizer: a LightningModule's
     configure_optimizers builds one on every rank. `model_factory`: what built `model` (the ranks call it; the
-    model is not pickled). An optimizer that is a callable is called with each rank's parameters."""
+    model is not pickled). An optimizer that is a callable is called with each rank's parameters. `chosen`: the
+    other fields of UserObjects (the objective, the strategy, train_step, tokenizer...)."""
+    kept = dict(model=model if model_factory is not None else copied(model, "model").cpu(),
+                losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics),
+                model_factory=model_factory, **chosen)
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
-        return UserObjects(model=model if model_factory is not None else copied(model, "model").cpu(),
-                           optimizer_cls=None, optimizer_groups=[], optimizer_defaults={}, optimizer_state={},
-                           losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights), metrics=list(metrics),
-                           lightning=optimizer is None, model_factory=model_factory, optimizer_factory=optimizer,
-                           optimizer_lr=lr)
+        return UserObjects(optimizer_cls=None, optimizer_groups=[], optimizer_defaults={}, optimizer_state={},
+                           lightning=optimizer is None, optimizer_factory=optimizer, optimizer_lr=lr, **kept)
     groups = optimizer_groups(optimizer, model)
     # numpy hyperparameters (Adam(lr=np.float64(...))) as Python numbers: checkpoints load with weights_only=True
     defaults, state = plain(constructor_defaults(optimizer)), copy.deepcopy(optimizer.state_dict())
@@ -48,10 +49,8 @@ def user_objects(model: nn.Module, optimizer: Any, losses: List[Any], loss_weigh
             defaults["lr"] = lr
         for group in state["param_groups"]:
             group["lr"] = lr
-    return UserObjects(model=model if model_factory is not None else copied(model, "model").cpu(),
-                       optimizer_cls=type(optimizer), optimizer_groups=groups, optimizer_defaults=defaults,
-                       optimizer_state=state, losses=copy.deepcopy(list(losses)), loss_weights=list(loss_weights),
-                       metrics=list(metrics), model_factory=model_factory)
+    return UserObjects(optimizer_cls=type(optimizer), optimizer_groups=groups, optimizer_defaults=defaults,
+                       optimizer_state=state, **kept)
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> List[List[int]]:

@@ -152,9 +152,10 @@ class TrainSpec:
     val_metrics: Tuple[str, ...] = ()  # what a LightningModule's validation_step logs
 
 
-@dataclass
+@dataclass(frozen=True)
 class UserObjects:
-    """The user's model, optimizer recipe, losses and metrics, pickled together once on the driver."""
+    """The user's model, optimizer recipe, losses and metrics, and what the driver chose for them (the objective,
+    the strategy), pickled together once on the driver (estimator.core.pickling.user_objects builds it whole)."""
 
     model: Any
     optimizer_cls: Optional[type]  # None: a LightningModule's configure_optimizers builds it on each rank
@@ -178,6 +179,8 @@ class UserObjects:
     shard_units: Any = None  # strategy='fsdp': what is sharded as a unit (estimator.train.sharding.unit_modules)
     weights_folder: Optional[str] = None  # what model_factory leaves on the meta device, read there (estimator.core.meta)
     peft_config: Any = None  # adapters added to the model where it is built (estimator.core.adapters)
+    objective: Any = None  # the built-in loop's objective class (estimator.train.objectives); None: train_fn's loop
+    strategy: Any = None  # the strategy class that trains it (estimator.train.strategies); None: ddp
 
     def __getstate__(self) -> Dict[str, Any]:
         """A model built by a factory travels as its factory: the weights load on each rank, never through the
@@ -188,11 +191,12 @@ class UserObjects:
         return state
 
     def module(self) -> Any:
-        """The model to train: the instance sent, or, where only the factory came (a rank), the factory's."""
+        """The model to train: the instance sent, or, where only the factory came (a rank), the factory's, built
+        now (a rank calls this once)."""
         if self.model is None:
             from estimator.core.adapters import with_adapters
 
-            self.model = with_adapters(self.model_factory(), self.peft_config)
+            return with_adapters(self.model_factory(), self.peft_config)
         return self.model
 
     def build_losses(self) -> List[Any]:

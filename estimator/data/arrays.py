@@ -5,7 +5,7 @@ of `bytes`, which only a `transformation_fn` can turn into numbers.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -16,8 +16,33 @@ from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F4
 from estimator.data.text import encoded_keys
 
 Arrays = Dict[str, np.ndarray]
-# features (a tokenized text column: a dict of tensors, forward's keyword inputs), labels, weights
-Tensors = Tuple[List[Any], List[torch.Tensor], Optional[torch.Tensor]]
+
+
+class Tensors(NamedTuple):
+    """One batch's tensors, the one place their layout is written: `features` in the order of feature_cols (a
+    tokenized text column is a dict of tensors, forward's keyword inputs), `labels` in the order of label_cols (a
+    causal LM's: its token labels), `weights` (sample_weight_col, or None). A tuple: `features, labels, weights =
+    batch` reads it."""
+
+    features: List[Any]
+    labels: List[torch.Tensor]
+    weights: Optional[torch.Tensor]
+
+    def each(self) -> Iterator[torch.Tensor]:
+        """Every tensor of the batch, those of a text column's dict included."""
+        for item in [*self.features, *self.labels, self.weights]:
+            if isinstance(item, dict):
+                yield from item.values()
+            elif item is not None:
+                yield item
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Tensors":
+        """The same batch with `fn` applied to each tensor (a text column's dict keeps its keys)."""
+        def one(item: Any) -> Any:
+            return {k: fn(v) for k, v in item.items()} if isinstance(item, dict) else fn(item)
+
+        return Tensors([one(f) for f in self.features], [fn(t) for t in self.labels],
+                       fn(self.weights) if self.weights is not None else None)
 
 
 def table_to_arrays(table: Optional[pa.Table], columns: Sequence[str]) -> Arrays:
@@ -115,14 +140,11 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
     labels = ([t(lm.labels_key, None)] if lm is not None else
               [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)])
     weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
-    return features, labels, weights
+    return Tensors(features, labels, weights)
 
 
 def tensors_to(tensors: Tensors, device: torch.device) -> Tensors:
     """Host tensors onto the device; from pinned memory the copies are asynchronous."""
     if device.type == "cpu":
         return tensors
-    features, labels, weights = tensors
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    features = [{k: move(v) for k, v in f.items()} if isinstance(f, dict) else move(f) for f in features]
-    return features, [move(l) for l in labels], move(weights) if weights is not None else None
+    return tensors.map(lambda t: t.to(device, non_blocking=True))

@@ -20,8 +20,8 @@ from estimator.fit.report import say, watching
 from estimator.launch.liveness import wait_for_other_launch
 from estimator.launch.session import default_retries, task_slots
 from estimator.launch.spark import SparkBarrierLauncher
-from estimator.train.checkpoint import (Position, describe, format_of, load_checkpoint, position_of, restore,
-                                        strategy_of)
+from estimator.train.checkpoint import Position, describe, load_checkpoint, position_of, restore, shards_of
+from estimator.train.strategies import STRATEGIES, writer_of
 from store import Store
 
 log = logging.getLogger("estimator")
@@ -137,14 +137,17 @@ def retryable(exc: BaseException) -> bool:
 def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, strategy: str = "ddp"
                  ) -> Tuple[Position, List[Dict[str, float]]]:
     """Where the run's checkpoint stands, and its history (nothing done without one); its model must be this
-    model, and its strategy this fit's (a run keeps the strategy it began with)."""
+    model, and its checkpoints of the form this fit's strategy writes (a run keeps the strategy it began with,
+    or one whose checkpoints it resumes: fsdp's and auto's are alike)."""
     if not store.exists(run.checkpoint):
         return Position(), []
     state = load_checkpoint(store, run.checkpoint)
-    if strategy_of(state) != format_of(strategy):
+    shards = shards_of(state) is not None
+    if shards != STRATEGIES[strategy].shards_checkpoints:
+        written = writer_of(state, shards)
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) written with "
-                         f"strategy={strategy_of(state)!r}, and this fit has strategy={strategy!r}: a run continues "
-                         f"with the strategy it began with. Set strategy={strategy_of(state)!r}, or use a new run_id.")
+                         f"strategy={written!r}, and this fit has strategy={strategy!r}: a run continues "
+                         f"with the strategy it began with. Set strategy={written!r}, or use a new run_id.")
     try:
         restore(store, run, run.checkpoint, copy.deepcopy(model), None)
     except (RuntimeError, ValueError, KeyError) as exc:

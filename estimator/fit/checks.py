@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import ArrayType, BinaryType, BooleanType, DataType, NumericType, StringType, StructType
@@ -12,7 +12,7 @@ from torch import nn
 from estimator.core.params import param_error
 from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
-from estimator.fit.language import check_lm_params, is_lm_fit, string_label_error
+from estimator.fit.language import check_lm_params, string_label_error
 from estimator.fit.strategy import check_strategy
 from estimator.train.lightning import is_lightning_module
 from estimator.train.losses import Objective, check_metrics, takes_labels
@@ -20,10 +20,17 @@ from estimator.train.losses import Objective, check_metrics, takes_labels
 OWNER = "TorchEstimator"
 
 
-def check_params(p: Dict[str, Any]) -> None:
+def language_model(objective: Any) -> bool:
+    """Whether the fit's objective (estimator.train.objectives; None for a train_fn) fine-tunes a causal LM: its
+    rows are prompts and responses, or chats, tokenized with their labels."""
+    return objective is not None and objective.language_model
+
+
+def check_params(p: Mapping[str, Any], objective: Any) -> None:
+    """`objective`: the fit's (estimator.train.objectives.registry.choose_objective), chosen once."""
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
     own = "train_fn" if p["train_fn"] is not None else "train_step" if p["train_step"] is not None else None
-    lm = is_lm_fit(p)  # a causal LM's fine-tuning: its loss is the next-token loss over the labelled tokens
+    lm = language_model(objective)  # a causal LM's fine-tuning: its loss is the next-token loss over its tokens
     if p["train_fn"] is not None and p["train_step"] is not None:
         raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
                          "its own step.")
@@ -142,7 +149,7 @@ def check_dataframe(df: Any) -> None:
     raise TypeError(f"{OWNER}.fit takes a Spark DataFrame; got a {kind}: {fix}.")
 
 
-def check_schema(p: Dict[str, Any], schema: StructType) -> None:
+def check_schema(p: Mapping[str, Any], objective: Any, schema: StructType) -> None:
     """Every named column exists and has a type the estimator can train on."""
     available = schema.names
     roles: List[tuple] = [(c, "feature_cols") for c in p["feature_cols"]]
@@ -168,10 +175,10 @@ def check_schema(p: Dict[str, Any], schema: StructType) -> None:
                 raise ValueError(needs_tokenizer(column))
             continue
         if isinstance(dtype, StringType) and param == "label_cols":
-            if not is_lm_fit(p):
+            if not language_model(objective):
                 raise ValueError(string_label_error(column, p))
             continue
-        if param == "feature_cols" and is_lm_fit(p):
+        if param == "feature_cols" and language_model(objective):
             continue  # a prompt or a chat: its type and fields, language.lm_spec
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
@@ -188,9 +195,9 @@ def needs_tokenizer(column: str) -> str:
             "first (StringIndexer for categories).")
 
 
-def text_columns(p: Dict[str, Any], schema: StructType) -> Tuple[str, ...]:
+def text_columns(p: Mapping[str, Any], objective: Any, schema: StructType) -> Tuple[str, ...]:
     """The string feature columns (tokenized per batch); refused when training cannot read them by keyword."""
-    if is_lm_fit(p):  # the prompt or chat column is tokenized with its labels (estimator.data.lm)
+    if language_model(objective):  # the prompt or chat column is tokenized with its labels (estimator.data.lm)
         return ()
     text = tuple(c for c in p["feature_cols"] if isinstance(schema[c].dataType, StringType))
     if text and p["tokenizer"] is None:

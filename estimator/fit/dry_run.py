@@ -22,7 +22,8 @@ from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
 from estimator.train.losses import Objective, loss_kind, loss_name
-from estimator.train.objectives import TokenObjective
+from estimator.train.objectives.tokens import TokenObjective
+from estimator.train.sums import WEIGHT
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
 
@@ -79,11 +80,12 @@ def dry_lm(model: torch.nn.Module, data: DataSpec, arrays: Arrays, rows: int) ->
     tensors = to_tensors(arrays, data)
     try:
         with torch.no_grad():
-            _, sums = TokenObjective().on_batch(model, tensors)
+            objective = TokenObjective()
+            sums = objective.layout.named(objective.on_batch(model, tensors)[1].tolist())
     except Exception as exc:  # noqa: BLE001 - the user's model
         raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
                          f"{shape_of(tensors[0][0])}): {type(exc).__name__}: {exc}") from None
-    if not float(sums[1]):
+    if not sums[WEIGHT]:
         raise ValueError(f"The first {rows} training rows have no response token left after max_length="
                          f"{data.max_length}: the prompts fill it. Raise max_length or shorten the prompts.")
     return []

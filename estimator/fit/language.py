@@ -1,15 +1,16 @@
-"""The driver's side of a causal language model's fine-tuning (SFT): when a fit is one, and its checks before any
-job. A fit is one when the built-in loop (no loss, train_step, train_fn) trains a model that can generate (a
-transformers causal LM, or peft's model around one) with a tokenizer, on a prompt column with a string label
-column (the response), or on a chat column (array<struct<role, content>>) without labels (estimator.data.lm)."""
+"""The driver's side of a causal language model's fine-tuning (SFT): its columns and its checks before any job. A
+fit is one when its objective is (estimator.train.objectives.tokens: the built-in loop, with no loss, train_step
+or train_fn, trains a model that can generate, a transformers causal LM or peft's model around one, with a
+tokenizer), on a prompt column with a string label column (the response), or on a chat column
+(array<struct<role, content>>) without labels (estimator.data.lm)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 from pyspark.sql.types import ArrayType, DataType, MapType, StringType, StructType
 
-from estimator.core.adapters import base_config, can_generate
+from estimator.core.adapters import base_config
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
@@ -24,10 +25,6 @@ CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 
 def built_in_loop(p: Dict[str, Any]) -> bool:
     return all(p.get(name) is None for name in ("loss", "loss_constructors", "train_step", "train_fn"))
-
-
-def is_lm_fit(p: Dict[str, Any]) -> bool:
-    return built_in_loop(p) and p.get("tokenizer") is not None and can_generate(p.get("model"))
 
 
 def is_chat(dtype: DataType) -> bool:
@@ -52,10 +49,9 @@ def string_label_error(column: str, p: Dict[str, Any]) -> str:
             "its tokenizer (docs/language-models.md).")
 
 
-def lm_spec(p: Dict[str, Any], schema: StructType) -> Optional[LMSpec]:
-    """The fit's LMSpec, or None when it is no causal LM fine-tuning; a fit that half is one is refused by name."""
-    if not is_lm_fit(p):
-        return None
+def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
+    """The LMSpec of a causal LM's fine-tuning (its objective says it is one); a fit that half is one is refused by
+    name."""
     features, labels = list(p["feature_cols"]), list(p["label_cols"])
     if len(features) != 1:
         raise ValueError(f"Fine-tuning a causal LM takes one feature column (the prompt, or a chat's messages); got "

@@ -1,12 +1,14 @@
 """A run's checkpoint in the store: what rank 0 writes at epoch ends (and every `checkpoint_steps`), what a
-retry or a refit reads back. Tensors and plain values only: it loads with weights_only=True."""
+retry or a refit reads back. Tensors and plain values only: it loads with weights_only=True. The model's and the
+optimizer's part is the strategy's (estimator.train.strategies: the tensors, or the name of a folder of shards);
+the file says which it holds, and loading follows the file."""
 from __future__ import annotations
 
 import io
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -23,39 +25,55 @@ TRAINABLE = "trainable"  # "contents" of a checkpoint holding only the trainable
 @dataclass
 class Position:
     """Where a run stands: `epochs` finished, then `step` batches of the next one, whose loss and metric sums
-    so far (already summed over the ranks) are `sums`."""
+    so far (already summed over the ranks) are `sums`, by name (estimator.train.sums; a checkpoint of 0.3.0.dev0
+    holds them as a list, in its objective's order)."""
 
     epochs: int = 0
     step: int = 0
-    sums: List[float] = field(default_factory=list)
+    sums: Union[Dict[str, float], List[float]] = field(default_factory=dict)
     global_step: int = 0
     layout: List[int] = field(default_factory=list)  # what `step` counts batches of: epochs.Run.layout
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],
-                     position: Position, scheduler: Any = None, scaler: Any = None,
-                     extra: Optional[Dict[str, Any]] = None, copy: bool = True,
-                     sharded: Optional[str] = None) -> Dict[str, Any]:
-    """Everything a resumed run needs; with `copy`, its tensors copied to the CPU (training may change the live
-    tensors in place while a background thread writes this; a write now needs no copy). `scaler`: 16-mixed's
-    GradScaler, whose loss scale and growth count a resumed run continues from (a fresh scale would overflow again
-    for its first steps). `extra`: train_fn's own stateful objects (a second optimizer...), by name: their
-    state_dict()s. `sharded`: strategy='fsdp''s folder of shards (estimator.train.sharded_checkpoint), which
-    holds the model's and the optimizer's tensors in place of this file."""
-    tensors = ({SHARDED: sharded, "strategy": "fsdp"} if sharded is not None
-               else {"model": trainable_state(model) if is_adapted(model) else model.state_dict(),
-                     "optimizer": optimizer.state_dict()})
-    if is_adapted(model):  # the adapters only: the frozen base comes from the model's factory
-        tensors["contents"] = TRAINABLE
-    state = {**tensors, "epoch": position.epochs,
+def model_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The model's and the optimizer's tensors as a file holds them: a model with adapters, its trainable
+    parameters only (the frozen base comes from the model's factory)."""
+    if is_adapted(model):
+        return {"model": trainable_state(model), "optimizer": optimizer.state_dict(), "contents": TRAINABLE}
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def checkpoint_file(entries: Mapping[str, Any], history: List[Dict[str, float]], position: Position,
+                    scheduler: Any = None, scaler: Any = None, extra: Optional[Dict[str, Any]] = None,
+                    copy: bool = True) -> Dict[str, Any]:
+    """Everything a resumed run needs: `entries`, the model's and the optimizer's part (the strategy's: the tensors,
+    or the folder of shards holding them), and the run's place. With `copy`, its tensors copied to the CPU (training
+    may change the live tensors in place while a background thread writes this; a write now needs no copy).
+    `scaler`: 16-mixed's GradScaler, whose loss scale and growth count a resumed run continues from (a fresh scale
+    would overflow again for its first steps). `extra`: train_fn's own stateful objects (a second optimizer...), by
+    name: their state_dict()s."""
+    sums = dict(position.sums) if isinstance(position.sums, Mapping) else list(position.sums)
+    state = {**entries, "epoch": position.epochs,
              "global_step": position.global_step, "history": [dict(row) for row in history],
-             "position": {"step": position.step, "sums": list(position.sums), "layout": list(position.layout)}
+             "position": {"step": position.step, "sums": sums, "layout": list(position.layout)}
              if position.step else None,
              "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
              "grad_scaler": scaler.state_dict() if scaler is not None else None,
              "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
              "format": CHECKPOINT_FORMAT}
     return _portable(state, copy)
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history: List[Dict[str, float]],
+                     position: Position, scheduler: Any = None, scaler: Any = None,
+                     extra: Optional[Dict[str, Any]] = None, copy: bool = True,
+                     sharded: Optional[str] = None) -> Dict[str, Any]:
+    """The file of a model trained whole (its tensors in it), or with `sharded`, of one whose tensors are in that
+    folder of shards (estimator.train.sharded_checkpoint)."""
+    entries = {SHARDED: sharded} if sharded is not None else model_entries(model, optimizer)
+    if sharded is not None and is_adapted(model):
+        entries["contents"] = TRAINABLE
+    return checkpoint_file(entries, history, position, scheduler, scaler, extra, copy)
 
 
 def write_checkpoint(store: Any, state: Dict[str, Any], targets: Sequence[str]) -> None:
@@ -166,15 +184,9 @@ def restore(store: Any, run: Any, path: str, model: nn.Module, optimizer: Option
     return state
 
 
-def strategy_of(state: Dict[str, Any]) -> str:
-    """The format a checkpoint was written in: 'fsdp' (folders of shards) or 'ddp'."""
-    return "fsdp" if state.get(SHARDED) else "ddp"
-
-
-def format_of(strategy: str) -> str:
-    """The format a strategy's checkpoints take: 'auto', sharding or not, writes fsdp's (folders of shards), so
-    that a run resumes whatever auto decides at another number of ranks."""
-    return "fsdp" if strategy in ("fsdp", "auto") else "ddp"
+def shards_of(state: Mapping[str, Any]) -> Optional[str]:
+    """The folder of shards a checkpoint names (its model and optimizer are there), or None (they are in it)."""
+    return state.get(SHARDED) or None
 
 
 def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:
@@ -200,7 +212,10 @@ def position_of(state: Optional[Dict[str, Any]]) -> Position:
     if state is None:
         return Position()
     inside = state.get("position") or {}
-    return Position(int(state["epoch"]), int(inside.get("step", 0)), [float(s) for s in inside.get("sums", [])],
+    saved = inside.get("sums", {})
+    sums = ({str(k): float(v) for k, v in saved.items()} if isinstance(saved, Mapping)
+            else [float(s) for s in saved])  # 0.3.0.dev0: a list in the objective's order
+    return Position(int(state["epoch"]), int(inside.get("step", 0)), sums,
                     int(state.get("global_step", 0)), [int(v) for v in inside.get("layout", [])])
 
 

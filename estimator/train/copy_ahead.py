@@ -40,18 +40,9 @@ def _issue(batch: Tensors, device: torch.device, side: Any) -> Tuple[Tensors, An
 def _take(pending: Tuple[Tensors, Any], training: Any) -> Tensors:
     moved, done = pending
     training.wait_event(done)  # on the GPU: the step's kernels start after the copy
-    for tensor in _tensors(moved):
+    for tensor in moved.each():
         tensor.record_stream(training)
     return moved
-
-
-def _tensors(batch: Tensors) -> Iterator[torch.Tensor]:
-    features, labels, weights = batch
-    for item in [*features, *labels, weights]:
-        if isinstance(item, dict):
-            yield from item.values()
-        elif item is not None:
-            yield item
 
 
 def with_last(items: Iterable[Any]) -> Iterator[Tuple[Any, bool]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import posixpath
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,59 +20,90 @@ from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.lm import batch_tokenizer
-from estimator.train.checkpoint import (CheckpointWriter, Position, checkpoint_state, describe, load_checkpoint,
-                                        write_checkpoint)
+from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_file, describe, write_checkpoint
 from estimator.train.distributed import RankContext
-from estimator.train.lightning import LightningObjective
 from estimator.train.loop import TrainLoop, reduce_sums
-from estimator.train.losses import Objective
-from estimator.train.objectives import TokenObjective
-from estimator.train.sharded_checkpoint import SHARDED, remove_unused, save_shards
-from estimator.train.sharded_checkpoint import folder as sharded_folder
-from estimator.train.sharding import local_bytes
-from estimator.train.steps import StepObjective
+from estimator.train.retention import Retention
+from estimator.train.strategies.base import CheckpointAt, Strategy, local_bytes
+from estimator.train.sums import ROWS, split
 from estimator.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("estimator")
 PROGRESS_SECONDS = "_epoch_seconds"  # a progress row's key for the epoch's seconds; not a history key
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """The learning-rate scheduler (None: none), the history key a ReduceLROnPlateau steps on (None: val_loss,
+    else loss), and when it steps: 'epoch', or 'step' (after every optimizer step)."""
+
+    scheduler: Any = None
+    monitor: Optional[str] = None
+    interval: str = "epoch"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What the run's checkpoint gives a launch to continue from (nothing: a new run)."""
+
+    history: Tuple[Dict[str, float], ...] = ()
+    position: Position = field(default_factory=Position)
+    extra: Dict[str, Any] = field(default_factory=dict)  # train_fn's own stateful objects' states (ctx.keep)
+    grad_scaler: Optional[Dict[str, Any]] = None  # 16-mixed's loss scale
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank's objects, built whole by estimator.train.worker: the spec, the context, the user's objects, the
+    strategy, the model (`model`: the plain module; `trained`: what the loop trains through), the optimizer and its
+    schedule, what a checkpoint restored, and a LightningModule's stand-in trainer."""
+
+    spec: TrainSpec
+    ctx: RankContext
+    objs: UserObjects
+    strategy: Strategy
+    model: nn.Module
+    trained: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    resumed: Resumed
+    trainer: Any = None
+
+
 class Run:
     """One rank's epochs: training, validation, the reduced history row, checkpoints."""
 
-    def __init__(self, spec: TrainSpec, ctx: RankContext, objs: UserObjects, model: nn.Module, ddp: nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler: Any, history: List[Dict[str, float]],
-                 faults: Tuple[Fault, ...], attempt: int, trainer: Any = None):
-        self.spec, self.ctx, self.objs, self.model, self.ddp = spec, ctx, objs, model, ddp
-        self.optimizer, self.scheduler, self.history = optimizer, scheduler, history
+    def __init__(self, rank: Rank, faults: Tuple[Fault, ...], attempt: int):
+        spec, ctx, objs = rank.spec, rank.ctx, rank.objs
+        self.rank, self.spec, self.ctx, self.objs = rank, spec, ctx, objs
+        self.strategy, self.model, self.optimizer = rank.strategy, rank.model, rank.optimizer
+        self.history: List[Dict[str, float]] = [dict(row) for row in rank.resumed.history]
         self.device = torch.device(ctx.device)
-        self.objective = (None if objs.train_fn is not None  # train_fn computes its own loss
-                          else StepObjective(objs.train_step, spec.step_metrics, spec.data) if objs.train_step is not None
-                          else LightningObjective(model, spec.step_metrics, spec.val_metrics, trainer) if objs.lightning
-                          else TokenObjective() if spec.data.lm is not None  # a causal LM's fine-tuning
-                          else Objective(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
-                                         weighted=spec.data.sample_weight_col is not None))
-        self.loop = TrainLoop(spec, ctx, ddp, optimizer, self.objective, faults, attempt, self.checkpoint_inside)
         self.faults, self.attempt = faults, attempt
+        # the objective chosen on the driver (estimator.train.objectives); None for a train_fn, which computes its own
+        self.objective = objs.objective.for_rank(spec, objs, rank.model, rank.trainer) if objs.objective else None
+        scheduler = rank.schedule.scheduler
+        self.loop = TrainLoop(spec, ctx, rank.strategy, rank.trained, rank.optimizer, self.objective, faults, attempt,
+                              checkpoint=self.checkpoint_inside, on_step=self.step_logged,
+                              after_step=scheduler.step if scheduler is not None and rank.schedule.interval == "step"
+                              else None, scaler_state=rank.resumed.grad_scaler,
+                              global_step=rank.resumed.position.global_step)
         self.waited = self.looped = 0.0
         self.seconds: Dict[int, float] = {}  # rank 0's wall seconds of each epoch this launch ran (the epoch line's)
-        self.tensorboard: Optional[TensorBoardLog] = None
+        self.tensorboard: Optional[TensorBoardLog] = None  # rank 0's, while training
         self.extra_state: Dict[str, Any] = {}  # train_fn's own stateful objects, checkpointed by name (ctx.keep)
-        self.restored_extra: Dict[str, Any] = {}  # their states in the checkpoint this run resumes from
-        self.scheduler_monitor: Optional[str] = None  # the history key a ReduceLROnPlateau steps on
-        self.scheduler_interval = "epoch"  # 'step': the loop steps it after every optimizer step (after_step)
         self.cached, self.in_remainder = False, False  # the training shard is in memory; training the rest of an epoch
         self.remainder: Optional[Remainder] = None  # the rest of the epoch the checkpoint stands in, other layout
         self.writer = CheckpointWriter(spec.checkpoint_async)  # rank 0's checkpoint writes (fsdp: every rank's)
-        self.shard_group: Any = None  # strategy='fsdp': the gloo group DCP writes the shards over (worker)
+        self.retention = Retention(spec.data.store, spec.run, spec.monitor, spec.save_top_k)
 
-    def train(self, position: Position, started: float, allreduce: str, early: Optional[EarlyRead]) -> WorkerResult:
+    def train(self, started: float, early: Optional[EarlyRead]) -> WorkerResult:
         spec, ctx = self.spec, self.ctx
+        position = self.rank.resumed.position
         opening = time.perf_counter()
         train, val = (early.result(ctx.rank, ctx.world_size) if early is not None
                       else open_shards(spec, ctx.rank, ctx.world_size))
         read_wait = time.perf_counter() - opening
-        self.loop.global_step = position.global_step
         self.cached = isinstance(train, CachedShard)
         if position.step and not same_layout(position.layout, self.layout()):
             self.remainder = remainder_for(spec, train, position.epochs, position.layout, ctx.rank, ctx.world_size,
@@ -86,8 +117,6 @@ class Run:
         callbacks = self.objs.callbacks if ctx.rank == 0 else []
         self.tensorboard = (TensorBoardLog.open(spec.data.store, spec.run.logs, spec.log_every_n_steps, spec.launch_id)
                             if spec.tensorboard and ctx.rank == 0 else None)
-        if self.tensorboard is not None:
-            self.loop.on_step = self.tensorboard.step
         call_callbacks(callbacks, "on_train_begin", {})
         self.decoders = {training: self.open_decoders(training) for training in (True, False)}
         try:
@@ -105,15 +134,30 @@ class Run:
                 if closing is not None:
                     closing.close()
         call_callbacks(callbacks, "on_train_end", {"history": self.history})
-        del self.ddp, self.loop  # the caller's teardown needs DDP gone before destroy_process_group
         reader = train.describe() + (f"; val {val.describe()}" if val is not None else "")
         return WorkerResult(ctx.rank, tuple(self.history), str(self.device), train.rows,
                             time.perf_counter() - started, reader=reader,
                             optimizer_steps=optimizer_steps(self.optimizer), assigned_gpu=ctx.assigned_gpu,
-                            allreduce=allreduce, read_seconds=early.seconds if early is not None else read_wait,
+                            allreduce=self.strategy.describe(),
+                            read_seconds=early.seconds if early is not None else read_wait,
                             read_wait_seconds=read_wait, data_wait_seconds=self.waited,
                             train_loop_seconds=self.looped, checkpoint_wait_seconds=self.writer.stalled,
                             state_bytes=local_bytes(self.model, self.optimizer))
+
+    def step_logged(self, step: int, loss: torch.Tensor) -> None:
+        """An optimizer step's loss, to TensorBoard when rank 0 writes it."""
+        if self.tensorboard is not None:
+            self.tensorboard.step(step, loss)
+
+    def waited_for(self, waited: float, looped: float) -> None:
+        """A train_fn's epoch: its seconds waiting for batches, and in its loop."""
+        self.waited, self.looped = self.waited + waited, self.looped + looped
+
+    def keep(self, name: str, obj: Any) -> None:
+        """train_fn's `ctx.keep`: `obj` checkpointed with the model under `name`, its state restored on a resume."""
+        self.extra_state[name] = obj
+        if name in self.rank.resumed.extra:
+            obj.load_state_dict(self.rank.resumed.extra[name])
 
     def epochs(self, train: Shard, val: Optional[Shard], position: Position, callbacks: Sequence[Any]) -> None:
         """The built-in loop: the epochs left after `position`, each trained (estimator.train.loop) and validated."""
@@ -132,8 +176,9 @@ class Run:
         if remainder is not None:  # the rest of an epoch begun under another layout: its rows left, each once
             inside = Position(inside.epochs, 0, inside.sums, inside.global_step)
         if self.loop.steps_report is not None:
+            layout = self.objective.layout
             self.loop.steps_report.begin(remainder.steps if remainder else train.plan().steps,
-                                         float(sum(inside.sums[2:3])) if inside.sums else 0.0)
+                                         layout.restore(inside.sums)[ROWS] if inside.sums else 0.0)
         feed = self.feed(remainder.batches(self.spec, train) if remainder else train.epoch(epoch, inside.step), True)
         self.in_remainder = remainder is not None
         try:
@@ -151,27 +196,26 @@ class Run:
             finally:
                 val_feed.close()
         reduced = reduce_sums(torch.cat([sums, timing]))
-        row = {"epoch": float(epoch + 1),
-               **self.objective.summarize(reduced[:-2], with_val=val is not None),
-               "data_wait": reduced[-2] / max(reduced[-1], 1e-9)}  # of the ranks' training time, all ranks
+        trained, validated = split(self.objective.layout, reduced[:-2], with_val=val is not None)
+        waited, looped = reduced[-2:]
+        row = {"epoch": float(epoch + 1), **self.objective.summarize(trained, validated),
+               "data_wait": waited / max(looped, 1e-9)}  # of the ranks' training time, all ranks
         # rows/s: every rank's rows over the ranks' mean epoch time
-        self.record(epoch, row, float(reduced[2]) / max(float(reduced[-1]) / ctx.world_size, 1e-9),
-                    time.perf_counter() - began)
+        self.record(epoch, row, trained[ROWS] / max(looped / ctx.world_size, 1e-9), time.perf_counter() - began)
 
     def record(self, epoch: int, row: Dict[str, float], rows_per_second: float, seconds: float) -> None:
         """An epoch's history row (the same on every rank): NaN checks, TensorBoard, the learning-rate schedule,
         rank 0's checkpoint (and the best epochs') and the progress the driver shows. `seconds`: the epoch's
         training and validation on this rank, told in the driver's epoch line (not a history key)."""
-        spec = self.spec
+        spec, schedule = self.spec, self.rank.schedule
         self.history.append(row)
         self.seconds[epoch] = seconds
         self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed
         if self.tensorboard is not None:
             self.tensorboard.epoch(epoch + 1, row, float(self.optimizer.param_groups[0]["lr"]), rows_per_second)
-        if self.scheduler is not None and self.scheduler_interval == "epoch":
-            step_scheduler(self.scheduler, row, self.scheduler_monitor)
-        if self.ctx.rank == 0 or self.shard_group is not None:  # fsdp: every rank writes its shards
-            self.save(Position(epoch + 1, global_step=self.loop.global_step), best=True)
+        if schedule.scheduler is not None and schedule.interval == "epoch":
+            step_scheduler(schedule.scheduler, row, schedule.monitor)
+        self.save(Position(epoch + 1, global_step=self.loop.global_step), at_epoch_end=True)
         if self.ctx.rank == 0:
             spec.data.store.write_bytes_atomic(spec.run.progress, json.dumps(progress_rows(self.history, self.seconds))
                                                .encode())
@@ -205,10 +249,9 @@ class Run:
         rank 0 writes them with the position, so a resumed epoch reports what an uninterrupted one would."""
         if self.in_remainder:  # a position inside the rest of an epoch is not one of this layout's epochs
             return
-        reduced = reduce_sums(sums.clone())
+        reduced = self.objective.layout.named(reduce_sums(sums.clone()))
         self.loop.finite.check_weights(self.model, epoch, step)
-        if self.ctx.rank == 0 or self.shard_group is not None:
-            self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
+        self.save(Position(epoch, step, reduced, self.loop.global_step, self.layout()))
 
     def layout(self) -> List[int]:
         """What a position inside an epoch counts batches of: batch size, ranks, whether the ranks read in
@@ -218,41 +261,24 @@ class Run:
         return [spec.batch_size, self.ctx.world_size, int(self.cached), int(known_order(spec)),
                 spec.train_steps_per_epoch or 0]
 
-    def save(self, position: Position, best: bool = False) -> None:
-        """The run's checkpoint; at an epoch's end (`best`), also this epoch's own copy when it is among the
-        save_top_k best by the monitor, and the copies of epochs that left the top k are removed. With fsdp every
-        rank calls this: each writes its shards (estimator.train.sharded_checkpoint), then rank 0 the file."""
-        spec, store, rank0 = self.spec, self.spec.data.store, self.ctx.rank == 0
-        top = spec.monitor.top_k(self.history, spec.save_top_k) if best else []
-        epoch = len(self.history)
-        tag = f"step-{position.global_step}-{spec.launch_id}-{self.attempt}" if self.shard_group is not None else None
-        pending = None
-        if tag is not None and self.writer.background:
-            self.writer.wait()  # one DCP write at a time over the group
-            pending = save_shards(store, sharded_folder(spec.run, tag), self.model, self.optimizer, self.shard_group,
-                                  background=True)  # the shards copied to the CPU here, written by DCP's thread
-        state = checkpoint_state(self.model, self.optimizer, self.history, position, self.scheduler, self.loop.scaler,
-                                 self.extra_state, copy=self.writer.background, sharded=tag) if rank0 else None
-        targets = [spec.run.checkpoint] + ([spec.run.best(epoch)] if epoch in top else [])
-        keep = {posixpath.basename(spec.run.best(e)) for e in top}
+    def save(self, position: Position, at_epoch_end: bool = False) -> None:
+        """The run's checkpoint, on the ranks that write it (the strategy says: rank 0, or every rank its shards
+        then rank 0 the file); which copies it keeps is the retention's (estimator.train.retention)."""
+        if not self.strategy.writes_checkpoints():
+            return
+        spec, rank0 = self.spec, self.ctx.rank == 0
+        parts = self.strategy.model_state(self.model, self.optimizer, CheckpointAt(
+            spec.data.store, spec.run, spec.launch_id, self.attempt, position.global_step, self.writer))
+        state = checkpoint_file(parts.entries, self.history, position, self.rank.schedule.scheduler,
+                                self.loop.scaler, self.extra_state, copy=self.writer.background) if rank0 else None
+        kept = self.retention.plan(self.history, at_epoch_end) if rank0 else None
 
-        def write() -> None:  # in the writer's thread: reads only `state` and these names
+        def write() -> None:  # in the writer's thread: reads only `state`, `parts` and `kept`
             inject(self.faults, "checkpoint_write", self.ctx.rank, self.attempt, position.epochs, position.global_step)
-            if pending is not None:
-                pending.result()  # every rank's shards and the folder's metadata are written
-            elif tag is not None:
-                save_shards(store, sharded_folder(spec.run, tag), self.model, self.optimizer, self.shard_group,
-                            background=False)
-            if not rank0:
-                return
-            write_checkpoint(store, state, targets)
-            if best:
-                for path in store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []:
-                    if posixpath.basename(path) not in keep:
-                        store.rm(path)
-            if tag is not None:  # the folders no checkpoint names any more
-                kept = store.ls(spec.run.best_dir) if store.exists(spec.run.best_dir) else []
-                remove_unused(store, spec.run, {tag, *(load_checkpoint(store, p).get(SHARDED) for p in kept)})
+            parts.write()
+            if kept is not None:
+                write_checkpoint(spec.data.store, state, kept.targets)
+                self.retention.apply(kept, self.strategy, parts.folder)
 
         self.writer.submit(describe(position), write)
 

@@ -21,13 +21,15 @@ import contextlib
 import inspect
 import numbers
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from estimator.data.arrays import Tensors
 from estimator.train.steps import StepContext
+from estimator.train.objectives.base import BuiltIn
+from estimator.train.sums import Sums, metric_slot, weight_slot
 
 BASES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 RESERVED = ("epoch", "data_wait")  # history keys the estimator writes itself
@@ -208,17 +210,26 @@ def step_loss(result: Any) -> torch.Tensor:
                      f"{got}{' under loss' if isinstance(result, dict) else ''}.")
 
 
-class LightningObjective:
-    """training_step's loss and every logged number, per batch, in the sums layout the loop reduces: loss x rows,
-    rows, rows, then (value x rows, rows) per key: training_step's keys, then validation_step's (each key's mean
-    is over the rows of the batches that logged it)."""
+class LightningObjective(BuiltIn):
+    """training_step's loss and every logged number, per batch, in the sums the loop reduces: the loss times the
+    rows, the rows twice, then per key its value times the rows and the rows of the batches that logged it:
+    training_step's keys, then validation_step's (each key's mean is over the rows of the batches that logged it)."""
+
+    @classmethod
+    def applies(cls, p: Mapping[str, Any]) -> bool:
+        return is_lightning_module(p.get("model"))
+
+    @classmethod
+    def for_rank(cls, spec: Any, objs: Any, model: nn.Module, trainer: "StandInTrainer") -> "LightningObjective":
+        return cls(model, spec.step_metrics, spec.val_metrics, trainer)
 
     def __init__(self, module: nn.Module, train_keys: Sequence[str], val_keys: Sequence[str],
                  trainer: StandInTrainer):
         self.module, self.trainer = module, trainer
         self.train_keys, self.val_keys = tuple(train_keys), tuple(val_keys)
-        self.slots = {k: 3 + 2 * i for i, k in enumerate(self.train_keys + self.val_keys)}
-        self.width = 3 + 2 * len(self.slots)
+        self.layout = Sums.of_loss(pairs=tuple(dict.fromkeys(self.train_keys + self.val_keys)))
+        self.slots = {k: (self.layout.index(metric_slot(k)), self.layout.index(weight_slot(k)))
+                      for k in self.train_keys + self.val_keys}
 
     def on_batch(self, model: Any, tensors: Tensors, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
         batch = lightning_batch(tensors)
@@ -232,7 +243,7 @@ class LightningObjective:
                 call_hook(self.module, hook, batch, ctx.batch_idx)
                 loss = None
         device = batch[0].device
-        sums = torch.zeros(self.width, dtype=torch.float64, device=device)
+        sums = self.layout.zeros(device)
         sums[1] = sums[2] = rows
         if loss is not None:
             sums[0] = loss.detach().double() * rows
@@ -244,19 +255,18 @@ class LightningObjective:
                 raise ValueError(f"{hook} logged {name!r} on rank {ctx.rank} (epoch {ctx.epoch}, batch "
                                  f"{ctx.batch_idx}), which it did not log on the driver's dry run ({list(known)}): "
                                  "log the same names in every batch (the history's keys are fixed before training).")
-            slot = self.slots[name]
-            sums[slot] = value.to(device=device, dtype=torch.float64) * rows
-            sums[slot + 1] = rows
+            total, weight = self.slots[name]
+            sums[total] = value.to(device=device, dtype=torch.float64) * rows
+            sums[weight] = rows
         return (loss if loss is not None else torch.zeros((), device=device)), sums
 
-    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
-        train = sums[:self.width]
-        row = {"loss": train[0] / train[1] if train[1] else float("nan")}
-        parts = [(train, self.train_keys)] + ([(sums[self.width:], self.val_keys)] if with_val else [])
-        for part, keys in parts:
-            for key in keys:
-                value, rows = part[self.slots[key]], part[self.slots[key] + 1]
-                row[key] = value / rows if rows else float("nan")
+    def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
+        """The loss and training_step's keys from training's sums; validation_step's keys (named as it logs them,
+        no 'val_' added) from validation's."""
+        means = self.layout.means_of(train)
+        row = {"loss": means["loss"], **{key: means[key] for key in self.train_keys}}
+        if val is not None:
+            row.update((key, self.layout.means_of(val)[key]) for key in self.val_keys)
         return row
 
 

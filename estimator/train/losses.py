@@ -1,8 +1,9 @@
-"""Losses, loss weights and metrics for one or more outputs, with exact row-weighted sums.
+"""Losses, loss weights and metrics for one or more outputs, with exact row-weighted sums: the built-in loop's
+objective when a `loss` is given (or the model computes its own from `labels=`).
 
-Each batch contributes (loss * weight, weight, rows, metric * rows, ...) to a float64 vector; ranks
-sum these vectors once per epoch, so reported numbers are exact means over rows (or over sample
-weights), not means of batch means.
+Each batch contributes its sums (estimator.train.sums: the loss times its weight, the weight, the rows, each
+metric times the rows) to a float64 vector; ranks sum these vectors once per epoch, so reported numbers are exact
+means over rows (or over sample weights), not means of batch means.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from estimator.core.outputs import forward, outputs_of
+from estimator.train.objectives.base import BuiltIn
+from estimator.train.sums import Sums, metric_slot
 
 # What a loss says about its outputs and labels. Class-index losses take (batch, classes) scores and integer
 # targets of shape (batch,); a float label column (e.g. StringIndexer output) is cast.
@@ -145,8 +148,17 @@ def per_row_loss(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> to
                         "reduction='none'.") from None
 
 
-class Objective:
-    """The training loss and the per-batch sums for one set of losses and metrics."""
+class Objective(BuiltIn):
+    """The training loss and the per-batch sums for one set of losses and metrics (the sums' layout: `layout`)."""
+
+    @classmethod
+    def applies(cls, p: Mapping[str, Any]) -> bool:
+        return True  # the registry's last: a loss, or the model's own (estimator.train.objectives)
+
+    @classmethod
+    def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "Objective":
+        return cls(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
+                   weighted=spec.data.sample_weight_col is not None)
 
     def __init__(self, losses: Sequence[Any], loss_weights: Sequence[float], metrics: Sequence[Any],
                  label_cols: Sequence[str], weighted: bool):
@@ -165,7 +177,8 @@ class Objective:
                     continue  # a regression label of a multi-output model
                 name = metric_name(m) if len(label_cols) == 1 else f"{label}_{metric_name(m)}"
                 self.metrics.append((name, i, Accuracy(self.losses[i]) if m == "accuracy" else m))
-        self.width = 3 + len(self.metrics)
+        self.layout = Sums.of_loss([name for name, _, _ in self.metrics])
+        self.metric_slots = [self.layout.index(metric_slot(name)) for name, _, _ in self.metrics]
         self.own = any(isinstance(fn, ModelsOwnLoss) for fn in self.losses)
         self._counts: Dict[int, torch.Tensor] = {}  # batch_sums' (rows, rows, 0...) by batch size
 
@@ -185,7 +198,7 @@ class Objective:
             weighted_sum = (per_row * weights).sum()
             denominator = weights.sum()
             loss = weighted_sum / denominator.clamp_min(1e-12)
-            sums = torch.zeros(self.width, dtype=torch.float64, device=labels[0].device)
+            sums = self.layout.zeros(labels[0].device)
             sums[0], sums[1], sums[2] = weighted_sum.detach(), denominator.detach(), rows
         else:
             loss = functools.reduce(operator.add, parts)
@@ -200,7 +213,7 @@ class Objective:
         if counts is None or counts.device != loss.device:
             if len(self._counts) > 8:  # batch sizes vary (a last partial batch): keep a few
                 self._counts.clear()
-            counts = torch.zeros(self.width - 1, dtype=torch.float64, device=loss.device)
+            counts = torch.zeros(self.layout.width - 1, dtype=torch.float64, device=loss.device)
             counts[:2] = rows
             self._counts[rows] = counts
         return torch.cat([(loss.detach() * rows).double().reshape(1), counts])
@@ -209,8 +222,8 @@ class Objective:
                     targets: Sequence[torch.Tensor]) -> torch.Tensor:
         rows = targets[0].shape[0]
         with torch.no_grad():
-            for j, (_, i, fn) in enumerate(self.metrics):
-                sums[3 + j] = torch.as_tensor(fn(outputs[i], targets[i])).double() * rows
+            for slot, (_, i, fn) in zip(self.metric_slots, self.metrics):
+                sums[slot] = torch.as_tensor(fn(outputs[i], targets[i])).double() * rows
         return sums
 
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -222,18 +235,3 @@ class Objective:
         raw = forward(model, features, labels=labels[0])
         loss, outputs, rows = own_loss_of(raw), outputs_of(raw), labels[0].shape[0]
         return loss, self.metric_sums(self.batch_sums(loss, rows), outputs, labels)
-
-    def summarize(self, sums: List[float], with_val: bool) -> Dict[str, float]:
-        return summarize_sums(sums, self.width, [name for name, _, _ in self.metrics], with_val)
-
-
-def summarize_sums(sums: List[float], width: int, names: Sequence[str], with_val: bool) -> Dict[str, float]:
-    """Per-epoch numbers from the reduced sums (loss x rows, its denominator, rows, then each metric x rows; the
-    validation's the same after them): the loss, the metrics, and the val_ ones."""
-    row: Dict[str, float] = {}
-    for prefix, part in [("", sums[:width])] + ([("val_", sums[width:])] if with_val else []):
-        rows = part[2]
-        row[prefix + "loss"] = part[0] / part[1] if part[1] else float("nan")
-        for j, name in enumerate(names):
-            row[prefix + name] = part[3 + j] / rows if rows else float("nan")
-    return row

@@ -1,12 +1,12 @@
-"""strategy='fsdp' on a rank: the model's units sharded over the ranks with FSDP2 (torch.distributed.fsdp's
-fully_shard: every parameter a DTensor holding 1/N of it, gathered whole only for its unit's forward and
-backward; gradients reduce-scattered, so each rank's optimizer steps and keeps state for its own shards), and the
-stand-in the loop trains through. Checkpoints: estimator.train.sharded_checkpoint. torch only, no pyspark."""
+"""FSDP2's mechanics on a rank, for the strategies that shard (estimator.train.strategies.fsdp): the model's units
+sharded over the ranks (torch.distributed.fsdp's fully_shard: every parameter a DTensor holding 1/N of it, gathered
+whole only for its unit's forward and backward; gradients reduce-scattered, so each rank's optimizer steps and
+keeps state for its own shards), and whether sharding pays (strategy='auto'). Checkpoints:
+estimator.train.sharded_checkpoint. torch only, no pyspark."""
 from __future__ import annotations
 
-import contextlib
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -166,38 +166,3 @@ def _read_shards(model: nn.Module, meta: Dict[str, str], folder: str, device: to
     load({key: state[name] for name, key in meta.items()}, storage_reader=HuggingFaceStorageReader(folder))
     if kept:  # whole on every rank (rank 0's): each keeps its slice
         set_model_state_dict(model, kept, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-class Sharded(nn.Module):
-    """What the loop trains through for strategy='fsdp', with the calls a train_step or train_fn makes on DDP:
-    call it (the sharded module's forward), `.module` (the sharded module) and `no_sync()` (gradients accumulate
-    whole on each rank; the batch after it reduce-scatters the sum, as DDP's allreduce does). `steps`: what a
-    call runs, when not the module's forward (a LightningModule's training_step, estimator.train.lightning)."""
-
-    def __init__(self, module: nn.Module, steps: Optional[nn.Module] = None):
-        super().__init__()
-        self.module = module
-        self.steps = steps if steps is not None and steps is not module else None
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.module if self.steps is None else self.steps)(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
-
-
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of parameters and optimizer state this rank holds (a DTensor's own shard only)."""
-    def size(t: torch.Tensor) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        return local.numel() * local.element_size()
-
-    params = sum(size(p) for p in model.parameters())
-    state = sum(size(v) for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return params + state

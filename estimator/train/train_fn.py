@@ -26,6 +26,9 @@ from estimator.data.shards import Shard
 from estimator.failures import FailureKind
 from estimator.train.loop import reduce_sums
 from estimator.train.steps import Batch, Named, as_batch
+from estimator.train.sums import ROWS, Mean, Sums, metric_slot, weight_slot
+
+SECONDS = "seconds"  # a report's slot: the rank's seconds in the epoch (the rows per second over the ranks' mean)
 
 
 class TrainFnMisuse(RuntimeError):
@@ -59,7 +62,7 @@ class TrainContext(Named):
         self._run, self._train, self._val, self._on_epoch_end = run, train, val, on_epoch_end
         self.rank, self.world_size = run.ctx.rank, run.ctx.world_size
         self.device = run.device
-        self.model, self.module, self.optimizer = run.ddp, run.model, run.optimizer
+        self.model, self.module, self.optimizer = run.rank.trained, run.model, run.optimizer
         self.epochs, self.start_epoch = run.spec.epochs, len(run.history)
         self.epoch = self.start_epoch  # the epoch being trained (0-based), or the next one
         self._rows = 0  # training rows this rank took this epoch
@@ -105,18 +108,17 @@ class TrainContext(Named):
                 yield batch
         finally:
             feed.close()
-            run.waited += feed.waited
-            run.looped += time.perf_counter() - began
+            run.waited_for(feed.waited, time.perf_counter() - began)
 
     def val_batches(self) -> Iterator[Batch]:
         """This rank's validation batches (none without validation data)."""
         if self._val is None:
             return
-        if self._run.loop.lockstep:
-            raise ValueError("ctx.val_batches() with strategy='fsdp' on several ranks is not served: a sharded "
-                             "forward is a collective, and ranks hold different numbers of validation batches. "
-                             "Validate with the built-in loop or train_step, or without validation in train_fn "
-                             "(docs/gpus.md 'Large models').")
+        if self._run.strategy.lockstep:
+            raise ValueError(f"ctx.val_batches() with strategy={self._run.strategy.name!r} on several ranks is not "
+                             "served: a sharded forward is a collective, and ranks hold different numbers of "
+                             "validation batches. Validate with the built-in loop or train_step, or without "
+                             "validation in train_fn (docs/gpus.md 'Large models').")
         feed = self._run.feed(self._val.epoch(self.epoch), False)
         try:
             for tensors, _ in self._run.loop.on_device(feed):
@@ -134,9 +136,7 @@ class TrainContext(Named):
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"ctx.keep({name!r}, ...) needs an object with state_dict() and load_state_dict(); got "
                             f"{type(obj).__name__}.")
-        self._run.extra_state[name] = obj
-        if name in self._run.restored_extra:
-            obj.load_state_dict(self._run.restored_extra[name])
+        self._run.keep(name, obj)
         return obj
 
     def report(self, metrics: Dict[str, Any], rows: Optional[int] = None) -> Dict[str, float]:
@@ -150,19 +150,18 @@ class TrainContext(Named):
             raise ValueError("ctx.report: 'epoch' and 'data_wait' are the estimator's own history keys.")
         trained = float(self._rows if rows is None else rows)
         pairs = [metrics[k] if isinstance(metrics[k], tuple) else (metrics[k], trained) for k in keys]
-        values = [(float(torch.as_tensor(v).detach().double().cpu()), float(w)) for v, w in pairs]
         seconds = time.perf_counter() - self._began
-        sums = torch.tensor([v * w for v, w in values] + [w for _, w in values] + [trained, seconds],
-                            dtype=torch.float64, device=self.device)
-        reduced = reduce_sums(sums)
-        n = len(keys)
-        row = {"epoch": float(self.epoch + 1),
-               **{k: reduced[i] / reduced[n + i] if reduced[n + i] else float("nan") for i, k in enumerate(keys)}}
-        total = reduced[2 * n]
+        layout = Sums((*(metric_slot(k) for k in keys), *(weight_slot(k) for k in keys), ROWS, SECONDS),
+                      tuple(Mean(k, metric_slot(k), weight_slot(k)) for k in keys))
+        values = [(float(torch.as_tensor(v).detach().double().cpu()), float(w)) for v, w in pairs]
+        named = {**{metric_slot(k): v * w for k, (v, w) in zip(keys, values)},
+                 **{weight_slot(k): w for k, (_, w) in zip(keys, values)}, ROWS: trained, SECONDS: seconds}
+        reduced = layout.named(reduce_sums(layout.vector(named, self.device)))
+        row = {"epoch": float(self.epoch + 1), **layout.means_of(reduced)}
         if run.spec.monitor.key not in row:
             raise ValueError(f"monitor={run.spec.monitor.key!r} is not among the numbers train_fn reports "
                              f"({keys}): report it, or set monitor to one of them.")
-        run.record(self.epoch, row, total / max(reduced[-1] / self.world_size, 1e-9), seconds)
+        run.record(self.epoch, row, reduced[ROWS] / max(reduced[SECONDS] / self.world_size, 1e-9), seconds)
         self._on_epoch_end(self.epoch, dict(row))
         return row
 

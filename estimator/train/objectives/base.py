@@ -1,0 +1,36 @@
+"""What every objective of the built-in loop has by default (estimator.train.objectives): a loss that is a batch's
+mean, the model's outputs in transform, no language model's rows, and the history read from its sums' means."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from estimator.train.sums import Sums
+from estimator.train.weighting import PerBatch
+
+
+class BuiltIn:
+    """The defaults of an objective class; `layout` (its sums) is set by each."""
+
+    layout: Sums
+    weighting: Any = PerBatch  # the loss is a mean over the batch's rows (or sample weights)
+    transform_output: Optional[str] = None  # the fitted TorchModel's output_kind: the model's outputs
+    language_model = False  # its rows are a causal LM's, tokenized with their labels (estimator.data.lm)
+
+    @classmethod
+    def applies(cls, p: Mapping[str, Any]) -> bool:
+        """Whether this is the fit's objective, from the validated params (`p["model"]`: the driver's module)."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "BuiltIn":
+        """The objective a rank trains with (estimator.train.epochs.Run)."""
+        raise NotImplementedError
+
+    def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
+        """The epoch's history row: the means of the sums reduced over the ranks, then validation's as val_."""
+        return summarize_means(self.layout, train, val)
+
+
+def summarize_means(layout: Sums, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
+    """An epoch's row from the reduced sums by name: the loss and the metrics, then the val_ ones."""
+    return {**layout.means_of(train), **(layout.means_of(val, "val_") if val is not None else {})}

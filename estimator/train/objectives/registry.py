@@ -1,0 +1,24 @@
+"""The objectives the built-in loop knows, in the order they are tried (estimator.train.objectives)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+from estimator.train.lightning import LightningObjective
+from estimator.train.losses import Objective
+from estimator.train.objectives.tokens import TokenObjective
+from estimator.train.steps import StepObjective
+
+# In order: the first whose applies(p) is true is the fit's objective (the last applies to every fit).
+OBJECTIVES: Dict[str, Any] = {
+    "train_step": StepObjective,  # the user's step returns the loss and its metrics
+    "lightning": LightningObjective,  # a LightningModule's training_step and logged numbers
+    "tokens": TokenObjective,  # a causal LM's next-token loss over its labelled tokens
+    "losses": Objective,  # the loss param's losses and metrics, or the model's own loss from labels=
+}
+
+
+def choose_objective(p: Mapping[str, Any]) -> Any:
+    """The fit's objective class; None for a train_fn (its own loop computes its loss)."""
+    if p.get("train_fn") is not None:
+        return None
+    return next(cls for cls in OBJECTIVES.values() if cls.applies(p))

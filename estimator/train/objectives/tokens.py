@@ -1,0 +1,92 @@
+"""The objective of a causal language model's fine-tuning: next-token cross entropy over the labelled tokens
+(estimator.data.lm: the response's, or the assistant turns'), weighted by tokens, not rows.
+
+Its sums are the loss summed over the labelled tokens, its weight (those tokens) and the rows: the epoch's loss is
+the first over the second, exact over all ranks, and the perplexity is exp of it. The loss it returns for backward
+is the batch's *sum* (`weighting = PerWeight`): the gradients are divided by the labelled tokens of the whole
+accumulation window over all ranks (estimator.train.weighting), which is what one process would compute over the
+same rows at batch k*b (a mean of the ranks' means would weight a rank's short responses as much as another's
+long ones). torch only, no pyspark."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from estimator.core.adapters import can_generate
+from estimator.core.outputs import forward, logits_of
+from estimator.data.lm import IGNORE
+from estimator.train.objectives.base import BuiltIn, summarize_means
+from estimator.train.sums import Sums
+from estimator.train.weighting import PerWeight
+
+OWN_LOOP = ("loss", "loss_constructors", "train_step", "train_fn")  # params that bring a loss of their own
+
+
+class TokenObjective(BuiltIn):
+    """The built-in step of a causal LM: forward on the tokens, cross entropy of each position's logits against
+    the next token's label."""
+
+    weighting = PerWeight
+    layout = Sums.of_loss()
+    transform_output = "generate"  # a fitted causal LM's transform writes text (estimator.predict)
+    language_model = True  # its rows are prompts and responses, or chats, tokenized with their labels
+
+    @classmethod
+    def applies(cls, p: Mapping[str, Any]) -> bool:
+        """The built-in loop (no loss, train_step, train_fn) with a tokenizer, over a model that generates (a
+        transformers causal LM, or peft's model around one)."""
+        return (all(p.get(name) is None for name in OWN_LOOP) and p.get("tokenizer") is not None
+                and can_generate(p.get("model")))
+
+    @classmethod
+    def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "TokenObjective":
+        return cls()
+
+    def __init__(self) -> None:
+        self._rows: Dict[Tuple[int, Any], torch.Tensor] = {}  # the rows slot's value, by batch size and device
+
+    def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        features, labels, _ = tensors
+        raw = forward(model, features)
+        logits = logits_of(raw) if not isinstance(raw, torch.Tensor) else raw
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            raise ValueError(f"Fine-tuning a causal LM reads the logits of its forward (batch, tokens, vocabulary); "
+                             f"it returned {type(raw).__name__}"
+                             + (f" with logits of shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
+                                else " without logits") + ". Use a model such as AutoModelForCausalLM.")
+        loss, tokens = token_loss(logits, labels[0])
+        return loss, self.batch_sums(loss, tokens, labels[0].shape[0])
+
+    def batch_sums(self, loss: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+        """(loss, tokens, rows) in float64 by one concatenation: no vector filled element by element (each element
+        a kernel launch)."""
+        key = (rows, loss.device)
+        if key not in self._rows:
+            if len(self._rows) > 8:  # batch sizes vary (a last partial batch): keep a few
+                self._rows.clear()
+            self._rows[key] = torch.full((1,), float(rows), dtype=torch.float64, device=loss.device)
+        return torch.cat([loss.detach().double().reshape(1), tokens.double().reshape(1), self._rows[key]])
+
+    def weight_of(self, tensors: Any) -> torch.Tensor:
+        """The labelled tokens of a batch (what its loss is summed over), known before its forward."""
+        return (tensors[1][0][:, 1:] != IGNORE).sum()
+
+    def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
+        row = summarize_means(self.layout, train, val)
+        for prefix in ("", "val_") if val is not None else ("",):
+            loss = row[prefix + "loss"]
+            row[prefix + "perplexity"] = math.exp(loss) if loss == loss and loss < 700 else float("inf")
+        return row
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the cross entropy summed over the labelled tokens, their count): position t's logits predict the label at
+    t + 1, as the model's own loss computes it (in float32)."""
+    target = labels[:, 1:]
+    vocabulary = logits.shape[-1]
+    loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, vocabulary).float(), target.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+    return loss, (target != IGNORE).sum()

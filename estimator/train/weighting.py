@@ -1,0 +1,92 @@
+"""What the loss of a step is divided by, so that k ranks of batch b compute the gradients one process computes
+at batch k*b over the same rows. An objective says which by its `weighting` (estimator.train.objectives):
+
+- `PerBatch`: the loss is already a mean over its batch (its rows, or its sample weights); with gradient
+  accumulation each batch's loss is divided by the batches of the window, and DistributedDataParallel (or FSDP)
+  averages over the ranks.
+- `PerWeight`: the loss is a sum over its batch's weight (a causal LM's labelled tokens), which the objective
+  tells before the forward (`weight_of`): the gradients are those of the summed losses over the weight of the
+  whole window on all ranks, a mean of the ranks' means would weight a rank's short responses as much as another's
+  long ones. With one batch a step, the batch's weight is summed over the ranks (an all_reduce issued before the
+  forward, waited for on the device) and multiplies the loss; with accumulation the window's weight is known at
+  its last batch only, so the gradients are multiplied once before the optimizer step.
+
+The loop calls the same methods either way: `begin` before a batch's forward, `scale` on its loss, `add` with
+its sums, `before_step` with this rank's gradients, and `step_loss` for the number TensorBoard shows. torch only."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from estimator.train.sums import WEIGHT, Sums
+
+
+class PerBatch:
+    """Each batch's loss is its mean: divided by the batches of an accumulation window."""
+
+    def __init__(self, every: int, world_size: int, sums: Sums):
+        self.every = every
+
+    def begin(self, objective: Any, batch: Any) -> None:
+        pass
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.every if self.every > 1 else loss
+
+    def add(self, sums: torch.Tensor) -> None:
+        pass
+
+    def before_step(self, gradients: List[torch.Tensor]) -> None:
+        pass
+
+    def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        return loss.detach()
+
+
+class PerWeight:
+    """Each batch's loss is a sum over its weight: the window's gradients divided by the window's weight on all
+    ranks (times the ranks, which DDP and FSDP divide by when they average)."""
+
+    def __init__(self, every: int, world_size: int, sums: Sums):
+        self.every, self.world_size, self.slot = every, world_size, sums.index(WEIGHT)
+        self.counted: Optional[WindowWeight] = None
+        self.window: Optional[torch.Tensor] = None  # with accumulation: this rank's weight of the window so far
+
+    def begin(self, objective: Any, batch: Any) -> None:
+        if self.every == 1:  # the batch's weight on all ranks summed while its forward runs
+            self.counted = WindowWeight(objective.weight_of(batch), self.world_size)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.counted.factor() if self.counted is not None else loss
+
+    def add(self, sums: torch.Tensor) -> None:
+        if self.every > 1:
+            self.window = sums[self.slot] if self.window is None else self.window + sums[self.slot]
+
+    def before_step(self, gradients: List[torch.Tensor]) -> None:
+        """With accumulation: the window's gradients multiplied by WindowWeight's factor, once."""
+        if self.window is None:
+            return
+        factor = WindowWeight(self.window, self.world_size).factor()
+        self.window = None
+        for dtype in {g.dtype for g in gradients}:
+            torch._foreach_mul_([g for g in gradients if g.dtype == dtype], factor.to(dtype))
+
+    def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        return loss.detach() / sums[self.slot].clamp_min(1)
+
+
+class WindowWeight:
+    """ranks / the weight summed over the ranks: what summed losses (or their gradients) are multiplied by. The sum
+    is an all_reduce issued now and waited for by `factor` (on the device: no wait on the host)."""
+
+    def __init__(self, count: torch.Tensor, world_size: int):
+        self.total, self.world_size = count.detach().to(torch.float64).clone(), world_size
+        self.work = dist.all_reduce(self.total, op=dist.ReduceOp.SUM, async_op=True) if world_size > 1 else None
+
+    def factor(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return (self.world_size / self.total.clamp_min(1.0)).float()
