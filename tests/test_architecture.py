@@ -132,3 +132,53 @@ def test_the_top_of_the_package_holds_at_most_ten_modules():
     top = sorted(m for m in MODULES if m.startswith("estimator.") and m.count(".") == 1
                  and not os.path.isdir(os.path.join(ROOT, *m.split("."))))
     assert len(top) <= 10, top
+
+
+STRATEGY_PACKAGE = "estimator.train.strategies"
+WRAPPERS = ("Solo", "Sharded", "DistributedDataParallel", "FSDPModule")  # what a strategy wraps a model in
+
+
+def _mentions_strategy(node):
+    """The expression reads a strategy (p["strategy"], spec.strategy, a variable named so), anywhere inside."""
+    return any(isinstance(n, ast.Name) and "strategy" in n.id or isinstance(n, ast.Attribute) and "strategy" in n.attr
+               or isinstance(n, ast.Constant) and n.value == "strategy" for n in ast.walk(node))
+
+
+def _strategy_branches(path, names):
+    """file:line of each comparison of a strategy with a strategy's name (==, !=, in a tuple/list/set of
+    constants) and each isinstance test against a strategy's wrapper, in one file ('auto' names other things
+    too: a reader's pool)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            constants = [c.value for o in operands for c in ([o] if isinstance(o, ast.Constant) else getattr(
+                o, "elts", [])) if isinstance(c, ast.Constant)]
+            if any(c in names for c in constants) and any(_mentions_strategy(o) for o in operands):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any((getattr(k, "id", None) or getattr(k, "attr", None)) in WRAPPERS for k in kinds):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_strategy_name_or_wrapper_is_branched_on_outside_the_strategies(tmp_path):
+    """A strategy is a class (estimator.train.strategies): the rest of the code asks it, never compares the
+    strategy param's value or tests which wrapper the model is in. Checked against a file that does both."""
+    from estimator.train.strategies import STRATEGIES
+
+    names = set(STRATEGIES)
+    assert names >= {"ddp", "fsdp", "auto"}
+    sample = os.path.join(ROOT, "tests", "helpers.py")
+    assert _strategy_branches(sample, names) == []
+    bad = tmp_path / "branches.py"
+    bad.write_text("def f(p, m, spec):\n    if p['strategy'] in ('fsdp', 'auto'):\n        return isinstance(m, Sharded)\n"
+                   "    if format_of(spec.strategy) == 'fsdp':\n        return 1\n    return p['pool'] == 'auto'\n")
+    assert sorted(s.rsplit(":", 1)[1] for s in _strategy_branches(str(bad), names)) == ["2", "3", "4"]
+    offending = [hit for module, path in MODULES.items()
+                 if module.startswith("estimator.") and not module.startswith(STRATEGY_PACKAGE)
+                 for hit in _strategy_branches(path, names)]
+    assert offending == []
