@@ -62,6 +62,7 @@ def make_spec(store, width, blocks, strategy, ranks, rows):
 
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
+    from estimator.train.losses import Objective
     from estimator.data.parquet import list_pieces
 
     folder = store.path("train")
@@ -75,7 +76,8 @@ def make_spec(store, width, blocks, strategy, ranks, rows):
     data = DataSpec(store, list_pieces(store, folder), (), ("features",), ("label",))
     torch.manual_seed(0)
     model = Blocks(width, blocks)
-    objs = user_objects(model, torch.optim.Adam(model.parameters(), lr=1e-3), [nn.CrossEntropyLoss()], [1.0], [])
+    objs = user_objects(model, torch.optim.Adam(model.parameters(), lr=1e-3), [nn.CrossEntropyLoss()], [1.0], [],
+                        objective=Objective)
     return TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(f"{strategy}-{ranks}-{time.time_ns()}"),
                      256 // ranks, 256, 1, strategy=strategy, verbose=0), model
 

@@ -92,11 +92,11 @@ def fit(store, pieces, model, batch, epochs, device, run, transformation_fn=None
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
     from estimator.launch.local import LocalLauncher
+    from estimator.train.losses import Objective
 
     data = DataSpec(store, pieces, (), ("image",) if transformation_fn else ("features",), ("label",))
     objs = user_objects(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), [nn.CrossEntropyLoss()],
-                        [1.0], [])
-    objs.transformation_fn = transformation_fn
+                        [1.0], [], transformation_fn=transformation_fn, objective=Objective)
     spec = TrainSpec(data, dumps(objs, "model", roots=[model]), store.run(run), batch, batch, epochs, seed=1,
                      use_gpu=device == "cuda", verbose=0, reader=ReaderSpec(**reader))
     (result,) = LocalLauncher().run(spec, 1)
@@ -142,12 +142,12 @@ def bert_fit(store, pieces, path, batch, device, run, **fields):
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
     from estimator.launch.local import LocalLauncher
+    from estimator.train.losses import Objective
 
     data = DataSpec(store, pieces, (), ("text",), ("label",), text_cols=("text",), max_length=64)
     factory = functools.partial(AutoModelForSequenceClassification.from_pretrained, path)
     objs = user_objects(factory(), functools.partial(torch.optim.AdamW, lr=2e-5), [nn.CrossEntropyLoss()], [1.0], [],
-                        model_factory=factory)
-    objs.tokenizer = AutoTokenizer.from_pretrained(path)
+                        model_factory=factory, tokenizer=AutoTokenizer.from_pretrained(path), objective=Objective)
     spec = TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run(run), batch, batch, 1, seed=1,
                      use_gpu=device == "cuda", verbose=0, precision="bf16-mixed", **fields)
     (result,) = LocalLauncher().run(spec, 1)

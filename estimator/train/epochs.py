@@ -81,6 +81,9 @@ class Run:
         self.device = torch.device(ctx.device)
         self.faults, self.attempt = faults, attempt
         # the objective chosen on the driver (estimator.train.objectives); None for a train_fn, which computes its own
+        if objs.objective is None and objs.train_fn is None:
+            raise ValueError("The launch's user objects name no objective and no train_fn: build them with "
+                             "user_objects(..., objective=...) (estimator.train.objectives.registry), as fit does.")
         self.objective = objs.objective.for_rank(spec, objs, rank.model, rank.trainer) if objs.objective else None
         scheduler = rank.schedule.scheduler
         self.loop = TrainLoop(spec, ctx, rank.strategy, rank.trained, rank.optimizer, self.objective, faults, attempt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -67,6 +68,7 @@ class TrainLoop:
             sums += layout.vector(layout.restore(inside.sums), self.device)
         self.optimizer.zero_grad(set_to_none=True)
         weighting = self.objective.weighting(every, self.ctx.world_size, layout)  # what the loss is divided by
+        gradients = functools.partial(self.strategy.gradients, self.ddp)  # read only where the weighting scales them
         # Each batch's randomness (dropout) depends only on (seed, epoch, rank, step): a resumed run draws
         # what an uninterrupted one did, wherever it resumed.
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
@@ -90,7 +92,7 @@ class TrainLoop:
                 self.steps_report.batch(epoch, step + 1, layout.named(sums) if self.steps_report.due(step + 1)
                                         else None)
             if stepping:
-                weighting.before_step(self.strategy.gradients(self.ddp))
+                weighting.before_step(gradients)
                 self.step()
                 if self.after_step is not None:
                     self.after_step()
@@ -103,6 +105,10 @@ class TrainLoop:
                     self.checkpoint(epoch, step + 1, sums)
         self.finite.flush(epoch)
         return sums
+
+    def count_step(self) -> None:
+        """A step taken outside train_epoch (a train_fn's batch)."""
+        self.global_step += 1
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:

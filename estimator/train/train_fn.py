@@ -104,7 +104,7 @@ class TrainContext(Named):
                 inject(run.faults, "step", self.rank, run.attempt, self.epoch + 1, loop.global_step + 1)
                 batch = as_batch(tensors, run.spec.data)
                 self._rows += batch.rows
-                loop.global_step += 1  # batches, as the faults and TensorBoard's steps count them here
+                loop.count_step()  # batches, as the faults and TensorBoard's steps count them here
                 yield batch
         finally:
             feed.close()

@@ -12,10 +12,11 @@ at batch k*b over the same rows. An objective says which by its `weighting` (est
   its last batch only, so the gradients are multiplied once before the optimizer step.
 
 The loop calls the same methods either way: `begin` before a batch's forward, `scale` on its loss, `add` with
-its sums, `before_step` with this rank's gradients, and `step_loss` for the number TensorBoard shows. torch only."""
+its sums, `before_step` with what gives this rank's gradients, and `step_loss` for the number TensorBoard shows.
+torch only."""
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ class PerBatch:
     def add(self, sums: torch.Tensor) -> None:
         pass
 
-    def before_step(self, gradients: List[torch.Tensor]) -> None:
+    def before_step(self, gradients: Callable[[], List[torch.Tensor]]) -> None:
         pass
 
     def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
@@ -65,14 +66,15 @@ class PerWeight:
         if self.every > 1:
             self.window = sums[self.slot] if self.window is None else self.window + sums[self.slot]
 
-    def before_step(self, gradients: List[torch.Tensor]) -> None:
+    def before_step(self, gradients: Callable[[], List[torch.Tensor]]) -> None:
         """With accumulation: the window's gradients multiplied by WindowWeight's factor, once."""
         if self.window is None:
             return
         factor = WindowWeight(self.window, self.world_size).factor()
         self.window = None
-        for dtype in {g.dtype for g in gradients}:
-            torch._foreach_mul_([g for g in gradients if g.dtype == dtype], factor.to(dtype))
+        grads = gradients()
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
 
     def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         return loss.detach() / sums[self.slot].clamp_min(1)

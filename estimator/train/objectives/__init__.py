@@ -17,4 +17,4 @@ An objective class derives from `BuiltIn` (estimator.train.objectives.base) and 
 - `language_model`: its rows are a causal LM's prompts and responses, or chats (estimator.data.lm).
 
 Adding one is a module of its own with its class and a line in OBJECTIVES, before the objectives it takes
-precedence over (docs/contributing.md 'Adding an objective'). torch only, no pyspark."""
+precedence over (CONTRIBUTING.md, 'Adding an objective'). torch only, no pyspark."""

@@ -7,7 +7,7 @@ or not they can import it; each rank builds one and trains through it (estimator
 this package compares a strategy's name or tests a wrapper's type (tests/test_architecture.py).
 
 Adding one is a module with its class (usually deriving from DDP or FSDP) and a line in STRATEGIES
-(docs/contributing.md 'Adding a strategy'). torch only, no pyspark."""
+(CONTRIBUTING.md, 'Adding a strategy'). torch only, no pyspark."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping
