@@ -31,14 +31,15 @@ from estimator.core.quiet import hf_bars_off
 from estimator.core.outputs import outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
-from estimator.fit.language import (check_max_length, check_max_new_tokens, check_vocabulary, effective_max_length,
-                                   is_chat)
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
 from estimator.predict.inference import (PREDICTION_FIELD, PROBABILITY_FIELD, RAW_FIELD, InferenceLayout, arrow_type,
                                  head_fields, head_of, make_predict, make_predict_pandas)
+from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_vocabulary,
+                                               effective_max_length)
 from estimator.predict.persistence import Persistable
+from estimator.predict.schema import is_chat
 from estimator.predict.weights import save_pretrained_to
 from estimator.train.lightning import for_inference
 
