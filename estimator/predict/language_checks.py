@@ -67,3 +67,13 @@ def model_positions(model: Any) -> Optional[int]:
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return positions if isinstance(positions, int) else None
 
+
+def check_text_column(p: Dict[str, Any], owner: str = "TorchModel") -> None:
+    """A model whose output kind reads one text (or chat) column, tokenized with its tokenizer."""
+    kind = p["output_kind"]
+    if p["tokenizer"] is None:
+        raise ValueError(f"{owner} with output_kind={kind!r} tokenizes its feature column: set tokenizer (the "
+                         "model's Hugging Face tokenizer).")
+    if len(p["feature_cols"]) != 1:
+        raise ValueError(f"{owner} with output_kind={kind!r} reads one column (the text, or a chat's "
+                         f"messages); got feature_cols={list(p['feature_cols'])}.")
