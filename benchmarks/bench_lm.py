@@ -125,13 +125,13 @@ def generation(path, prompts, device, dtype):
 
     from estimator.data.text import Tokenize
     from estimator.predict import inference
+    from estimator.predict.kinds.generate import Generate
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = plain_causal_lm(path, lora()).to(device=device, dtype=dtype).eval()
     kwargs = {"suppress_tokens": [tokenizer.eos_token_id], "min_new_tokens": NEW_TOKENS}
-    layout = inference.InferenceLayout(("prompt",), None, ("_0",), (False,), None, 32, device == "cuda",
-                                       tokenize=Tokenize(tokenizer, ()), kind="generate", max_new_tokens=NEW_TOKENS,
-                                       generate_kwargs=kwargs)
+    layout = Generate(feature_cols=("prompt",), batch_size=32, use_gpu=device == "cuda",
+                      tokenize=Tokenize(tokenizer, ()), max_new_tokens=NEW_TOKENS, generate_kwargs=kwargs)
     key = f"bench-{id(model)}"
     inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model  # the worker's cached model
     column = pa.array(prompts, pa.string())

@@ -34,8 +34,7 @@ from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
-from estimator.fit.language import (check_max_length, check_max_new_tokens, check_room, check_vocabulary,
-                                   effective_max_length, lm_spec)
+from estimator.fit.language import check_room, lm_spec
 from estimator.fit.recipes import check_optimizer, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
@@ -43,6 +42,8 @@ from estimator.fit.strategy import check_shared_gpus, strategy_class
 from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
+from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_vocabulary,
+                                               effective_max_length)
 from estimator.predict.persistence import Persistable
 from estimator.train.checkpoint import load_checkpoint, restore
 from estimator.train.lightning import optimizer_for

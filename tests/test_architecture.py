@@ -2,18 +2,24 @@
 
 Modules: no import circle among those of estimator/ and store/; store/ imports nothing of estimator/; what runs
 on the executors (a rank, from estimator.launch.rank_setup; transform's batches, from
-estimator.predict.inference) never imports pyspark's driver API (pyspark.sql, pyspark.ml).
+estimator.predict.inference, and the output kinds unpickled there, estimator.predict.kinds) never imports
+pyspark's driver API (pyspark.sql, pyspark.ml).
 Folders, from the ground up: core -> data -> train -> launch -> predict -> fit (a folder imports only those
-below it), with the user-facing modules at the top of estimator/ (at most 10). A package's face (its __init__,
-which only hands names on) is no edge: `import estimator` for its __file__ ties a module to no other."""
+below it), with the user-facing modules at the top of estimator/ (at most 10); transform's side (predict/ and
+model.py) imports nothing of fit/. A package's face (its __init__, which only hands names on) is no edge:
+`import estimator` for its __file__ ties a module to no other.
+Output kinds: their names (the keys of estimator.predict.kinds.PREDICTORS) are compared, or used as keys, only in
+that package: elsewhere the kind's predictor is asked, never its name."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("estimator", "store")
-EXECUTOR_ENTRIES = ("estimator.launch.rank_setup", "estimator.predict.inference")
+EXECUTOR_ENTRIES = ("estimator.launch.rank_setup", "estimator.predict.inference", "estimator.predict.kinds")
 DRIVER_API = ("pyspark.sql", "pyspark.ml")
 FLOORS = ("core", "data", "train", "launch", "predict", "fit")  # each folder imports only those before it
+TRANSFORM_SIDE = ("estimator.model", "estimator.predict")  # TorchModel and what its transform runs
+KINDS = "estimator.predict.kinds"  # the output kinds' package: their names are used there only
 
 
 def _modules():
@@ -182,3 +188,66 @@ def test_no_strategy_name_or_wrapper_is_branched_on_outside_the_strategies(tmp_p
                  if module.startswith("estimator.") and not module.startswith(STRATEGY_PACKAGE)
                  for hit in _strategy_branches(path, names)]
     assert offending == []
+
+def _in(module, package):
+    return module == package or module.startswith(package + ".")
+
+
+def test_transform_imports_nothing_of_fit():
+    """predict/ and TorchModel (model.py) stand below the driver's fit: what they share with it (a language model's
+    param checks) lives in predict/ or below."""
+    side = sorted(m for m in MODULES if any(_in(m, s) for s in TRANSFORM_SIDE))
+    assert "estimator.model" in side and "estimator.predict.inference" in side and len(side) > 5
+    offending = {m: sorted(i for i in IMPORTS[m] if _in(i, "estimator.fit")) for m in side}
+    assert {m: names for m, names in offending.items() if names} == {}
+
+
+def _constants(node):
+    """The string constants a node is, or holds as a tuple, list or set of constants."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def _names_used_as_values(tree):
+    """(line, string) for each string constant compared (==, !=, in, is, a match case), used as a dict's key, a
+    subscript, or looked up with .get/.pop/.setdefault; docstrings and other text are no such use."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found += [(node.lineno, c) for operand in (node.left, *node.comparators) for c in _constants(operand)]
+        elif isinstance(node, ast.Dict):
+            found += [(node.lineno, c) for key in node.keys if key is not None for c in _constants(key)]
+        elif isinstance(node, ast.Subscript):
+            found += [(node.lineno, c) for c in _constants(node.slice)]
+        elif isinstance(node, ast.MatchValue):
+            found += [(node.value.lineno, c) for c in _constants(node.value)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+              and node.func.attr in ("get", "pop", "setdefault")):
+            found += [(node.lineno, c) for c in _constants(node.args[0])]
+    return found
+
+
+def test_the_rules_on_kind_names_are_read_from_the_code():
+    tree = ast.parse('"""generate"""\nif kind == "generate" or k in ("a", "generate") or d["generate"]:\n'
+                     '    x = {"generate": 1}.get("generate", f(kind="generate"))\n'
+                     'match kind:\n    case "generate": pass')
+    assert sorted(_names_used_as_values(tree)) == [(2, "a"), (2, "generate"), (2, "generate"), (2, "generate"),
+                                                   (3, "generate"), (3, "generate"), (5, "generate")]
+
+
+def test_output_kinds_are_compared_by_name_only_in_their_package():
+    """Adding an output kind is one module in estimator/predict/kinds/ and a line in its registry: no module
+    outside the package branches on a kind's name (TorchModel asks the registry once, then the predictor)."""
+    from estimator.predict.kinds import PREDICTORS
+
+    names = {kind for kind in PREDICTORS if isinstance(kind, str)}
+    assert len(names) >= 2
+    used = {}
+    for module, path in MODULES.items():
+        if _in(module, "estimator") and not _in(module, KINDS):
+            with open(path) as handle:
+                hits = [f"line {line}: {value!r}" for line, value in _names_used_as_values(ast.parse(handle.read()))
+                        if value in names]
+            if hits:
+                used[module] = hits
+    assert used == {}

@@ -5,15 +5,16 @@ import pyarrow as pa
 import torch
 
 from estimator.predict import inference
-from estimator.predict.inference import InferenceLayout, arrow_type, predict_arrow
+from estimator.predict.inference import predict_arrow
+from estimator.predict.kinds.values import Values
 from helpers import MLP, TwoOutputs, seeded
 
 
 def _layout(**kw):
-    base = dict(feature_cols=("features",), input_shapes=None, output_names=("_0",), output_is_vector=(True,),
+    base = dict(feature_cols=("features",), input_shapes=None, outputs=("_0",), output_is_vector=(True,),
                 head="scores", batch_size=7, use_gpu=False)
     base.update(kw)
-    return InferenceLayout(**base)
+    return Values(**base)
 
 
 def test_outputs_and_argmax_match_a_direct_forward_across_batches():
@@ -21,7 +22,7 @@ def test_outputs_and_argmax_match_a_direct_forward_across_batches():
     x = np.random.default_rng(0).random((20, 64), dtype=np.float32)
     column = pa.array(list(x), pa.list_(pa.float32()))
     result = predict_arrow("k-mlp", cloudpickle.dumps(model), _layout(), column)
-    assert result.type == arrow_type(_layout())
+    assert result.type == _layout().arrow_type()
     with torch.no_grad():
         expected = model(torch.from_numpy(x)).numpy()
     scores = np.array(result.field("_0").to_pylist(), dtype=np.float32)
@@ -41,13 +42,13 @@ def test_model_is_unpickled_once_per_worker(monkeypatch):
 
 
 def test_scalar_and_vector_outputs_and_empty_batches():
-    layout = _layout(output_names=("_0", "_1"), output_is_vector=(True, False), head=None)
+    layout = _layout(outputs=("_0", "_1"), output_is_vector=(True, False), head=None)
     blob = cloudpickle.dumps(seeded(TwoOutputs))
     column = pa.array([[0.5] * 64] * 4, pa.list_(pa.float32()))
     result = predict_arrow("k-two", blob, layout, column)
     assert result.type.field("_1").type == pa.float64() and len(result) == 4
     empty = predict_arrow("k-two", blob, layout, pa.array([], pa.list_(pa.float32())))
-    assert len(empty) == 0 and empty.type == arrow_type(layout)
+    assert len(empty) == 0 and empty.type == layout.arrow_type()
 
 
 def test_inference_runs_on_the_gpu_spark_assigned_to_the_task(monkeypatch):
@@ -87,8 +88,8 @@ def test_spark_workers_import_inference_without_pyspark_ml():
 
 
 def test_prediction_columns_follow_what_the_loss_says_the_output_is():
-    from estimator.predict.inference import PREDICTION_FIELD as P, PROBABILITY_FIELD as PR, RAW_FIELD as R
-    from estimator.predict.inference import head_columns, head_of
+    from estimator.predict.kinds.heads import PREDICTION_FIELD as P, PROBABILITY_FIELD as PR, RAW_FIELD as R
+    from estimator.predict.kinds.heads import head_columns, head_of
 
     assert [head_of(k, s) for k, s in [("class_index", (3,)), ("unknown", (3,)), ("logits", (1,)),
                                        ("probabilities", ()), ("regression", (1,)), ("unknown", ()),
@@ -111,8 +112,8 @@ def test_prediction_columns_follow_what_the_loss_says_the_output_is():
 
 def test_rows_with_non_finite_scores_have_no_predicted_class():
     """NaN scores would argmax to class 0, which an evaluator counts as an answer: the prediction is NaN."""
-    from estimator.predict.inference import PREDICTION_FIELD as P
-    from estimator.predict.inference import head_columns
+    from estimator.predict.kinds.heads import PREDICTION_FIELD as P
+    from estimator.predict.kinds.heads import head_columns
 
     scores = np.array([[1.0, 3.0, 0.0], [np.nan, np.nan, np.nan], [0.0, np.inf, 1.0]])
     for head in ("softmax", "scores"):

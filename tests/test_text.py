@@ -81,7 +81,7 @@ def test_without_max_length_texts_are_cut_at_the_models_positions_when_the_token
     from torch.nn import Linear
     from transformers import BertConfig, BertModel
 
-    from estimator.fit.language import effective_max_length
+    from estimator.predict.language_checks import effective_max_length
 
     model = BertModel(BertConfig(vocab_size=200, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                                  intermediate_size=8, max_position_embeddings=40))

@@ -319,7 +319,9 @@ MODEL_PARAMS = [
               "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
               "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "
               "model whose output is hidden states (the mean over the attention mask of the last hidden state)",
-              None, lambda v: v in (None, "generate", "embedding"), "None, 'generate' or 'embedding'"),
+              # only its type here: which values exist is the registry's (estimator.predict.kinds.PREDICTORS),
+              # which TorchModel asks (its message lists the registry's values)
+              None, optional(is_instance(str)), "None, 'generate' or 'embedding'"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
     TOKENIZER,

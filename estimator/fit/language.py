@@ -2,22 +2,24 @@
 fit is one when its objective is (estimator.train.objectives.tokens: the built-in loop, with no loss, train_step
 or train_fn, trains a model that can generate, a transformers causal LM or peft's model around one, with a
 tokenizer), on a prompt column with a string label column (the response), or on a chat column
-(array<struct<role, content>>) without labels (estimator.data.lm)."""
+(array<struct<role, content>>) without labels (estimator.data.lm). The checks transform shares (max_length,
+max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is_chat in estimator.predict.schema:
+TorchModel uses them without importing fit."""
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
-from pyspark.sql.types import ArrayType, DataType, MapType, StringType, StructType
+from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
-from estimator.core.adapters import base_config
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
+from estimator.predict.language_checks import model_positions
+from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
 
-OWNER = "TorchEstimator"
 CHAT_FIELDS = ("role", "content")
 CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
@@ -25,10 +27,6 @@ CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 
 def built_in_loop(p: Dict[str, Any]) -> bool:
     return all(p.get(name) is None for name in ("loss", "loss_constructors", "train_step", "train_fn"))
-
-
-def is_chat(dtype: DataType) -> bool:
-    return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, StructType)
 
 
 def string_label_error(column: str, p: Dict[str, Any]) -> str:
@@ -97,60 +95,6 @@ def check_lm_params(p: Dict[str, Any]) -> None:
                       ("input_shapes", "the token arrays are as long as each batch's longest row")):
         if p[name]:
             raise ValueError(f"Fine-tuning a causal LM takes no {name} (got {p[name]!r}): {why}.")
-
-
-def check_max_length(p: Dict[str, Any], owner: str = OWNER) -> None:
-    """max_length within the model's positions (a longer one fails on the ranks, deep in the model)."""
-    config = base_config(p["model"])
-    positions = model_positions(p["model"])
-    if p.get("max_length") is not None and positions is not None and p["max_length"] > positions:
-        raise ValueError(f"The 'max_length' parameter of {owner} is {p['max_length']}, beyond the "
-                         f"{positions} positions of the model ({type(config).__name__}.max_position_embeddings): "
-                         f"set max_length <= {positions}.")
-
-
-def check_vocabulary(p: Dict[str, Any], owner: str = OWNER) -> None:
-    """A Hugging Face tokenizer whose token ids fit the model's input embeddings (a larger vocabulary fails on the
-    ranks with an IndexError that names neither)."""
-    tokenizer, embeddings = p.get("tokenizer"), getattr(p["model"], "get_input_embeddings", None)
-    # its own vocabulary, which any text draws from (tokens added to it, a chat's markers, may go unused)
-    tokens = getattr(tokenizer, "vocab_size", None)
-    if not isinstance(tokens, int) or embeddings is None:
-        return
-    try:
-        rows = getattr(embeddings(), "num_embeddings", None)
-    except NotImplementedError:  # a model without token embeddings
-        return
-    if isinstance(rows, int) and tokens > rows:
-        raise ValueError(f"The tokenizer of {owner} has {tokens} tokens, and the model's input embeddings "
-                         f"{rows} rows: token ids past {rows - 1} have no embedding. Use the tokenizer saved with the "
-                         "model, or resize its embeddings first (model.resize_token_embeddings(len(tokenizer))).")
-
-
-def effective_max_length(p: Dict[str, Any]) -> Optional[int]:
-    """max_length; unset, the tokenizer's model maximum capped at the model's positions (a tokenizer saved without a
-    maximum cuts nothing, and a longer text then fails on the ranks, deep in the model's position embedding)."""
-    positions = model_positions(p["model"])
-    if p.get("max_length") is not None or p.get("tokenizer") is None or positions is None:
-        return p.get("max_length")
-    known = length_limit(p["tokenizer"], None)
-    return positions if known is None else min(known, positions)
-
-
-def check_max_new_tokens(p: Dict[str, Any], owner: str = OWNER) -> None:
-    """max_new_tokens below the model's positions (the prompt needs one at least): past them a model's text is
-    garbage (transformers only warns) or its position embedding fails on the executors."""
-    positions = model_positions(p["model"])
-    if positions is not None and p["max_new_tokens"] >= positions:
-        raise ValueError(f"The 'max_new_tokens' parameter of {owner} is {p['max_new_tokens']}, and the model has "
-                         f"{positions} positions for the prompt and the generated tokens together: set "
-                         f"max_new_tokens < {positions} (at most {positions} minus the longest prompt's tokens).")
-
-
-def model_positions(model: Any) -> Optional[int]:
-    config = base_config(model)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return positions if isinstance(positions, int) else None
 
 
 def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Optional[int]) -> Tuple[int, int, int, int]:

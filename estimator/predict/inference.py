@@ -1,8 +1,11 @@
-"""Batched prediction on executors: Arrow arrays in, an Arrow struct of outputs out. pyspark only to ask
-the running task which GPU Spark assigned to it.
+"""Batched prediction on executors: Arrow arrays in, an Arrow struct of outputs out, for any output kind. pyspark
+only to ask the running task which GPU Spark assigned to it.
 
-The model is unpickled once per Python worker (Spark reuses workers) and kept in a small cache
-keyed by the model's content hash, so each Arrow batch costs only the conversion and the forward.
+What is shared by every kind lives here: the feature columns as numpy arrays, the device and torch's threads, the
+model unpickled once per Python worker (Spark reuses workers) and kept in a small cache keyed by the model's
+content hash (so each Arrow batch costs only the conversion and the forward), forward passes in batches, the
+UDF's function (Arrow, or pandas for pyspark 3.5) and its TransformFailed. What a kind computes from the model
+and which struct it returns is its Predictor's (estimator.predict.predictor; the kinds in estimator.predict.kinds).
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pickle
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -20,39 +23,11 @@ from torch import nn
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
-from estimator.predict.generation import embeddings, generate_texts
+from estimator.predict.predictor import Predictor
 from estimator.train.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
 _CACHE_SIZE = 2
-PREDICTION_FIELD, RAW_FIELD, PROBABILITY_FIELD = "_prediction", "_raw", "_probability"
-
-# What transform derives from a model's single output, by what its loss says the output is (Spark ML's columns):
-#   softmax      class scores of CrossEntropyLoss/NLLLoss: rawPrediction, probability (softmax), prediction (argmax)
-#   scores       class scores of a loss of the user's own: rawPrediction, prediction (argmax)
-#   logit        one logit (BCEWithLogitsLoss): rawPrediction [-s, s], probability [1-p, p], prediction (s >= 0)
-#   probability  one probability (BCELoss): rawPrediction = probability = [1-p, p], prediction (p >= 0.5)
-#   value        one value per row (regression): prediction
-WITH_RAW = ("softmax", "scores", "logit", "probability")
-WITH_PROBABILITY = ("softmax", "logit", "probability")
-
-
-@dataclass(frozen=True)
-class InferenceLayout:
-    feature_cols: Tuple[str, ...]
-    input_shapes: Optional[Tuple[Tuple[int, ...], ...]]
-    output_names: Tuple[str, ...]
-    output_is_vector: Tuple[bool, ...]
-    head: Optional[str]  # what the single output's prediction columns are (see WITH_RAW); None: no such columns
-    batch_size: int
-    use_gpu: Optional[bool]
-    torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
-    feature_sizes: Optional[Tuple[int, ...]] = None  # values per row the model was trained on; None: not checked
-    tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
-    kind: Optional[str] = None  # output_kind: None (forward's outputs), 'generate' or 'embedding' (predict.generation)
-    chat: bool = False  # 'generate': the feature column holds chats (rendered with the chat template)
-    max_new_tokens: int = 64
-    generate_kwargs: Optional[Dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -99,35 +74,55 @@ def task_gpu() -> Optional[str]:
         return None
 
 
-def predict_arrow(key: str, blob: Pickled, layout: InferenceLayout, *columns: pa.Array) -> pa.StructArray:
-    values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(layout.feature_cols, columns)]
-    return to_struct(predict_columns(key, blob, layout, values), layout)
+def predict_arrow(key: str, blob: Pickled, predictor: Predictor, *columns: pa.Array) -> pa.StructArray:
+    values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(predictor.feature_cols, columns)]
+    return predict_columns(key, blob, predictor, values)
 
 
-def predict_columns(key: str, blob: Pickled, layout: InferenceLayout, columns: Sequence[np.ndarray]):
-    """Model outputs, each (rows, width), for feature columns given as (rows,) or (rows, n) arrays."""
-    device = device_for(layout.use_gpu, task_gpu() if layout.use_gpu is not False else None)
-    if layout.torch_threads and torch.get_num_threads() != layout.torch_threads:
-        torch.set_num_threads(layout.torch_threads)  # every task of an executor runs its own forward passes
+def predict_columns(key: str, blob: Pickled, predictor: Predictor, columns: Sequence[np.ndarray]) -> pa.StructArray:
+    """The UDF's struct (predictor.arrow_type()) for feature columns given as (rows,) or (rows, n) arrays."""
+    device = device_for(predictor.use_gpu, task_gpu() if predictor.use_gpu is not False else None)
+    if predictor.torch_threads and torch.get_num_threads() != predictor.torch_threads:
+        torch.set_num_threads(predictor.torch_threads)  # every task of an executor runs its own forward passes
     model = cached_model(key, blob, device)
-    if layout.kind == "generate":
-        return [generate_texts(model, layout.tokenize.tokenizer, columns[0], layout.chat, layout.feature_cols[0],
-                               layout.batch_size, device, layout.max_new_tokens, layout.generate_kwargs)]
+    return to_struct(predictor.predict(model, columns, device), predictor.arrow_type())
+
+
+def to_struct(arrays: Sequence[pa.Array], struct: pa.StructType) -> pa.StructArray:
+    if not arrays:  # an empty batch
+        return pa.array([], type=struct)
+    return pa.StructArray.from_arrays(list(arrays), fields=list(struct))
+
+
+def model_inputs(columns: Sequence[np.ndarray], names: Sequence[str],
+                 input_shapes: Optional[Sequence[Sequence[int]]] = None,
+                 feature_sizes: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+    """The feature columns as the model takes them: checked against the values per row it was trained on
+    (`feature_sizes`), reshaped by `input_shapes`, in torch's dtypes, writable and contiguous."""
     arrays = []
-    for i, (name, values) in enumerate(zip(layout.feature_cols, columns)):
+    for i, (name, values) in enumerate(zip(names, columns)):
         found = int(np.prod(values.shape[1:])) if values.ndim > 1 else 1
-        if layout.feature_sizes and len(values) and found != layout.feature_sizes[i]:
+        if feature_sizes and len(values) and found != feature_sizes[i]:
             raise ValueError(f"Column {name!r} has {found} values per row, but the model was trained on "
-                             f"{layout.feature_sizes[i]}: give transform the column as it was at fit.")
-        shape = layout.input_shapes[i] if layout.input_shapes else None
+                             f"{feature_sizes[i]}: give transform the column as it was at fit.")
+        shape = input_shapes[i] if input_shapes else None
         arrays.append(np.require(reshape(torch_dtype_array(values), shape, name), requirements=["C", "W"]))
-    return predict_numpy(model, arrays, layout.batch_size, device, layout.tokenize, layout.kind == "embedding")
+    return arrays
+
+
+def forward_outputs(raw: Any, batch: Sequence[Any]) -> Sequence[torch.Tensor]:
+    """What predict_numpy keeps of a forward by default: its outputs, one per label column (core.outputs)."""
+    return outputs_of(raw)
+
+
+Read = Callable[[Any, Sequence[Any]], Sequence[torch.Tensor]]  # (forward's result, its inputs) -> per-row tensors
 
 
 def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: int, device: str,
-                  tokenize: Any = None, embed: bool = False):
-    """Outputs batch by batch; a text column (strings, with `tokenize`) becomes forward's keyword inputs. `embed`:
-    one vector per row from the hidden states (estimator.predict.generation.embeddings)."""
+                  tokenize: Any = None, read: Read = forward_outputs) -> List[np.ndarray]:
+    """Outputs batch by batch, each (rows, width) float32; a text column (strings, with `tokenize`) becomes
+    forward's keyword inputs. `read` picks what a forward's result gives per row (a kind's own: the embedding
+    kind pools hidden states), from the result and the batch it was given."""
     rows = arrays[0].shape[0] if arrays else 0
     chunks = []
 
@@ -139,105 +134,36 @@ def predict_numpy(model: nn.Module, arrays: Sequence[np.ndarray], batch_size: in
     with torch.inference_mode():
         for start in range(0, rows, batch_size):
             batch = [tensors(a[start:start + batch_size]) for a in arrays]
-            raw = forward(model, batch)
-            masks = [b["attention_mask"] for b in batch if isinstance(b, dict) and "attention_mask" in b]
-            out = (embeddings(raw, masks[0] if masks else None),) if embed else outputs_of(raw)
+            out = read(forward(model, batch), batch)
             chunks.append([o.detach().float().reshape(o.shape[0], -1).cpu().numpy() for o in out])
     if not chunks:
         return []
     return [np.concatenate([c[i] for c in chunks]) for i in range(len(chunks[0]))]
 
 
-def head_of(kind: str, shape: Sequence[int]) -> Optional[str]:
-    """The head of a single output with this per-row shape whose loss is of this kind (estimator.train.losses)."""
-    if int(np.prod(shape)) <= 1:
-        return {"logits": "logit", "probabilities": "probability", "regression": "value", "unknown": "value"}.get(kind)
-    if len(shape) != 1:
-        return None  # images, sequences: no single prediction
-    return {"class_index": "softmax", "unknown": "scores"}.get(kind)  # several logits/values: multi-label
+def pandas_frame(struct: pa.StructArray) -> Any:
+    """The struct as pyspark 3.5's pandas UDF returns it, a pandas DataFrame with one column per field: a list
+    field's rows as numpy arrays, a string field's as str, numbers as a numpy column."""
+    import pandas as pd
+
+    columns = {}
+    for i, field in enumerate(struct.type):
+        values = struct.field(i)
+        if pa.types.is_list(field.type):
+            columns[field.name] = list(values.to_numpy(zero_copy_only=False))
+        elif pa.types.is_string(field.type):
+            columns[field.name] = values.to_pylist()
+        else:
+            columns[field.name] = values.to_numpy(zero_copy_only=False)
+    return pd.DataFrame(columns)
 
 
-def head_fields(head: Optional[str]) -> List[str]:
-    if head is None:
-        return []
-    return ([PREDICTION_FIELD] + ([RAW_FIELD] if head in WITH_RAW else [])
-            + ([PROBABILITY_FIELD] if head in WITH_PROBABILITY else []))
-
-
-def head_columns(head: Optional[str], output: np.ndarray) -> Dict[str, np.ndarray]:
-    """The prediction columns of the single output, (rows, width), by its head: prediction (rows,), raw
-    scores and probabilities (rows, classes), float64."""
-    if head is None:
-        return {}
-    out = output.reshape(output.shape[0], -1).astype(np.float64)
-    if head == "value":
-        return {PREDICTION_FIELD: out[:, 0]}
-    if head in ("logit", "probability"):
-        s = out[:, 0]
-        p = 1.0 / (1.0 + np.exp(-s)) if head == "logit" else s
-        raw = np.stack([-s, s], axis=1) if head == "logit" else np.stack([1 - p, p], axis=1)
-        return _unknown_where_not_finite({PREDICTION_FIELD: (p >= 0.5).astype(np.float64), RAW_FIELD: raw,
-                                          PROBABILITY_FIELD: np.stack([1 - p, p], axis=1)}, out[:, :1])
-    columns = {PREDICTION_FIELD: out.argmax(axis=1).astype(np.float64), RAW_FIELD: out}
-    if head == "softmax":
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite rows give NaN, and a NaN prediction
-            shifted = np.exp(out - out.max(axis=1, keepdims=True))
-            columns[PROBABILITY_FIELD] = shifted / shifted.sum(axis=1, keepdims=True)
-    return _unknown_where_not_finite(columns, out)
-
-
-def _unknown_where_not_finite(columns: Dict[str, np.ndarray], out: np.ndarray) -> Dict[str, np.ndarray]:
-    """A row whose scores are NaN or infinite has no class: its prediction is NaN (argmax would say 0, and an
-    evaluator would count it as a plausible answer)."""
-    bad = ~np.isfinite(out).all(axis=1)
-    if bad.any():
-        columns[PREDICTION_FIELD] = np.where(bad, np.nan, columns[PREDICTION_FIELD])
-    return columns
-
-
-def arrow_type(layout: InferenceLayout) -> pa.StructType:
-    if layout.kind == "generate":  # the generated text, in each output column and the prediction
-        return pa.struct([pa.field(n, pa.string()) for n in (*layout.output_names, PREDICTION_FIELD)])
-    fields = [pa.field(n, _rows_type(pa.float32()) if v else pa.float64())
-              for n, v in zip(layout.output_names, layout.output_is_vector)]
-    fields += [pa.field(n, pa.float64() if n == PREDICTION_FIELD else _rows_type(pa.float64()))
-               for n in head_fields(layout.head)]
-    return pa.struct(fields)
-
-
-def _rows_type(dtype: pa.DataType) -> pa.ListType:
-    return pa.list_(pa.field("element", dtype, nullable=False))  # Spark: array<float> without null elements
-
-
-def to_struct(outputs: Sequence[np.ndarray], layout: InferenceLayout) -> pa.StructArray:
-    if not outputs:
-        return pa.array([], type=arrow_type(layout))
-    if layout.kind == "generate":
-        text = pa.array(list(outputs[0]), pa.string())
-        return pa.StructArray.from_arrays([text] * (len(layout.output_names) + 1), fields=list(arrow_type(layout)))
-    fields = []
-    for values, is_vector in zip(outputs, layout.output_is_vector):
-        fields.append(_arrow_rows(values, pa.float32()) if is_vector else pa.array(values.reshape(-1), pa.float64()))
-    derived = head_columns(layout.head, outputs[0])
-    for name in head_fields(layout.head):
-        values = derived[name]
-        fields.append(pa.array(values) if values.ndim == 1 else _arrow_rows(values, pa.float64()))
-    return pa.StructArray.from_arrays(fields, fields=list(arrow_type(layout)))
-
-
-def _arrow_rows(values: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
-    """(rows, width) -> a list column of `width` values per row, without Python objects."""
-    rows, width = values.shape[0], int(np.prod(values.shape[1:]))
-    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), dtype), type=_rows_type(dtype))
-
-
-def make_predict(key: str, blob: Pickled, layout: InferenceLayout):
+def make_predict(key: str, blob: Pickled, predictor: Predictor):
     """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
 
     def predict(*columns: pa.Array) -> pa.Array:
         try:
-            return predict_arrow(key, blob, layout, *columns)
+            return predict_arrow(key, blob, predictor, *columns)
         except Exception as exc:  # noqa: BLE001 - its cause first, without the frames below
             raise transform_failed(exc) from None
 
@@ -255,23 +181,17 @@ def transform_failed(exc: Exception) -> TransformFailed:
                            f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
 
 
-def make_predict_pandas(key: str, blob: Pickled, layout: InferenceLayout):
-    """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out."""
+def make_predict_pandas(key: str, blob: Pickled, predictor: Predictor):
+    """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out (the
+    struct make_predict returns, as pandas_frame gives it)."""
     import pandas as pd
 
     def predict(*columns: pd.Series) -> pd.DataFrame:
         values = [np.stack(c.to_numpy()) if c.dtype == object else c.to_numpy() for c in columns]
         try:
-            outputs = predict_columns(key, blob, layout, values)
+            struct = predict_columns(key, blob, predictor, values)
         except Exception as exc:  # noqa: BLE001 - as in make_predict
             raise transform_failed(exc) from None
-        if layout.kind == "generate":
-            texts = list(outputs[0]) if outputs else []
-            return pd.DataFrame({name: texts for name in (*layout.output_names, PREDICTION_FIELD)})
-        frame = pd.DataFrame({name: list(out) if vec else out.reshape(-1).astype(np.float64)
-                              for name, vec, out in zip(layout.output_names, layout.output_is_vector, outputs)})
-        for name, values in head_columns(layout.head, outputs[0] if outputs else np.empty((0, 1))).items():
-            frame[name] = list(values) if values.ndim > 1 else values
-        return frame[list(layout.output_names) + head_fields(layout.head)]
+        return pandas_frame(struct)
 
     return predict

@@ -62,12 +62,13 @@ def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
 
     from estimator.data.text import Tokenize
     from estimator.predict import inference
+    from estimator.predict.kinds.generate import Generate
 
     tokenizer = AutoTokenizer.from_pretrained(llama)
     model = plain_causal_lm(llama).to("cuda").eval()
     prompts = [p for p, _ in lm_rows(12)] + ["What is it?"]
-    layout = inference.InferenceLayout(("prompt",), None, ("_0",), (False,), None, 5, True,
-                                       tokenize=Tokenize(tokenizer, ()), kind="generate", max_new_tokens=8)
+    layout = Generate(feature_cols=("prompt",), batch_size=5, use_gpu=True, tokenize=Tokenize(tokenizer, ()),
+                      max_new_tokens=8)
     inference._CACHE[("gpu-lm", "cuda")] = model
     got = inference.predict_arrow("gpu-lm", b"", layout, pa.array(prompts, pa.string())).field(0).to_pylist()
     expected = []

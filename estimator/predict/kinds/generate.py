@@ -1,0 +1,62 @@
+"""output_kind 'generate': the text a causal LM generates for each prompt (or chat), as a string in every output
+column and in prediction_col (estimator.predict.generation.generate_texts: sorted, left-padded batches through
+the model's own generate())."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+
+from estimator.core.adapters import can_generate
+from estimator.data.text import Tokenize
+from estimator.predict.generation import generate_texts
+from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_text_column,
+                                               check_vocabulary, effective_max_length)
+from estimator.predict.predictor import PREDICTION_FIELD, Added, Predictor, output_fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generate(Predictor):
+    outputs: Tuple[str, ...] = ("_0",)  # the struct's field of each output column (each holds the same text)
+    chat: bool = False  # the feature column holds chats, rendered with the chat template (bind_chat)
+    max_new_tokens: int = 64
+    generate_kwargs: Optional[Dict[str, Any]] = None
+
+    accepts_chat: ClassVar[bool] = True
+
+    @classmethod
+    def check(cls, p: Dict[str, Any]) -> None:
+        check_text_column(p, "TorchModel")
+        if not can_generate(p["model"]):
+            raise ValueError(f"TorchModel with output_kind={p['output_kind']!r} needs a model that generates (a "
+                             f"causal LM, AutoModelForCausalLM); {type(p['model']).__name__} does not.")
+        check_max_length(p, "TorchModel")
+        check_vocabulary(p, "TorchModel")
+        check_max_new_tokens(p, "TorchModel")
+
+    @classmethod
+    def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Generate":
+        cls.check(p)
+        fields = output_fields(len(outputs))
+        added = [Added(name, field, nullable=True) for name, field in zip(outputs, fields)]
+        if p["prediction_col"]:
+            added.append(Added(p["prediction_col"], PREDICTION_FIELD, nullable=True))
+        return cls(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
+                   added=tuple(added), torch_threads=torch_threads,
+                   tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)), outputs=fields,
+                   max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
+
+    def bind_chat(self, chat: bool) -> "Generate":
+        return dataclasses.replace(self, chat=chat)
+
+    def arrow_type(self) -> pa.StructType:
+        return pa.struct([pa.field(n, pa.string()) for n in (*self.outputs, PREDICTION_FIELD)])
+
+    def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
+        texts = generate_texts(model, self.tokenize.tokenizer, columns[0], self.chat, self.feature_cols[0],
+                               self.batch_size, device, self.max_new_tokens, self.generate_kwargs)
+        text = pa.array(list(texts), pa.string())
+        return [text] * (len(self.outputs) + 1)

@@ -1,0 +1,103 @@
+"""output_kind None: the numbers a model's forward returns, one column per output (a double, or an array<float>
+for an output wider than one value), and for a classifier or regressor Spark ML's prediction columns beside them
+(prediction, rawPrediction, probability: heads.py)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from estimator.core.outputs import outputs_of
+from estimator.data.arrays import reshape
+from estimator.data.text import Tokenize
+from estimator.predict.inference import model_inputs, predict_numpy
+from estimator.predict.kinds.heads import PROBABILITY_FIELD, RAW_FIELD, head_columns, head_fields, head_of
+from estimator.predict.language_checks import effective_max_length
+from estimator.predict.predictor import (PREDICTION_FIELD, Added, Predictor, arrow_rows, output_fields,
+                                         rows_type)
+from estimator.train.lightning import for_inference
+
+
+@dataclass(frozen=True, kw_only=True)
+class Values(Predictor):
+    outputs: Tuple[str, ...] = ("_0",)  # the struct's field of each output
+    output_is_vector: Tuple[bool, ...] = (True,)  # an array per row (else one double)
+    head: Optional[str] = None  # what the single output's prediction columns are (heads.py); None: no such columns
+    input_shapes: Optional[Tuple[Tuple[int, ...], ...]] = None
+    feature_sizes: Optional[Tuple[int, ...]] = None  # values per row the model was trained on; None: not checked
+
+    @classmethod
+    def check(cls, p: Dict[str, Any], outputs: List[str]) -> None:
+        for_inference(p["model"])  # a LightningModule with neither forward() nor predict_step() is refused here
+        if p["label_cols"] and len(outputs) != len(p["label_cols"]):
+            raise ValueError(f"The 'output_cols' parameter of TorchModel must list {len(p['label_cols'])} names, "
+                             f"one per label column {p['label_cols']}. Got {outputs} instead.")
+
+    @classmethod
+    def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Values":
+        cls.check(p, outputs)
+        shapes = p["output_shapes"] if p["output_shapes"] is not None else probe_output_shapes(p)
+        if len(shapes) != len(outputs):
+            raise ValueError(f"The model returns {len(shapes)} outputs but TorchModel has {len(outputs)} label columns "
+                             f"{p['label_cols']}; pass one label column per output.")
+        kinds = p["loss_kinds"] or ["unknown"] * len(outputs)
+        head = head_of(kinds[0], shapes[0]) if len(outputs) == 1 and p["label_cols"] else None
+        fields = output_fields(len(outputs))
+        names = {PREDICTION_FIELD: p["prediction_col"], RAW_FIELD: p["raw_prediction_col"],
+                 PROBABILITY_FIELD: p["probability_col"]}
+        added = [Added(name, field) for name, field in zip(outputs, fields)]
+        added += [Added(names[field], field, vector=field != PREDICTION_FIELD)  # Spark ML's vectors
+                  for field in head_fields(head) if names[field]]
+        return cls(
+            feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
+            added=tuple(added), torch_threads=torch_threads,
+            tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)) if p["tokenizer"] is not None else None,
+            outputs=fields, output_is_vector=tuple(int(np.prod(s)) > 1 for s in shapes), head=head,
+            input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
+            feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]))
+
+    def arrow_type(self) -> pa.StructType:
+        fields = [pa.field(n, rows_type(pa.float32()) if v else pa.float64())
+                  for n, v in zip(self.outputs, self.output_is_vector)]
+        fields += [pa.field(n, pa.float64() if n == PREDICTION_FIELD else rows_type(pa.float64()))
+                   for n in head_fields(self.head)]
+        return pa.struct(fields)
+
+    def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
+        arrays = model_inputs(columns, self.feature_cols, self.input_shapes, self.feature_sizes)
+        outputs = predict_numpy(model, arrays, self.batch_size, device, self.tokenize)
+        if not outputs:
+            return []
+        fields = [arrow_rows(values, pa.float32()) if is_vector else pa.array(values.reshape(-1), pa.float64())
+                  for values, is_vector in zip(outputs, self.output_is_vector)]
+        derived = head_columns(self.head, outputs[0])
+        for name in head_fields(self.head):
+            values = derived[name]
+            fields.append(pa.array(values) if values.ndim == 1 else arrow_rows(values, pa.float64()))
+        return fields
+
+
+def probe_output_shapes(p: Dict[str, Any]) -> List[List[int]]:
+    """Per-row output shapes by one forward pass on the driver (no Spark job), for a TorchModel built
+    without output_shapes: the feature shapes come from input_shapes, else from a first Linear layer."""
+    rows, inputs = 2, []
+    for i, column in enumerate(p["feature_cols"]):
+        shape = p["input_shapes"][i] if p["input_shapes"] else None
+        if shape is None:
+            first = next((m for m in p["model"].modules() if isinstance(m, nn.Linear)), None)
+            if first is None or len(p["feature_cols"]) > 1:
+                raise ValueError(f"TorchModel cannot tell the shape of {column!r} to find the model's output "
+                                 "columns without a Spark job: pass input_shapes (e.g. [[-1, 64]]) or "
+                                 "output_shapes (e.g. [[10]]).")
+            shape = [-1, first.in_features]
+        inputs.append(reshape(np.zeros((rows, int(np.prod([d for d in shape if d != -1]))), np.float32),
+                              shape, column))
+    model = copy.deepcopy(p["model"]).cpu().eval()
+    with torch.no_grad():
+        outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
+    return [list(o.shape[1:]) for o in outputs]
