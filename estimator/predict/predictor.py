@@ -48,6 +48,12 @@ class Predictor:
         ValueError, naming the param and the fix, for what this kind cannot run."""
         raise NotImplementedError(f"{cls.__name__}.build")
 
+    @staticmethod
+    def shared(p: Dict[str, Any], added: Sequence[Added], torch_threads: Optional[int], tokenize: Any) -> Dict[str, Any]:
+        """The shared fields' values, from the params, for a kind's `build`."""
+        return dict(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
+                    added=tuple(added), torch_threads=torch_threads, tokenize=tokenize)
+
     def bind_chat(self, chat: bool) -> "Predictor":
         """The predictor for a DataFrame whose feature column holds chats (`chat`), or not: only a kind that
         accepts_chat reads them differently."""

@@ -32,10 +32,9 @@ class Embedding(Predictor):
     def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Embedding":
         cls.check(p)
         fields = output_fields(len(outputs))
-        return cls(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
-                   added=tuple(Added(name, field) for name, field in zip(outputs, fields)),
-                   torch_threads=torch_threads, tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)),
-                   outputs=fields)
+        added = [Added(name, field) for name, field in zip(outputs, fields)]
+        tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p))
+        return cls(**cls.shared(p, added, torch_threads, tokenize), outputs=fields)
 
     def arrow_type(self) -> pa.StructType:
         return pa.struct([pa.field(n, rows_type(pa.float32())) for n in self.outputs])

@@ -44,9 +44,8 @@ class Generate(Predictor):
         added = [Added(name, field, nullable=True) for name, field in zip(outputs, fields)]
         if p["prediction_col"]:
             added.append(Added(p["prediction_col"], PREDICTION_FIELD, nullable=True))
-        return cls(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
-                   added=tuple(added), torch_threads=torch_threads,
-                   tokenize=Tokenize(p["tokenizer"], (), effective_max_length(p)), outputs=fields,
+        tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p))
+        return cls(**cls.shared(p, added, torch_threads, tokenize), outputs=fields,
                    max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
 
     def bind_chat(self, chat: bool) -> "Generate":
