@@ -122,3 +122,49 @@ def test_rows_with_non_finite_scores_have_no_predicted_class():
     for head in ("logit", "probability"):
         predicted = head_columns(head, np.array([[0.9], [np.nan]]))[P]
         assert predicted[0] == 1.0 and np.isnan(predicted[1])
+
+
+class MeanOfEmbeddings(torch.nn.Module):
+    """A text model: the mean of its tokens' embeddings, read by keyword as a tokenized column reaches forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 3)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        return (self.embed(input_ids) * mask).sum(1) / mask.sum(1)
+
+
+def characters(texts):
+    """A tokenizer as the param takes one: a list of strings to a dict of (texts, tokens) arrays, padded."""
+    width = max(len(t) for t in texts)
+    ids = np.array([[ord(c) % 64 for c in t] + [0] * (width - len(t)) for t in texts])
+    return {"input_ids": ids, "attention_mask": (np.arange(width) < np.array([[len(t)] for t in texts])).astype(int)}
+
+
+def test_a_pandas_udf_reads_text_and_chat_columns_as_the_arrow_udf_does():
+    """pyspark 3.5 has no Arrow UDFs: transform's pandas UDF gets a text column as a Series of strings, which,
+    stacked, became a numpy unicode array that no text model reads (every transform of a text column failed on
+    Spark 3.5). Its outputs equal the Arrow UDF's; a chat column's rows become lists of messages whatever their
+    lengths, as the Arrow path reads them."""
+    import pandas as pd
+
+    from estimator.data.arrays import column_to_numpy
+    from estimator.data.text import Tokenize
+
+    texts = ["a cat", "dogs bark loudly", "x", "ok"]
+    predictor = Values(feature_cols=("text",), outputs=("_0",), output_is_vector=(True,), batch_size=3,
+                       use_gpu=False, tokenize=Tokenize(characters, ()))
+    blob = cloudpickle.dumps(MeanOfEmbeddings().eval())
+    arrow = inference.make_predict("k-text", blob, predictor)(pa.array(texts)).field("_0").to_pylist()
+    frame = inference.make_predict_pandas("k-text", blob, predictor)(pd.Series(texts))
+    np.testing.assert_array_equal(np.array(list(frame["_0"]), dtype=np.float32), np.array(arrow, dtype=np.float32))
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a"}, {"role": "assistant",
+                                                                                       "content": "b"}]]
+    as_pandas = pd.Series([np.array(c, dtype=object) for c in chats])  # what Arrow's to_pandas hands a UDF
+    chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    expected = column_to_numpy(pa.chunked_array([pa.array(chats, chat_type)]), "chat")
+    got = inference.series_values(as_pandas)
+    assert got.dtype == object and [list(r) for r in got] == [list(r) for r in expected] == chats

@@ -181,13 +181,27 @@ def transform_failed(exc: Exception) -> TransformFailed:
                            f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
 
 
+def series_values(column: Any) -> np.ndarray:
+    """A pandas UDF's column as the Arrow UDF's (estimator.data.arrays.column_to_numpy): numbers as they are, arrays
+    stacked to (rows, n), a text or binary column one object per row (stacked, strings would become a numpy
+    unicode array, which no tokenizer path reads), a chat its rows' lists of messages (of any lengths)."""
+    if column.dtype != object:
+        return column.to_numpy()
+    first = next((v for v in column if v is not None), None)
+    if isinstance(first, (str, bytes)) or (first is not None and len(first) and isinstance(first[0], dict)):
+        out = np.empty(len(column), dtype=object)
+        out[:] = [v if isinstance(v, (str, bytes)) else list(v) for v in column]
+        return out
+    return np.stack(column.to_numpy())
+
+
 def make_predict_pandas(key: str, blob: Pickled, predictor: Predictor):
     """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out (the
     struct make_predict returns, as pandas_frame gives it)."""
     import pandas as pd
 
     def predict(*columns: pd.Series) -> pd.DataFrame:
-        values = [np.stack(c.to_numpy()) if c.dtype == object else c.to_numpy() for c in columns]
+        values = [series_values(c) for c in columns]
         try:
             struct = predict_columns(key, blob, predictor, values)
         except Exception as exc:  # noqa: BLE001 - as in make_predict
