@@ -87,7 +87,8 @@ class Run:
         self.objective = objs.objective.for_rank(spec, objs, rank.model, rank.trainer) if objs.objective else None
         scheduler = rank.schedule.scheduler
         self.loop = TrainLoop(spec, ctx, rank.strategy, rank.trained, rank.optimizer, self.objective, faults, attempt,
-                              checkpoint=self.checkpoint_inside, on_step=self.step_logged,
+                              checkpoint=self.checkpoint_inside,
+                              on_step=self.step_logged if spec.tensorboard and ctx.rank == 0 else None,
                               after_step=scheduler.step if scheduler is not None and rank.schedule.interval == "step"
                               else None, scaler_state=rank.resumed.grad_scaler,
                               global_step=rank.resumed.position.global_step)
@@ -148,8 +149,9 @@ class Run:
                             state_bytes=local_bytes(self.model, self.optimizer))
 
     def step_logged(self, step: int, loss: torch.Tensor) -> None:
-        """An optimizer step's loss, to TensorBoard when rank 0 writes it."""
-        if self.tensorboard is not None:
+        """An optimizer step's loss, to rank 0's TensorBoard (the loop calls this only where there is one: no
+        call and no op a step otherwise)."""
+        if self.tensorboard is not None:  # None when the tensorboard package is missing
             self.tensorboard.step(step, loss)
 
     def waited_for(self, waited: float, looped: float) -> None:
