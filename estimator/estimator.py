@@ -203,9 +203,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                             strategy=strategy)
         if p["train_fn"] is not None:  # the keys are what it reports: checked by the ranks at its first report
             monitor: Optional[Monitor] = checks.monitor_for(p, None, has_validation)
-        else:  # train_step's keys are known after its dry run
-            names = (["loss", "perplexity"] if lm else
-                     checks.metric_names(p, losses or [make() for make in constructors]))
+        else:  # the objective's keys, or the loss param's metrics (train_step's are known after its dry run)
+            names = objective.history_keys(p)
+            if names is None:
+                names = checks.metric_names(p, losses or [make() for make in constructors])
             monitor = None if p["train_step"] is not None or objs.lightning else checks.monitor_for(
                 p, names, has_validation)
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "

@@ -95,7 +95,8 @@ def test_an_objective_added_as_one_class_and_a_registry_line_trains_with_its_own
     monkeypatch.setattr(registry, "OBJECTIVES", {"absolute": AbsoluteErrorObjective, **registry.OBJECTIVES})
     df = digits_frame(spark, digits)
     fitted = _est(store, loss=AbsoluteError(), epochs=3, run_id="absolute", validation="is_val",
-                  optimizer=torch.optim.Adam(seeded(MLP).parameters(), lr=0.01)).fit(df)
+                  optimizer=torch.optim.Adam(seeded(MLP).parameters(), lr=0.01), monitor="val_within_1",
+                  monitor_mode="max").fit(df)  # a key of its own: the driver knows it before any job
     history = fitted.getHistory()
     assert set(history[-1]) >= {"loss", "within_1", "val_loss", "val_within_1"}
     assert history[-1]["loss"] < history[0]["loss"]
@@ -106,3 +107,4 @@ def test_an_objective_added_as_one_class_and_a_registry_line_trains_with_its_own
     assert history[-1]["val_loss"] == pytest.approx(float(error.mean()), rel=1e-5)
     assert history[-1]["val_within_1"] == pytest.approx(float((error < 1).double().mean()), rel=1e-9)
     assert 0 < np.mean([row["within_1"] for row in history]) < 1
+    assert fitted.getBestEpoch() == 1 + int(np.argmax([row["val_within_1"] for row in history]))

@@ -2,7 +2,7 @@
 mean, the model's outputs in transform, no language model's rows, and the history read from its sums' means."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerBatch
@@ -20,6 +20,14 @@ class BuiltIn:
     def applies(cls, p: Mapping[str, Any]) -> bool:
         """Whether this is the fit's objective, from the validated params (`p["model"]`: the driver's module)."""
         raise NotImplementedError
+
+    @classmethod
+    def history_keys(cls, p: Mapping[str, Any]) -> Optional[List[str]]:
+        """The history's training keys, known on the driver before any job (the monitor must be one of them, or
+        its val_ one): the means of a layout the class declares; None where the instance builds its layout (the
+        driver then knows them otherwise: the loss param's metrics, or a dry run)."""
+        layout = getattr(cls, "layout", None)
+        return [m.key for m in layout.means] if isinstance(layout, Sums) else None
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "BuiltIn":

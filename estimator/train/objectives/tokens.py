@@ -10,7 +10,7 @@ long ones). torch only, no pyspark."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,10 @@ class TokenObjective(BuiltIn):
         transformers causal LM, or peft's model around one)."""
         return (all(p.get(name) is None for name in OWN_LOOP) and p.get("tokenizer") is not None
                 and can_generate(p.get("model")))
+
+    @classmethod
+    def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
+        return [*super().history_keys(p), "perplexity"]
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "TokenObjective":
