@@ -49,7 +49,8 @@ class Predictor:
         raise NotImplementedError(f"{cls.__name__}.build")
 
     @staticmethod
-    def shared(p: Dict[str, Any], added: Sequence[Added], torch_threads: Optional[int], tokenize: Any) -> Dict[str, Any]:
+    def shared(p: Dict[str, Any], added: Sequence[Added], torch_threads: Optional[int],
+               tokenize: Any) -> Dict[str, Any]:
         """The shared fields' values, from the params, for a kind's `build`."""
         return dict(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
                     added=tuple(added), torch_threads=torch_threads, tokenize=tokenize)

@@ -55,7 +55,8 @@ class Values(Predictor):
                   for field in head_fields(head) if names[field]]
         tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p)) if p["tokenizer"] is not None else None
         return cls(
-            **cls.shared(p, added, torch_threads, tokenize), outputs=fields, output_is_vector=tuple(int(np.prod(s)) > 1 for s in shapes), head=head,
+            **cls.shared(p, added, torch_threads, tokenize), outputs=fields,
+            output_is_vector=tuple(int(np.prod(s)) > 1 for s in shapes), head=head,
             input_shapes=None if p["input_shapes"] is None else tuple(tuple(s) for s in p["input_shapes"]),
             feature_sizes=None if p["feature_sizes"] is None else tuple(p["feature_sizes"]))
 
