@@ -1,73 +1,34 @@
-"""One rank's epochs: training and validation over its shards, the history row reduced over all ranks,
-the learning-rate schedule, TensorBoard, the callbacks and rank 0's checkpoints (the last, and the best
-epochs'). The step-level loop is estimator.train.loop's. torch only, no pyspark."""
+"""One rank's epochs, over its objects built whole (estimator.train.rank): training and validation over its
+shards, the history row reduced over all ranks, the learning-rate schedule, TensorBoard, the callbacks and the
+checkpoints (the strategy's, kept by the retention's rule). The step-level loop is estimator.train.loop's. torch
+only, no pyspark."""
 from __future__ import annotations
 
 import functools
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from estimator.core.faults import Fault, inject
-from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
+from estimator.core.spec import WorkerResult
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.lm import batch_tokenizer
 from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_file, describe, write_checkpoint
-from estimator.train.distributed import RankContext
 from estimator.train.loop import TrainLoop, reduce_sums
+from estimator.train.rank import Rank
 from estimator.train.retention import Retention
-from estimator.train.strategies.base import CheckpointAt, Strategy, local_bytes
+from estimator.train.strategies.base import CheckpointAt, local_bytes
 from estimator.train.sums import ROWS, split
 from estimator.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("estimator")
 PROGRESS_SECONDS = "_epoch_seconds"  # a progress row's key for the epoch's seconds; not a history key
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The learning-rate scheduler (None: none), the history key a ReduceLROnPlateau steps on (None: val_loss,
-    else loss), and when it steps: 'epoch', or 'step' (after every optimizer step)."""
-
-    scheduler: Any = None
-    monitor: Optional[str] = None
-    interval: str = "epoch"
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """What the run's checkpoint gives a launch to continue from (nothing: a new run)."""
-
-    history: Tuple[Dict[str, float], ...] = ()
-    position: Position = field(default_factory=Position)
-    extra: Dict[str, Any] = field(default_factory=dict)  # train_fn's own stateful objects' states (ctx.keep)
-    grad_scaler: Optional[Dict[str, Any]] = None  # 16-mixed's loss scale
-
-
-@dataclass(frozen=True)
-class Rank:
-    """One rank's objects, built whole by estimator.train.worker: the spec, the context, the user's objects, the
-    strategy, the model (`model`: the plain module; `trained`: what the loop trains through), the optimizer and its
-    schedule, what a checkpoint restored, and a LightningModule's stand-in trainer."""
-
-    spec: TrainSpec
-    ctx: RankContext
-    objs: UserObjects
-    strategy: Strategy
-    model: nn.Module
-    trained: nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: Schedule
-    resumed: Resumed
-    trainer: Any = None
 
 
 class Run:

@@ -22,7 +22,8 @@ from estimator.data.shards import EarlyRead
 from estimator.train import lightning
 from estimator.train.checkpoint import position_of
 from estimator.train.distributed import RankContext
-from estimator.train.epochs import Rank, Resumed, Run, Schedule
+from estimator.train.epochs import Run
+from estimator.train.rank import Rank, Resumed, Schedule
 from estimator.train.memory import checkpoint_activations
 from estimator.train.strategies import STRATEGIES, Strategy
 
