@@ -23,7 +23,7 @@ from estimator.core.quiet import hf_bars_off
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
-from estimator.predict.inference import make_predict, make_predict_pandas
+from estimator.predict.inference import SentPredictor, make_predict, make_predict_pandas
 from estimator.predict.kinds import PREDICTORS, kinds_text
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
@@ -140,12 +140,15 @@ class TorchModel(DeclaredParams, Model, Persistable):
         key = hashlib.sha256(blob).hexdigest()
         source = blob if len(blob) <= inference.INLINE_BYTES else ship_model_file(df.sparkSession, key, blob)
         internal = spark_type(predictor.arrow_type())  # the UDF's struct, as inference builds it
+        # the predictor travels as a model does: a kind of the user's own, defined only on the driver, by value
+        sent = SentPredictor(dumps(predictor, f"output_kind={p['output_kind']!r}'s predictor",
+                                   roots=[predictor, p['tokenizer']]))
         if hasattr(F, "arrow_udf"):
-            predict = F.arrow_udf(make_predict(key, source, predictor), internal).asNondeterministic()
+            predict = F.arrow_udf(make_predict(key, source, sent), internal).asNondeterministic()
         else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "PandasUDFType will be deprecated"
-                predict = F.pandas_udf(make_predict_pandas(key, source, predictor), internal,
+                predict = F.pandas_udf(make_predict_pandas(key, source, sent), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
         inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
                   for c in p["feature_cols"]]

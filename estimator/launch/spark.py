@@ -68,8 +68,8 @@ class SparkBarrierLauncher:
         store, launch = spec.data.store, spec.run.launch(spec.launch_id)
         payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
         store.write_bytes_atomic(spec.run.launch_spec(spec.launch_id), payload)
-        log.info("Launch %s: a spec of %d bytes for the ranks (a model factory sends no weights)", spec.launch_id,
-                 len(payload))
+        log.info("Launch %s: a spec of %d bytes for the ranks (a model given as a factory is built on the ranks and "
+                 "adds none of its weights)", spec.launch_id, len(payload))
         task = functools.partial(_barrier_task, store, spec.run, spec.launch_id, from_env(), spec.attempt,
                                  FAILED_RANK_WAIT, spec.data.columns if source is not None else None, per_task)
         tasks = num_proc // per_task

@@ -158,12 +158,34 @@ def pandas_frame(struct: pa.StructArray) -> Any:
     return pd.DataFrame(columns)
 
 
-def make_predict(key: str, blob: Pickled, predictor: Predictor):
+@dataclass(frozen=True)
+class SentPredictor:
+    """A predictor pickled on the driver with its driver-only modules by value (estimator.core.pickling.dumps), as a
+    model is: an output kind defined in a notebook, or in a file only the driver has, reaches the executors. It is
+    unpickled inside the UDF, once per worker, so that a failure there is a TransformFailed too."""
+
+    blob: bytes
+
+
+_PREDICTORS: "OrderedDict[bytes, Predictor]" = OrderedDict()
+
+
+def loaded(predictor: Union[Predictor, SentPredictor]) -> Predictor:
+    if not isinstance(predictor, SentPredictor):
+        return predictor
+    if predictor.blob not in _PREDICTORS:
+        _PREDICTORS[predictor.blob] = pickle.loads(predictor.blob)
+        while len(_PREDICTORS) > 8:
+            _PREDICTORS.popitem(last=False)
+    return _PREDICTORS[predictor.blob]
+
+
+def make_predict(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor]):
     """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
 
     def predict(*columns: pa.Array) -> pa.Array:
         try:
-            return predict_arrow(key, blob, predictor, *columns)
+            return predict_arrow(key, blob, loaded(predictor), *columns)
         except Exception as exc:  # noqa: BLE001 - its cause first, without the frames below
             raise transform_failed(exc) from None
 
@@ -195,7 +217,7 @@ def series_values(column: Any) -> np.ndarray:
     return np.stack(column.to_numpy())
 
 
-def make_predict_pandas(key: str, blob: Pickled, predictor: Predictor):
+def make_predict_pandas(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor]):
     """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out (the
     struct make_predict returns, as pandas_frame gives it)."""
     import pandas as pd
@@ -203,7 +225,7 @@ def make_predict_pandas(key: str, blob: Pickled, predictor: Predictor):
     def predict(*columns: pd.Series) -> pd.DataFrame:
         values = [series_values(c) for c in columns]
         try:
-            struct = predict_columns(key, blob, predictor, values)
+            struct = predict_columns(key, blob, loaded(predictor), values)
         except Exception as exc:  # noqa: BLE001 - as in make_predict
             raise transform_failed(exc) from None
         return pandas_frame(struct)
