@@ -64,18 +64,19 @@ def test_a_rank_that_cannot_reach_rank_0s_store_names_the_address_and_the_timeou
     with socket.socket() as probe:  # a port free now, and nobody listens there
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    publish(store, "launch-x/rendezvous.json", "127.0.0.1", port)
+    where = store.path("launch-x", "rendezvous.json")  # in the test's store, not the working directory
+    publish(store, where, "127.0.0.1", port)
     started = time.monotonic()
     with pytest.raises(RendezvousFailed, match=rf"^rank 1: rank 1 could not connect to rank 0's rendezvous store at "
                                                rf"127\.0\.0\.1:{port} within rendezvous_timeout=1\.5 s \("):
-        find_rank0(store, "launch-x/rendezvous.json", 1, ["127.0.0.1", "127.0.0.1"], 1.5)
+        find_rank0(store, where, 1, ["127.0.0.1", "127.0.0.1"], 1.5)
     assert 1.5 <= time.monotonic() - started < 15
     with pytest.raises(RendezvousFailed, match=rf"could not connect to rank 0's rendezvous store at 127\.0\.0\.1:"
                                                rf"{port} within rendezvous_timeout=1 s"):
         connect(2, "127.0.0.1", port, 3, 1.0)
     server = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    publish(store, "launch-x/rendezvous.json", "127.0.0.1", server.port)  # rank 0 there now: found and connected
-    found, client = find_rank0(store, "launch-x/rendezvous.json", 1, ["127.0.0.1", "127.0.0.1"], 5.0)
+    publish(store, where, "127.0.0.1", server.port)  # rank 0 there now: found and connected
+    found, client = find_rank0(store, where, 1, ["127.0.0.1", "127.0.0.1"], 5.0)
     client.set("k", "v")
     assert found == server.port and server.get("k") == b"v"
 
