@@ -17,14 +17,14 @@ from torch import nn
 
 from estimator.core import adapters
 from estimator.core.param_table import MODEL_PARAMS
-from estimator.core.params import DeclaredParams, declare, param_error
+from estimator.core.params import DeclaredParams, declare, one_of, param_error
 from estimator.core.pickling import dumps
 from estimator.core.quiet import hf_bars_off
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
 from estimator.predict.inference import SentPredictor, make_predict, make_predict_pandas
-from estimator.predict.kinds import PREDICTORS, kinds_text
+from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
 from estimator.predict.schema import added_fields, is_chat, spark_type
@@ -80,7 +80,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
         asks it. The param table checks only the value's type: which values exist is the registry's."""
         kind = p["output_kind"]
         if kind not in PREDICTORS:
-            raise ValueError(param_error(type(self).__name__, "output_kind", kinds_text(), kind))
+            raise ValueError(param_error(type(self).__name__, "output_kind", one_of(list(PREDICTORS)), kind))
         return PREDICTORS[kind].build(p, self.getOutputColumns(), torch_threads)
 
     def transform(self, dataset: DataFrame, params: Any = None) -> DataFrame:

@@ -218,6 +218,12 @@ def param_error(owner: str, name: str, allowed: str, value: Any) -> str:
     return f"The {name!r} parameter of {owner} must be {allowed}. Got {shown} instead."
 
 
+def one_of(values: Sequence[Any]) -> str:
+    """Allowed values as a message lists them: "None, 'generate' or 'embedding'" (a registry's names)."""
+    shown = [repr(v) for v in values]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
 def names(specs: Sequence[ParamSpec]) -> List[str]:
     return [s.name for s in specs]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from estimator.core.params import param_error
+from estimator.core.params import one_of, param_error
 from estimator.train.strategies import STRATEGIES
 
 OWNER = "TorchEstimator"
@@ -15,8 +15,7 @@ def strategy_class(p: Mapping[str, Any]) -> Any:
     """The class the `strategy` param names; a name the registry does not hold is refused in the params' form."""
     name = p["strategy"]
     if name not in STRATEGIES:
-        names = [repr(n) for n in STRATEGIES]
-        raise ValueError(param_error(OWNER, "strategy", ", ".join(names[:-1]) + f" or {names[-1]}", name))
+        raise ValueError(param_error(OWNER, "strategy", one_of(list(STRATEGIES)), name))
     return STRATEGIES[name]
 
 

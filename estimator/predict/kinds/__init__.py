@@ -18,8 +18,3 @@ PREDICTORS: Dict[Optional[str], Type[Predictor]] = {
     "embedding": Embedding,  # a vector per row from hidden states
 }
 
-
-def kinds_text() -> str:
-    """The registry's values as a message lists them: "None, 'generate' or 'embedding'"."""
-    names = [repr(kind) for kind in PREDICTORS]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
