@@ -22,6 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from estimator.compression import compression_name
+from estimator.core.handle import ModelHandle, on_meta, trainable_on_cpu
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
 from estimator.core.params import DeclaredParams, declare
 from estimator.core.pickling import dumps, user_objects
@@ -155,13 +156,21 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """The params, validated and completed once (read-only from here on: the driver's module, the factory that
         built it, the label columns as a list), and the fit's objective, chosen once (estimator.train.objectives)."""
         validated = self.validated()
-        # a factory is called here once, then on each rank; what it left on the meta device read here whole
-        model, factory = model_of(validated["model"], validated["weights_folder"])
+        # A factory is called here once, then on each rank; what it left on the meta device is read here whole.
+        # A LoRA fit of a factory whose objective needs no forward here holds no weight of the base on the driver:
+        # its parameters stay on the meta device (estimator.core.handle); a strategy that shards its checkpoints
+        # reads them back into a whole module (fsdp: estimator.train.sharded_checkpoint), built whole here.
+        skeleton = validated["peft_config"] is not None and not strategy_class(validated).shards_checkpoints
+        model, factory = model_of(validated["model"], validated["weights_folder"], whole=not skeleton)
         model = with_peft(model, factory, validated["peft_config"], validated["weights_folder"], validated["optimizer"])
         p = MappingProxyType({**validated, "model": model, "model_factory": factory,
                               # none: a loop that computes its own loss (checked below)
                               "label_cols": list(validated["label_cols"] or [])})
         objective = choose_objective(p)
+        if factory is not None and skeleton and objective.driver_forward:  # its dry run runs the forward here
+            model = with_peft(model_of(factory, p["weights_folder"])[0], factory, p["peft_config"],
+                              p["weights_folder"], p["optimizer"])
+            p = MappingProxyType({**p, "model": model})
         checks.check_params(p, objective)
         check_max_length(p)
         check_vocabulary(p)
@@ -319,11 +328,17 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                  f"{run.monitor.key} ({store.url(layout.best(best))}); it keeps save_top_k="
                                  f"{p['save_top_k']} of them. Refit under a new run_id to keep it.")
             chosen = layout.best(best)
-        trained = copy.deepcopy(p["model"]).cpu()
+        skeleton = on_meta(p["model"])  # a LoRA fit of a factory: the adapters read here, the base never built
+        trained = copy.deepcopy(p["model"])
+        if skeleton:
+            trainable_on_cpu(trained)
+        else:
+            trained = trained.cpu()
         optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
         restore(store, layout, chosen, trained, optimizer)  # fsdp's shards gathered into the whole module here
         trained.eval()
-        return TorchModel(model=trained, model_factory=p["model_factory"], optimizer=optimizer,
+        handle = ModelHandle.of(p["model_factory"], p["peft_config"], trained) if skeleton else None
+        return TorchModel(model=trained, model_handle=handle, model_factory=p["model_factory"], optimizer=optimizer,
                           feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
                           input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),

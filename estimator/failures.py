@@ -23,10 +23,12 @@ class FailureKind(str, enum.Enum):
     DATA = "data"  # the DataFrame's rows cannot be trained on (the direct mode checks them on the ranks): they recur
     ENVIRONMENT = "environment"  # the executor's Python lacks a module the ranks import: it recurs
     USAGE = "usage"  # a train_fn that breaks its contract (no epoch reported, its own process group): it recurs
+    MODEL = "model"  # the model's forward failed on the first batch (checked there, not on the driver): it recurs
 
     @property
     def retryable(self) -> bool:
-        return self not in (FailureKind.NAN, FailureKind.DATA, FailureKind.ENVIRONMENT, FailureKind.USAGE)
+        return self not in (FailureKind.NAN, FailureKind.DATA, FailureKind.ENVIRONMENT, FailureKind.USAGE,
+                            FailureKind.MODEL)
 
 
 class RankFailed(RuntimeError):

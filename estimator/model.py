@@ -16,9 +16,10 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 from torch import nn
 
 from estimator.core import adapters
+from estimator.core.handle import on_meta
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
-from estimator.core.pickling import dumps
+from estimator.core.pickling import constructor_defaults, dumps, optimizer_groups, rebuild_optimizer
 from estimator.core.quiet import hf_bars_off
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
@@ -53,6 +54,21 @@ class TorchModel(DeclaredParams, Model, Persistable):
         if "history" in kwargs and kwargs["history"] is None:
             kwargs["history"] = []
         super().__init__(**kwargs)
+
+    def getModel(self) -> nn.Module:
+        """The trained module. A model held as a handle (a LoRA fit of a model factory: the driver keeps the
+        adapters, not the base's weights; estimator.core.handle) is built here, once: this loads the base's weights
+        into this process (transform never needs it: the executors build their own)."""
+        model, handle = self.getOrDefault("model"), self.getOrDefault("model_handle")
+        if handle is not None and on_meta(model):
+            built = handle.build()
+            optimizer = self.getOrDefault("optimizer")
+            if optimizer is not None:  # the same optimizer over the built module's parameters
+                optimizer = rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, model),
+                                              constructor_defaults(optimizer), optimizer.state_dict(), built)
+            self._set(model=built, optimizer=optimizer)
+            return built
+        return model
 
     def getOutputColumns(self) -> List[str]:
         """output_cols, else `<label>__output` per label column; a model trained without labels: `output` (or
@@ -137,7 +153,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
                         "tasks one GPU each (spark.task.resource.gpu.amount=1, or a stage-level ResourceProfile) "
                         "and more tasks run at once.", int(gpus), gpus, int(gpus) - 1)
         blob = self._model_blob()
-        key = hashlib.sha256(blob).hexdigest()
+        handle = self.getOrDefault("model_handle")
+        key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
         source = blob if len(blob) <= inference.INLINE_BYTES else ship_model_file(df.sparkSession, key, blob)
         internal = spark_type(predictor.arrow_type())  # the UDF's struct, as inference builds it
         # the predictor travels as a model does: a kind of the user's own, defined only on the driver, by value
@@ -164,10 +181,16 @@ class TorchModel(DeclaredParams, Model, Persistable):
         transformers PreTrainedModel only; `save(path)` saves any TorchModel. A model with adapters (peft_config):
         with `merged`, the adapters merged into the base weights (a plain model for serving); else the adapter
         folder that peft's PeftModel.from_pretrained(base, path) loads."""
-        model = self.getModel()
+        held = self.getOrDefault("model_handle") is not None and on_meta(self.getOrDefault("model"))
+        model = self.getOrDefault("model") if held and not merged else self.getModel()  # the adapters: no base
         save_pretrained_to(adapters.merged(model) if merged else model, self.getTokenizer(), path)
 
     def _model_blob(self) -> bytes:
+        """What transform sends: the handle (the base's factory and the adapters: the executors build the base),
+        else the pickled module."""
+        handle = self.getOrDefault("model_handle")
+        if handle is not None:
+            return dumps(handle, "model", roots=[handle.factory, handle.peft_config])
         model = self.getModel()
         return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 

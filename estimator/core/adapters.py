@@ -64,6 +64,12 @@ def trainable_state(model: nn.Module) -> Dict[str, torch.Tensor]:
 def load_trainable(model: nn.Module, state: Dict[str, torch.Tensor], where: str = "the checkpoint") -> None:
     """A `trainable_state` loaded back: every trainable parameter must be in it and nothing else (a checkpoint of
     other adapters, or of another model, is refused by name rather than half loaded)."""
+    check_trainable(model, state, where)
+    model.load_state_dict(state, strict=False)
+
+
+def check_trainable(model: nn.Module, state: Dict[str, Any], where: str) -> None:
+    """`state` names every trainable parameter of `model` and nothing else; else an error naming them."""
     names = set(trainable_names(model))
     missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
     if missing or unexpected:
@@ -73,7 +79,6 @@ def load_trainable(model: nn.Module, state: Dict[str, torch.Tensor], where: str 
                          + (f"{len(unexpected)} in it are not this model's ({', '.join(unexpected[:3])}...)"
                             if unexpected else "")
                          + ". Resume with the same model and peft_config, or under a new run_id.")
-    model.load_state_dict(state, strict=False)
 
 
 def merged(model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from estimator.core.handle import ModelHandle
 from estimator.core.params import (ParamSpec, is_bool, is_callable_or_list, is_instance, is_int, is_metric_list,
                               is_non_negative, is_number_list, is_positive, is_run_id, is_seconds, is_shape_list,
                               is_str_list, is_validation, optional)
@@ -283,6 +284,11 @@ MODEL_PARAMS = [
               "given as an instance). With it, save writes the trained weights as safetensors (a Hugging Face "
               "model: its save_pretrained folder) instead of pickling the module, and load rebuilds it",
               None, optional(callable), "a callable() returning a torch.nn.Module, or None", json=False),
+    ParamSpec("model_handle", "what rebuilds the trained model where it is needed, held instead of its weights "
+              "(a LoRA fit of a model factory: the factory, peft_config and the trained adapters; "
+              "estimator.core.handle): transform sends it, and `model` is then the module on the meta device with "
+              "the adapters' values", None, optional(is_instance(ModelHandle)),
+              "a ModelHandle or None", json=False),
     ParamSpec("optimizer", "the optimizer at the end of training, over the trained model's parameters", None,
               optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer or None", json=False),
     ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),

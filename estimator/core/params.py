@@ -131,6 +131,8 @@ def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
     for spec in specs:
         setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=_converter(cls, spec)))
         for method in (_getter(spec.name), _setter(spec.name)):  # the class's own methods (help, the API pages)
+            if method.__name__ in cls.__dict__:  # the class defines it itself (TorchModel.getModel)
+                continue
             method.__qualname__, method.__module__ = f"{cls.__name__}.{method.__name__}", cls.__module__
             setattr(cls, method.__name__, method)
     params = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default) for s in specs]

@@ -22,6 +22,7 @@ from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
 from estimator.train.losses import Objective, loss_kind, loss_name
+from estimator.core.handle import on_meta
 from estimator.train.objectives.tokens import TokenObjective
 from estimator.train.sums import WEIGHT
 
@@ -77,14 +78,20 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
 
 
 def dry_lm(model: torch.nn.Module, data: DataSpec, arrays: Arrays, rows: int) -> List[tuple]:
+    """The causal LM's loss on a few rows; a model on the meta device (a LoRA fit's driver holds no weights of the
+    base: estimator.core.handle) only has its rows' labelled tokens counted, and the ranks' first batch checks
+    its forward (TokenObjective)."""
     tensors = to_tensors(arrays, data)
-    try:
-        with torch.no_grad():
-            objective = TokenObjective()
-            sums = objective.layout.named(objective.on_batch(model, tensors)[1].tolist())
-    except Exception as exc:  # noqa: BLE001 - the user's model
-        raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
-                         f"{shape_of(tensors[0][0])}): {type(exc).__name__}: {exc}") from None
+    objective = TokenObjective()
+    if on_meta(model):
+        sums = {WEIGHT: int(objective.weight_of(tensors))}
+    else:
+        try:
+            with torch.no_grad():
+                sums = objective.layout.named(objective.on_batch(model, tensors)[1].tolist())
+        except Exception as exc:  # noqa: BLE001 - the user's model
+            raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
+                             f"{shape_of(tensors[0][0])}): {type(exc).__name__}: {exc}") from None
     if not sums[WEIGHT]:
         raise ValueError(f"The first {rows} training rows have no response token left after max_length="
                          f"{data.max_length}: the prompts fill it. Raise max_length or shorten the prompts.")

@@ -4,6 +4,7 @@ store), `optimizer` a callable taking the parameters (`functools.partial(torch.o
 driver builds each once, for its checks and its dry run on a few rows; the ranks get the recipes."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Optional, Tuple
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import check_peft_config, with_adapters
-from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
+from estimator.core.meta import check_weights, materialize, meta_tensors, parameters_on_meta, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
 from estimator.core.quiet import hf_bars_off
@@ -19,11 +20,13 @@ from estimator.core.quiet import hf_bars_off
 OWNER = "TorchEstimator"
 
 
-def model_of(value: Any, weights_folder: Optional[str] = None
+def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = True
              ) -> Tuple[nn.Module, Optional[Callable[[], nn.Module]]]:
     """(the module, the factory that built it or None): a module is used as it is; a callable is called once
     here, with no arguments, and what it leaves on the meta device is read whole from `weights_folder` (the
-    driver's copy: its checks, its dry run, the TorchModel's module; estimator.core.meta)."""
+    driver's copy: its checks, its dry run, the TorchModel's module; estimator.core.meta). Not `whole`: the
+    factory's model with every parameter on the meta device, no weight read into memory (estimator.core.handle:
+    the driver of a LoRA fit)."""
     if isinstance(value, nn.Module):
         if meta_tensors(value) or unloadable(value):
             raise ValueError(f"The 'model' parameter of {OWNER} is a module on the meta device (no weights): give "
@@ -33,7 +36,7 @@ def model_of(value: Any, weights_folder: Optional[str] = None
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
     try:
-        with hf_bars_off():
+        with hf_bars_off(), (contextlib.nullcontext() if whole else parameters_on_meta()):
             built = value()
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
@@ -42,6 +45,8 @@ def model_of(value: Any, weights_folder: Optional[str] = None
     if not isinstance(built, nn.Module):
         raise TypeError(param_error(OWNER, "model", "a torch.nn.Module, or a zero-argument callable returning one; "
                                     f"the callable returned {type(built).__name__}", value))
+    if not whole:
+        return built, value
     if check_weights(built, weights_folder, OWNER):
         materialize(built, weights_folder)
     return built, value

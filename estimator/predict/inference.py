@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from estimator.core.handle import ModelHandle
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
@@ -48,7 +49,9 @@ def cached_model(key: str, blob: Pickled, device: str) -> nn.Module:
 
             with open(SparkFiles.get(blob.name), "rb") as handle:
                 blob = handle.read()
-        model = pickle.loads(blob).to(device).eval()
+        sent = pickle.loads(blob)
+        # a handle (estimator.core.handle): the base built here from its factory, once per worker, with the adapters
+        model = (sent.build() if isinstance(sent, ModelHandle) else sent).to(device).eval()
         _CACHE[(key, device)] = model
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

@@ -23,6 +23,7 @@ from torch import nn
 from fsspec.core import url_to_fs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
+from estimator.core.handle import ModelHandle, on_meta
 from estimator.core.pickling import dumps, rebind_optimizer
 from estimator.launch.session import is_connect
 from estimator.predict.weights import load_module, save_module
@@ -47,6 +48,7 @@ class ParamsWriter(MLWriter):
         json_params, objects = split_params(self.instance)
         DefaultParamsWriter.saveMetadata(self.instance, path, _metadata_session(self), paramMap=json_params)
         fs, root = url_to_fs(path)
+        objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
         built_by_factory = model is not None and objects.get("model_factory") is not None
         optimizer = objects.pop("optimizer", None) if built_by_factory else None
@@ -77,6 +79,10 @@ class ParamsReader(MLReader):
         built = load_module(fs, root, objects.get("model_factory"))
         if built is not None:
             objects["model"], optimizer = built
+            if on_meta(objects["model"]):  # adapters on a base on meta: held as a handle (estimator.core.handle)
+                model = objects["model"]
+                objects["model_handle"] = ModelHandle.of(objects["model_factory"],
+                                                         model.peft_config[model.active_adapter], model)
             if optimizer is not None:
                 objects["optimizer"] = optimizer
         elif fs.exists(posixpath.join(root, "model.pkl")):

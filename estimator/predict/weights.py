@@ -14,20 +14,23 @@ the pickle layout of earlier releases (persistence). Hugging Face's and safetens
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
 import logging
 import os
 import posixpath
+import re
 import tempfile
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
-from estimator.core.adapters import is_adapted
-from estimator.core.meta import materialize, meta_tensors
+from estimator.core.adapters import is_adapted, trainable_names
+from estimator.core.handle import with_values
+from estimator.core.meta import materialize, meta_tensors, parameters_on_meta
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 from estimator.core.quiet import hf_bars_off
@@ -74,10 +77,12 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
         json.dump(kind, f)
 
 
-def base_model(factory: Callable[[], nn.Module], root: str) -> nn.Module:
-    """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved)."""
+def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False) -> nn.Module:
+    """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved);
+    `meta`: its parameters on the meta device (estimator.core.handle)."""
     try:
-        return factory()
+        with parameters_on_meta() if meta else contextlib.nullcontext():
+            return factory()
     except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with what to do
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
@@ -103,7 +108,9 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
             from peft import PeftModel
 
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
-            model = PeftModel.from_pretrained(base_model(factory, root), local, is_trainable=True)
+            model = adapted_skeleton(base_model(factory, root, meta=True), local)
+            if model is None:  # adapters peft names otherwise (modules_to_save...): the base built whole
+                model = PeftModel.from_pretrained(base_model(factory, root), local, is_trainable=True)
         elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)
@@ -128,6 +135,24 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
                     "optimizer (getOptimizer() is None).", saved["class"], exc)
         return model, None
     return model, rebuild_optimizer(cls, saved["groups"], saved["defaults"], saved["state"], model)
+
+
+def adapted_skeleton(base: nn.Module, folder: str) -> Optional[nn.Module]:
+    """The adapters of peft's `folder` on a base on the meta device, their values read (a few MB; the base's
+    weights are read where the model is built: estimator.core.handle); None when a saved name is not the
+    trainable parameter's name less its adapter's (`.default`), as peft saves LoRA's."""
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import load_peft_weights
+
+    config = PeftConfig.from_pretrained(folder)
+    config.inference_mode = False
+    model = get_peft_model(base, config)
+    saved = load_peft_weights(folder, device="cpu")
+    names = {name: re.sub(r"\.default(?=\.)", "", name) for name in trainable_names(model)}
+    if sorted(names.values()) != sorted(saved):
+        return None
+    with_values(model, {name: saved[key] for name, key in names.items()})
+    return model
 
 
 def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str) -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
+from estimator.failures import FailureKind
 from estimator.train.objectives.base import BuiltIn, summarize_means
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
@@ -33,6 +34,7 @@ class TokenObjective(BuiltIn):
     layout = Sums.of_loss()
     transform_output = "generate"  # a fitted causal LM's transform writes text (estimator.predict)
     language_model = True  # its rows are prompts and responses, or chats, tokenized with their labels
+    driver_forward = False  # the driver counts the labelled tokens; the ranks' first batch checks the forward
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:
@@ -51,10 +53,19 @@ class TokenObjective(BuiltIn):
 
     def __init__(self) -> None:
         self._rows: Dict[Tuple[int, Any], torch.Tensor] = {}  # the rows slot's value, by batch size and device
+        self._checked = False  # the first batch's forward is the dry run the driver left to the ranks
 
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         features, labels, _ = tensors
-        raw = forward(model, features)
+        if self._checked:
+            raw = forward(model, features)
+        else:
+            try:
+                raw = forward(model, features)
+            except Exception as exc:  # noqa: BLE001 - the user's model: typed, never retried
+                raise ModelFailed(f"The causal LM failed on its first batch of {labels[0].shape[0]} rows (tokens "
+                                  f"{tuple(features[0].shape)}): {type(exc).__name__}: {exc}") from exc
+            self._checked = True
         logits = logits_of(raw) if not isinstance(raw, torch.Tensor) else raw
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             raise ValueError(f"Fine-tuning a causal LM reads the logits of its forward (batch, tokens, vocabulary); "
@@ -84,6 +95,13 @@ class TokenObjective(BuiltIn):
             loss = row[prefix + "loss"]
             row[prefix + "perplexity"] = math.exp(loss) if loss == loss and loss < 700 else float("inf")
         return row
+
+
+class ModelFailed(ValueError):
+    """The model's forward failed on the first batch, where the driver (which holds no weights of a LoRA fit's
+    base) left its dry run: another launch would meet it again."""
+
+    failure_kind = FailureKind.MODEL
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,111 @@
+"""A model held as what rebuilds it, not as its weights: the factory that builds the base (a `from_pretrained` of
+a folder every executor reads), the adapters' config and the trained adapters themselves (a few MB). The driver
+of a LoRA fit never builds the base with its weights (`skeleton`: the parameters on the meta device), a fitted
+TorchModel holds a ModelHandle, and transform sends it: each executor's Python worker builds the base once from
+the factory (estimator.predict.inference keeps it) and loads the adapters.
+
+What the driver holds then is the skeleton: the model's classes, config and shapes on the meta device (what the
+checks read), with the adapters' values. `build()` makes the whole module where it is needed: an executor, a
+user's getModel(). torch, safetensors and peft (for adapters) only, no pyspark."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from estimator.core.adapters import check_trainable, load_trainable, trainable_state, with_adapters
+from estimator.core.meta import meta_tensors, parameters_on_meta
+from estimator.core.quiet import hf_bars_off
+
+log = logging.getLogger("estimator")
+
+
+@dataclass(frozen=True, eq=False)
+class ModelHandle:
+    """The base as its factory, the adapters as `peft_config` and their trained values (safetensors bytes).
+
+    Attributes:
+        factory: The zero-argument callable that builds the base (the fit's `model`).
+        peft_config: The adapters' config (the fit's `peft_config`).
+        trained: The trained adapters, `trainable_state` written by safetensors (names as the adapted model's).
+    """
+
+    factory: Callable[[], nn.Module]
+    peft_config: Any
+    trained: bytes = field(repr=False)
+
+    @classmethod
+    def of(cls, factory: Callable[[], nn.Module], peft_config: Any, model: nn.Module) -> "ModelHandle":
+        """The handle of `model`'s trained adapters (`model`: the skeleton or a whole module)."""
+        from safetensors.torch import save
+
+        state = {k: v.detach().cpu().contiguous() for k, v in trainable_state(model).items()}
+        return cls(factory, peft_config, save(state))
+
+    @property
+    def key(self) -> str:
+        """What the executors' cache knows the model by: the trained values (a refit's new adapters are another
+        model) and what builds the base."""
+        digest = hashlib.sha256(self.trained)
+        digest.update(repr((getattr(self.factory, "func", self.factory), getattr(self.factory, "args", ()),
+                            sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
+        return "handle-" + digest.hexdigest()
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        from safetensors.torch import load
+
+        return load(self.trained)
+
+    def build(self) -> nn.Module:
+        """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded
+        (loads the base's weights into this process)."""
+        with hf_bars_off():
+            model = with_adapters(self.factory(), self.peft_config)
+        load_trainable(model, self.state(), "the fitted model's adapters")
+        return model.eval()
+
+    def skeleton(self) -> nn.Module:
+        """The module with its parameters on the meta device but the adapters' trained values: what the driver
+        holds (classes, config, shapes; a few MB)."""
+        model = skeleton_of(self.factory, self.peft_config)
+        with_values(model, self.state())
+        return model.eval()
+
+
+def skeleton_of(factory: Callable[[], nn.Module], peft_config: Any) -> nn.Module:
+    """What `factory` builds, its parameters on the meta device (reading no weights into memory), with the
+    adapters of `peft_config` (also on meta)."""
+    with hf_bars_off(), parameters_on_meta():
+        built = factory()
+    return with_adapters(built, peft_config) if isinstance(built, nn.Module) else built
+
+
+def with_values(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """The trainable parameters of a skeleton given their values (the rest stays on meta), in place."""
+    check_trainable(model, state, "the fitted model's adapters")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            old = params[name]
+            module._parameters[attr] = nn.Parameter(value.to(old.dtype), requires_grad=old.requires_grad)
+
+
+def trainable_on_cpu(model: nn.Module) -> None:
+    """A skeleton's trainable parameters given memory on the CPU (zeros), for a checkpoint's adapters to load into;
+    the frozen base stays on meta. In place."""
+    for name, param in list(model.named_parameters()):
+        if param.requires_grad and param.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[attr] = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype), requires_grad=True)
+
+
+def on_meta(model: Any) -> bool:
+    """Whether `model` is a skeleton (any parameter or persistent buffer on the meta device)."""
+    return isinstance(model, nn.Module) and bool(meta_tensors(model))
