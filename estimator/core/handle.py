@@ -50,8 +50,10 @@ class ModelHandle:
     def key(self) -> str:
         """What the executors' cache knows the model by: the trained values (a refit's new adapters are another
         model) and what builds the base."""
+        func = getattr(self.factory, "func", self.factory)  # a partial's function, named (no address in it)
         digest = hashlib.sha256(self.trained)
-        digest.update(repr((getattr(self.factory, "func", self.factory), getattr(self.factory, "args", ()),
+        digest.update(repr((getattr(func, "__module__", None), getattr(func, "__qualname__", type(func).__name__),
+                            getattr(self.factory, "args", ()),
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()
 
