@@ -14,6 +14,7 @@ the RSS every 2 ms while it takes one warm-up step and `--steps` timed ones.
               labelled tokens (as the loop's weighting scales it), backward, step.
   checkpoint: the same with each chunk recomputed in backward (torch.utils.checkpoint, use_reentrant=False)
               instead of its gradients computed in forward: the design not taken, measured.
+  chunked@N:  chunked, with chunks of N MB of float32 logits (CHUNK_BYTES; default 128), `--chunk-mb`.
   before:     TokenObjective's step before issue 53 (the forward's logits, token_loss in float32).
 Labels: 'sft' - rows of 512, 480, 448, 416 tokens (right-padded: label -100, attention_mask 0) whose first 64
 tokens are a prompt (-100); 'all' - every token of full rows labelled.
@@ -90,8 +91,10 @@ def checkpointed(hidden, head, labels, positions=None):
 
 def step_of(path, model, ids, mask, labels):
     """One training step's loss for backward, for `path`."""
-    from estimator.train.objectives import tokens
+    from estimator.train.objectives import chunked_loss, tokens
 
+    if path.startswith("chunked@"):
+        chunked_loss.CHUNK_BYTES = int(path.split("@")[1]) * 2 ** 20
     if path == "plain":
         return lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss
     if path == "checkpoint":
@@ -154,6 +157,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--labels", default="sft,all")
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--chunk-mb", default="32,512", help="more chunk sizes, run with the labels' last mode")
     parser.add_argument("--child")
     parser.add_argument("--label-mode", default="sft")
     parser.add_argument("--json")
@@ -162,9 +166,11 @@ def main(argv=None):
         return child(args)
     import torch
 
-    results = {}
-    for mode in args.labels.split(","):
-        for path in args.paths.split(","):
+    results, modes = {}, args.labels.split(",")
+    paths = {mode: args.paths.split(",") for mode in modes}
+    paths[modes[-1]] += [f"chunked@{mb}" for mb in args.chunk_mb.split(",") if mb]
+    for mode in modes:
+        for path in paths[mode]:
             command = [sys.executable, os.path.abspath(__file__), "--child", path, "--label-mode", mode,
                        *(f"--{k}={getattr(args, k)}" for k in ("vocab", "hidden", "layers", "batch", "tokens",
                                                                "steps"))]
@@ -176,9 +182,9 @@ def main(argv=None):
           "steps after one warm-up")
     print("| labels | path | peak RSS above the built model | vs plain | tokens/s | vs plain | first loss |")
     print("|---|---|---|---|---|---|---|")
-    for mode in args.labels.split(","):
+    for mode in modes:
         plain = results.get(f"{mode}/plain")
-        for path in args.paths.split(","):
+        for path in paths[mode]:
             r = results[f"{mode}/{path}"]
             rate = r["tokens"] / r["seconds"]
             ratios = (f"{r['peak_mb'] / plain['peak_mb']:.2f}x", f"{rate / (plain['tokens'] / plain['seconds']):.2f}x"

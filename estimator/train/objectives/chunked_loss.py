@@ -32,10 +32,10 @@ from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
 
 # A chunk's float32 logits are at most this many bytes: 261 positions at Llama 3's 128,256 tokens, 1,048 at
-# 32,000. Each chunk holds about two such buffers (its float32 scores and their gradient; in bf16, the logits and
-# the gradient's cast add half as much each). Rows of >= 256 positions keep the head's matmul near its peak
-# rate on CPUs and GPUs alike, so smaller chunks would cost speed for memory that no longer matters beside the
-# model's activations (benchmarks/bench_chunked_loss.py).
+# 32,000. A chunk holds about two such buffers (the logits and their log-softmax, made the gradient in place; in
+# bf16 the logits and the gradient's cast are half as large). Memory beside the model's activations, not the
+# head's matmul rate, decides it: benchmarks/bench_chunked_loss.py measured 32, 128 and 512 MB (RESULTS.md,
+# 2026-11-27, issue 53).
 CHUNK_BYTES = 128 * 2 ** 20
 
 # Config fields of transformers models whose forward changes the head's output before returning it as logits.
@@ -142,15 +142,14 @@ def vocabulary_of(head: nn.Module, hidden: torch.Tensor) -> int:
 
 def chunk_loss(logits: torch.Tensor, targets: torch.Tensor, gradient: bool = False) -> Any:
     """The summed cross entropy of a chunk's logits (positions, vocabulary) in float32; with `gradient`, also its
-    derivative with respect to the logits, in their dtype (softmax less the one-hot target)."""
-    scores = logits.detach().float()
-    norm = torch.logsumexp(scores, dim=-1)
-    loss = (norm - scores.gather(1, targets[:, None]).squeeze(1)).sum()
+    derivative with respect to the logits, in their dtype (softmax less the one-hot target). log_softmax's fused
+    kernel writes one buffer, turned into the softmax in place: logsumexp and a copy cost two more passes over
+    the chunk (0.92x the plain loop's tokens/s at 128k, RESULTS.md)."""
+    logp = torch.log_softmax(logits.detach().float(), dim=-1)  # its own buffer, even for float32 logits
+    loss = -logp.gather(1, targets[:, None]).sum()
     if not gradient:
         return loss
-    if scores.data_ptr() == logits.data_ptr():  # float32 logits: changed in place below, so a copy (the head's
-        scores = scores.clone()  # output may be what its backward reads)
-    grad = scores.sub_(norm[:, None]).exp_()
+    grad = logp.exp_()
     grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1
     return loss, grad.to(logits.dtype)
 
