@@ -33,9 +33,10 @@ from estimator.data.lm import IGNORE
 
 # A chunk's float32 logits are at most this many bytes: 261 positions at Llama 3's 128,256 tokens, 1,048 at
 # 32,000. A chunk holds about two such buffers (the logits and their log-softmax, made the gradient in place; in
-# bf16 the logits and the gradient's cast are half as large). Memory beside the model's activations, not the
-# head's matmul rate, decides it: benchmarks/bench_chunked_loss.py measured 32, 128 and 512 MB (RESULTS.md,
-# 2026-11-27, issue 53).
+# bf16 the logits and the gradient's cast are half as large). Measured (bench_chunked_loss.py, 128k vocabulary,
+# batch 4 x 512, 2 CPU cores; RESULTS.md 2026-11-27): the step's peak above the model 525 / 589 / 1,407 MB and
+# 1.08x / 1.13x / 1.26x the plain loop's tokens/s at 32 / 128 / 512 MB. 128 MB keeps the loss's memory well
+# under a large model's activations at near the speed of the largest chunks (the plain loss needed 3,337 MB).
 CHUNK_BYTES = 128 * 2 ** 20
 
 # Config fields of transformers models whose forward changes the head's output before returning it as logits.
