@@ -6,9 +6,12 @@ the first over the second, exact over all ranks, and the perplexity is exp of it
 is the batch's *sum* (`weighting = PerWeight`): the gradients are divided by the labelled tokens of the whole
 accumulation window over all ranks (estimator.train.weighting), which is what one process would compute over the
 same rows at batch k*b (a mean of the ranks' means would weight a rank's short responses as much as another's
-long ones). torch only, no pyspark."""
+long ones). The loss is computed chunk by chunk from the last hidden states where that is the model's own loss
+(estimator.train.objectives.chunked_loss: never the vocabulary's logits in float32 at once), else from the
+forward's logits. torch only, no pyspark."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -18,10 +21,13 @@ import torch.nn.functional as F
 from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
-from estimator.failures import FailureKind
+from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.base import BuiltIn, summarize_means
+from estimator.train.objectives.chunked_loss import chunked_token_loss, hidden_states, output_head
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
+
+log = logging.getLogger("estimator")
 
 OWN_LOOP = ("loss", "loss_constructors", "train_step", "train_fn")  # params that bring a loss of their own
 
@@ -53,19 +59,35 @@ class TokenObjective(BuiltIn):
 
     def __init__(self) -> None:
         self._rows: Dict[Tuple[int, Any], torch.Tensor] = {}  # the rows slot's value, by batch size and device
-        self._checked = False  # the first batch's forward is the dry run the driver left to the ranks
+        self._plain: set = set()  # the heads whose model's forward was found not to return their output as logits
+        self._checked = False  # the first batch is the forward's check, which the driver left to the ranks
 
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        features, labels, _ = tensors
         if self._checked:
-            raw = forward(model, features)
-        else:
-            try:
-                raw = forward(model, features)
-            except Exception as exc:  # noqa: BLE001 - the user's model: typed, never retried
-                raise ModelFailed(f"The causal LM failed on its first batch of {labels[0].shape[0]} rows (tokens "
-                                  f"{tuple(features[0].shape)}): {type(exc).__name__}: {exc}") from exc
-            self._checked = True
+            return self.batch_loss(model, tensors)
+        try:
+            done = self.batch_loss(model, tensors)
+        except Exception as exc:  # noqa: BLE001 - the user's model: typed, never retried
+            if failure_kind(exc) is not FailureKind.USER:  # a peer gone, a module missing: theirs to say
+                raise
+            features, labels, _ = tensors
+            raise ModelFailed(f"The causal LM failed on its first batch of {labels[0].shape[0]} rows (tokens "
+                              f"{tuple(features[0].shape)}): {type(exc).__name__}: {exc}") from exc
+        self._checked = True
+        return done
+
+    def batch_loss(self, model: Any, tensors: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        features, labels, _ = tensors
+        head, _ = output_head(model)
+        if head is not None and id(head) not in self._plain:
+            hidden = hidden_states(model, features, head, tuple(labels[0].shape))
+            if hidden is not None:
+                loss, tokens = chunked_token_loss(hidden, head, labels[0])
+                return loss, self.batch_sums(loss, tokens, labels[0].shape[0])
+            self._plain.add(id(head))  # this batch and the next ones: the plain path (the forward runs again)
+            log.warning("The causal LM's forward does not return its output head's result as its logits: its loss "
+                        "is computed from the full logits in float32 (more memory).")
+        raw = forward(model, features)
         logits = logits_of(raw) if not isinstance(raw, torch.Tensor) else raw
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             raise ValueError(f"Fine-tuning a causal LM reads the logits of its forward (batch, tokens, vocabulary); "
