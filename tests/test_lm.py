@@ -144,17 +144,23 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(llama, store):
     assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
 
 
-def test_fsdp_with_lora_trains_as_ddp_with_lora(llama, store):
-    rows = lm_rows(16)
+@pytest.mark.parametrize("adapters", [True, False], ids=["lora", "whole"])
+def test_fsdp_with_lora_trains_as_ddp_with_lora(llama, store, adapters):
+    """Also the whole model trained (its output head too: the chunked loss's gradients reach fsdp's shards)."""
+    rows, config = lm_rows(16), (lora() if adapters else None)
     for strategy in ("ddp", "fsdp"):
-        LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run=strategy,
-                                          strategy=strategy), 2)
+        LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=config,
+                                          run=f"{strategy}-{adapters}", strategy=strategy, lr=1e-3), 2)
     models = {}
     for strategy in ("ddp", "fsdp"):
-        models[strategy] = plain_causal_lm(llama, lora(), seed=0)
-        restore(store, store.run(strategy), store.run(strategy).checkpoint, models[strategy], None)
+        models[strategy] = plain_causal_lm(llama, config, seed=0)
+        run = store.run(f"{strategy}-{adapters}")
+        restore(store, run, run.checkpoint, models[strategy], None)
     ddp, fsdp = (m.state_dict() for m in models.values())
-    assert any("lora_" in k for k in ddp)
+    untrained = plain_causal_lm(llama, config, seed=0).state_dict()
+    assert any("lora_" in k for k in ddp) == adapters
+    assert not torch.equal(ddp["lm_head.weight" if not adapters else next(k for k in ddp if "lora_B" in k)],
+                           untrained["lm_head.weight" if not adapters else next(k for k in ddp if "lora_B" in k)])
     for name in ddp:
         assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), (name, (ddp[name] - fsdp[name]).abs().max())
 
