@@ -195,3 +195,24 @@ def test_a_rank_killed_inside_an_epoch_resumes_the_fine_tuning_as_if_nothing_hap
                      for m in (clean, resumed)]
     np.testing.assert_allclose(probabilities[0], probabilities[1], atol=1e-5)
     assert clean.getHistory()[-1]["val_accuracy"] >= 0.8
+
+
+def test_a_classifier_from_a_factory_and_its_tokenizer_predicts_a_text_column_without_a_fit(spark, tmp_path):
+    """Off-the-shelf classification of a text column (no fit): the output's shape found by tokenizing two texts
+    on the driver (it once fed BERT float zeros of its first Linear's width), the class scores, probabilities and
+    prediction as a fitted classifier's, equal to a hand-written forward."""
+    from estimator import TorchModel
+
+    texts = [t for t, _ in topic_texts(40, seed=3)]
+    path = save_pretrained_bert(str(tmp_path / "bert"), texts)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = TorchModel(model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
+                       tokenizer=tokenizer, feature_cols=["text"])
+    assert [f.name for f in model.output_schema().fields] == ["output", "prediction", "rawPrediction", "probability"]
+    got = model.transform(spark.createDataFrame([(t,) for t in texts[:12]], "text string").repartition(2)).collect()
+    plain = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = plain(**tokenizer([r.text for r in got], padding=True, return_tensors="pt")).logits
+    assert np.allclose([list(r.output) for r in got], logits.numpy(), atol=1e-5)
+    assert np.allclose([r.probability.toArray() for r in got], logits.softmax(-1).numpy(), atol=1e-5)
+    assert [r.prediction for r in got] == logits.argmax(-1).double().tolist()

@@ -12,7 +12,8 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from estimator.core.outputs import outputs_of
+from estimator.core.adapters import base_config
+from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
 from estimator.predict.inference import model_inputs, predict_numpy
@@ -45,8 +46,9 @@ class Values(Predictor):
         if len(shapes) != len(outputs):
             raise ValueError(f"The model returns {len(shapes)} outputs but TorchModel has {len(outputs)} label columns "
                              f"{p['label_cols']}; pass one label column per output.")
-        kinds = p["loss_kinds"] or ["unknown"] * len(outputs)
-        head = head_of(kinds[0], shapes[0]) if len(outputs) == 1 and p["label_cols"] else None
+        told = config_kind(p["model"]) if not p["loss_kinds"] and len(outputs) == 1 else None
+        kinds = p["loss_kinds"] or [told or "unknown"] * len(outputs)
+        head = head_of(kinds[0], shapes[0]) if len(outputs) == 1 and (p["label_cols"] or told) else None
         fields = output_fields(len(outputs))
         names = {PREDICTION_FIELD: p["prediction_col"], RAW_FIELD: p["raw_prediction_col"],
                  PROBABILITY_FIELD: p["probability_col"]}
@@ -81,9 +83,41 @@ class Values(Predictor):
         return fields
 
 
+# What a transformers config's problem_type says the output is, as a loss kind (estimator.train.losses)
+PROBLEM_KINDS = {"single_label_classification": "class_index", "multi_label_classification": "logits",
+                 "regression": "regression"}
+
+
+def config_kind(model: Any) -> Optional[str]:
+    """What a transformers classifier built without a fit says its output is (the loss kind a fit would have
+    recorded): its config's problem_type, else, for a ...ForSequenceClassification of several labels, class
+    scores (transformers' own rule); None for any other model."""
+    config = base_config(model)
+    if config is None or not type(getattr(model, "get_base_model", lambda: model)()).__name__.endswith(
+            "ForSequenceClassification"):
+        return None
+    if getattr(config, "problem_type", None) in PROBLEM_KINDS:
+        return PROBLEM_KINDS[config.problem_type]
+    labels = getattr(config, "num_labels", 0)
+    return "class_index" if labels > 1 else "regression" if labels == 1 else None
+
+
 def probe_output_shapes(p: Dict[str, Any]) -> List[List[int]]:
     """Per-row output shapes by one forward pass on the driver (no Spark job), for a TorchModel built
-    without output_shapes: the feature shapes come from input_shapes, else from a first Linear layer."""
+    without output_shapes: the feature shapes come from input_shapes, else from a first Linear layer; a text
+    model's (a tokenizer given), from two short texts tokenized as transform tokenizes them."""
+    if p["tokenizer"] is not None and p["input_shapes"] is None and len(p["feature_cols"]) == 1:
+        model = copy.deepcopy(p["model"]).cpu().eval()
+        texts = np.array(["a probe", "of the output's shape"], dtype=object)
+        try:
+            encoded = Tokenize(p["tokenizer"], (), effective_max_length(p)).encode(texts)
+            with torch.no_grad():
+                outputs = outputs_of(forward(model, [{k: torch.from_numpy(v) for k, v in encoded.items()}]))
+        except Exception as exc:  # noqa: BLE001 - the user's model and tokenizer
+            raise ValueError(f"TorchModel ran the model on two texts tokenized by its tokenizer to find its output "
+                             f"columns (no Spark job), and it failed: {type(exc).__name__}: {exc}. Pass output_shapes "
+                             "(e.g. [[2]]) or check the tokenizer is the model's.") from None
+        return [list(o.shape[1:]) for o in outputs]
     rows, inputs = 2, []
     for i, column in enumerate(p["feature_cols"]):
         shape = p["input_shapes"][i] if p["input_shapes"] else None
@@ -100,3 +134,4 @@ def probe_output_shapes(p: Dict[str, Any]) -> List[List[int]]:
     with torch.no_grad():
         outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
     return [list(o.shape[1:]) for o in outputs]
+
