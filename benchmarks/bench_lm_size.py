@@ -1,0 +1,141 @@
+"""What a LoRA fit and its transform cost the driver as the base grows (issue 53): the driver's peak RSS above
+its value before fit, during fit and during transform (psutil, sampled every 5 ms), the bytes transform hands to
+Spark (the closures pyspark pickles and the files added), and the first and second transform's seconds (the
+executors' Python workers build the base in the first and keep it), at bases 4x apart. Each size runs in a
+process of its own (local[2], two ranks), after a warm-up fit and transform of a tiny base in that process (what
+a first fit costs whatever the model: imports, Spark's first jobs). Numbers, not assertions (RESULTS.md).
+
+    SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/bench_lm_size.py [--sizes 512:12,1024:12] [--json F]
+
+A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
+save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "notebooks"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+class Peak:
+    """This process's peak RSS above its value at the start, in MB."""
+
+    def __enter__(self):
+        import psutil
+
+        self.process, self.done = psutil.Process(), False
+        self.start = self.peak = self.process.memory_info().rss
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self):
+        while not self.done:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self.done = True
+        self.thread.join()
+
+    @property
+    def mb(self):
+        return (self.peak - self.start) / 2 ** 20
+
+
+def one_size(hidden: int, layers: int, work: str) -> dict:
+    import torch
+    import transformers
+    from peft import LoraConfig
+    from pyspark import serializers
+    from pyspark.sql import SparkSession
+
+    import estimator.model
+    from estimator import TorchEstimator
+    from sft_example import color_facts, save_pretrained_llama
+    from store import LocalStore
+
+    texts = [p + r for p, r in color_facts()] * 4
+    base = save_pretrained_llama(os.path.join(work, "base"), texts, hidden=hidden, layers=layers, positions=64)
+    small = save_pretrained_llama(os.path.join(work, "small"), texts)
+    weights = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
+    spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    rows = [(p, r) for p, r in color_facts()[:16]]
+    df = spark.createDataFrame(rows, "prompt string, response string").cache()
+    asked = spark.createDataFrame([(p,) for p, _ in rows[:6]], "prompt string").repartition(2).cache()
+    df.count(), asked.count()
+
+    def fit(folder, run):
+        return TorchEstimator(
+            num_proc=2, store=LocalStore(os.path.join(work, "runs")), run_id=run, tokenizer=tokenizer,
+            model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+            optimizer=functools.partial(torch.optim.AdamW, lr=5e-3), feature_cols=["prompt"],
+            label_cols=["response"], batch_size=4, epochs=1, max_new_tokens=6, random_seed=1, verbose=0).fit(df)
+
+    fit(small, "warm").transform(asked).collect()
+    with Peak() as fitting:
+        fitted = fit(base, "sized")
+    sent = []
+    dumps, ship = serializers.CloudPickleSerializer.dumps, estimator.model.ship_file
+
+    def counted_dumps(serializer, obj):
+        data = dumps(serializer, obj)
+        sent.append(len(data))
+        return data
+
+    def counted_ship(session, path):
+        sent.append(os.path.getsize(path))
+        return ship(session, path)
+
+    serializers.CloudPickleSerializer.dumps, estimator.model.ship_file = counted_dumps, counted_ship
+    seconds = []
+    with Peak() as transforming:
+        for _ in range(2):
+            started = time.perf_counter()
+            fitted.transform(asked).collect()
+            seconds.append(time.perf_counter() - started)
+    handle = fitted.getModelHandle()
+    spark.stop()
+    return {"hidden": hidden, "layers": layers, "weights_mb": weights / 2 ** 20,
+            "fit_driver_peak_mb": fitting.mb, "transform_driver_peak_mb": transforming.mb,
+            "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20,
+            "first_transform_s": seconds[0], "second_transform_s": seconds[1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="512:12,1024:12", help="hidden:layers,... (4x apart by default)")
+    parser.add_argument("--json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        hidden, layers = map(int, args.one.split(":"))
+        with tempfile.TemporaryDirectory() as work:
+            print("RESULT " + json.dumps(one_size(hidden, layers, work)), flush=True)
+        return
+    results = []
+    for size in args.sizes.split(","):
+        out = subprocess.run([sys.executable, __file__, "--one", size], capture_output=True, text=True, check=True,
+                             cwd=tempfile.gettempdir())
+        results.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
+        print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "results": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
