@@ -4,6 +4,7 @@ says another launch can help (estimator.failures)."""
 from __future__ import annotations
 
 import copy
+import warnings
 import logging
 import time
 import uuid
@@ -149,7 +150,9 @@ def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, st
                          f"strategy={written!r}, and this fit has strategy={strategy!r}: a run continues "
                          f"with the strategy it began with. Set strategy={written!r}, or use a new run_id.")
     try:
-        restore(store, run, run.checkpoint, copy.deepcopy(model), None)
+        with warnings.catch_warnings():  # a skeleton's (estimator.core.handle): its names and shapes are checked
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
+            restore(store, run, run.checkpoint, copy.deepcopy(model), None)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
                          f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None
