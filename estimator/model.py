@@ -58,7 +58,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
     def getModel(self) -> nn.Module:
         """The trained module. A model held as a handle (a LoRA fit of a model factory: the driver keeps the
         adapters, not the base's weights; estimator.core.handle) is built here, once: this loads the base's weights
-        into this process (transform never needs it: the executors build their own)."""
+        into this process. The module returned is then the model: what you change in it, transform and save use,
+        so transform sends it whole from then on (a TorchModel.load of a saved copy holds a handle again)."""
         model, handle = self.getOrDefault("model"), self.getOrDefault("model_handle")
         if handle is not None and on_meta(model):
             built = handle.build()
@@ -66,7 +67,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
             if optimizer is not None:  # the same optimizer over the built module's parameters
                 optimizer = rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, model),
                                               constructor_defaults(optimizer), optimizer.state_dict(), built)
-            self._set(model=built, optimizer=optimizer)
+            self._set(model=built, optimizer=optimizer, model_handle=None)
+            log.info("getModel() built the model from its handle in this process; transform now sends this module")
             return built
         return model
 

@@ -131,7 +131,8 @@ def test_a_lora_fit_of_a_sized_base_keeps_its_weights_off_the_driver_and_out_of_
     again = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
     assert again == got and len(open(log).read().split()) - builds == first  # the workers kept it: no build
 
-    model = fitted.getModel()  # built here, on demand: loads the base into the driver
+    model = fitted.getModel()  # built here, on demand: loads the base into the driver, and is the model from now on
+    assert fitted.getModelHandle() is None and fitted.getModel() is model
     expected = []
     with torch.no_grad():
         for prompt in prompts:
