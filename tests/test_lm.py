@@ -2,6 +2,8 @@
 and chat rows, the token-weighted loss (2 ranks of batch b = one plain PEFT loop of batch 2b), LoRA checkpoints
 (the adapters only, resumed exactly), fsdp + LoRA = ddp + LoRA, gradient checkpointing."""
 import dataclasses
+import functools
+import re
 
 import numpy as np
 import pytest
@@ -245,3 +247,18 @@ def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama
     full, cut = text(), text(eos_token_id=second, pad_token_id=second)
     assert full.startswith(cut) and len(cut) < len(full), (full, cut)
 
+
+
+def test_a_handle_whose_base_is_gone_says_where_it_is_built_and_what_to_do(tmp_path):
+    """transform builds a LoRA fit's base on each executor from its factory (estimator.core.handle): a folder moved
+    since the fit is named there with the fixes, not left to transformers' 'Repo id must be in the form...'."""
+    from transformers import AutoModelForCausalLM
+
+    from estimator.core.handle import BaseUnavailable, ModelHandle
+
+    missing = str(tmp_path / "moved")
+    handle = ModelHandle(functools.partial(AutoModelForCausalLM.from_pretrained, missing), lora(), b"")
+    with pytest.raises(BaseUnavailable, match="each executor for transform.*moved.*" + re.escape(missing) +
+                       "|" + re.escape(missing) + ".*each executor for transform.*moved or deleted.*"
+                       "save_pretrained"):
+        handle.build()

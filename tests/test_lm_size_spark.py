@@ -148,3 +148,17 @@ def test_a_lora_fit_of_a_sized_base_keeps_its_weights_off_the_driver_and_out_of_
         loaded = TorchModel.load(path)
     assert load_rss.above <= 0.15 * weights and loaded.getModelHandle().key == handle.key  # adapters, no base
     assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
+
+
+def test_the_drivers_model_of_a_float32_folder_loaded_in_bfloat16_reads_no_weight(base):
+    """from_pretrained(dtype=torch.bfloat16) of a float32 folder casts each tensor as it reads it: built under
+    parameters_on_meta alone, the driver held 1.3x the weights; told device_map='meta', transformers reads none."""
+    from estimator.fit.recipes import model_of
+
+    folder, weights = base
+    factory = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder, dtype=torch.bfloat16)
+    model_of(functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder), whole=False)  # imports
+    with PeakRss() as built:
+        skeleton, _ = model_of(factory, whole=False)
+    assert built.above <= 0.05 * weights, f"the driver grew {built.above / 2**20:.0f} MB"
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in skeleton.parameters())

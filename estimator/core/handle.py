@@ -9,6 +9,7 @@ checks read), with the adapters' values. `build()` makes the whole module where 
 user's getModel(). torch, safetensors and peft (for adapters) only, no pyspark."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -65,8 +66,17 @@ class ModelHandle:
     def build(self) -> nn.Module:
         """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded
         (loads the base's weights into this process)."""
-        with hf_bars_off():
-            model = with_adapters(self.factory(), self.peft_config)
+        try:
+            with hf_bars_off():
+                base = self.factory()
+        except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with where and what to do
+            raise BaseUnavailable(
+                f"The fitted model's base is built where it is needed (each executor for transform) by its model "
+                f"factory, {self.factory!r}, which raised {type(exc).__name__}: {exc}. Make the base readable at "
+                "that path from every executor (a Unity Catalog Volume, DBFS or a mounted ABFS/S3 path; moved or "
+                "deleted?), or save a model that stands alone: fitted.save_pretrained(folder) writes the adapters "
+                "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
+        model = with_adapters(base, self.peft_config)
         load_trainable(model, self.state(), "the fitted model's adapters")
         return model.eval()
 
@@ -78,12 +88,32 @@ class ModelHandle:
         return model.eval()
 
 
+class BaseUnavailable(RuntimeError):
+    """A handle's factory failed to build the base where the model is needed (an executor, getModel())."""
+
+
 def skeleton_of(factory: Callable[[], nn.Module], peft_config: Any) -> nn.Module:
     """What `factory` builds, its parameters on the meta device (reading no weights into memory), with the
     adapters of `peft_config` (also on meta)."""
-    with hf_bars_off(), parameters_on_meta():
-        built = factory()
+    built = built_on_meta(factory)
     return with_adapters(built, peft_config) if isinstance(built, nn.Module) else built
+
+
+def built_on_meta(factory: Callable[[], Any]) -> Any:
+    """`factory()` with every parameter it registers on the meta device. A `functools.partial` of a transformers
+    `from_pretrained` is also told `device_map="meta"`: transformers then reads no tensor at all (else it reads
+    each and casts it to the dtype asked before the parameter goes to meta: a float32 folder loaded with
+    dtype=torch.bfloat16 took 1.3x its weights on the driver)."""
+    meta_map = (isinstance(factory, functools.partial) and getattr(factory.func, "__name__", "") == "from_pretrained"
+                and "device_map" not in factory.keywords)
+    with hf_bars_off(), parameters_on_meta():
+        if meta_map:
+            try:
+                return factory(device_map="meta")
+            except (TypeError, ValueError, ImportError) as exc:  # a from_pretrained that takes no device_map
+                log.debug("from_pretrained(device_map='meta') failed (%s): built with its parameters moved to meta",
+                          exc)
+        return factory()
 
 
 def with_values(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:

@@ -4,7 +4,6 @@ store), `optimizer` a callable taking the parameters (`functools.partial(torch.o
 driver builds each once, for its checks and its dry run on a few rows; the ranks get the recipes."""
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any, Callable, Optional, Tuple
 
@@ -12,7 +11,8 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import check_peft_config, with_adapters
-from estimator.core.meta import check_weights, materialize, meta_tensors, parameters_on_meta, unloadable
+from estimator.core.handle import built_on_meta
+from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
 from estimator.core.quiet import hf_bars_off
@@ -36,8 +36,8 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
     try:
-        with hf_bars_off(), (contextlib.nullcontext() if whole else parameters_on_meta()):
-            built = value()
+        with hf_bars_off():
+            built = value() if whole else built_on_meta(value)
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
                          "build the module: once on the driver (its checks and dry run), then on every rank. On the "

@@ -14,7 +14,6 @@ the pickle layout of earlier releases (persistence). Hugging Face's and safetens
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import json
@@ -29,8 +28,8 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import is_adapted, trainable_names
-from estimator.core.handle import with_values
-from estimator.core.meta import materialize, meta_tensors, parameters_on_meta
+from estimator.core.handle import built_on_meta, with_values
+from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 from estimator.core.quiet import hf_bars_off
@@ -81,8 +80,7 @@ def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False) 
     """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved);
     `meta`: its parameters on the meta device (estimator.core.handle)."""
     try:
-        with parameters_on_meta() if meta else contextlib.nullcontext():
-            return factory()
+        return built_on_meta(factory) if meta else factory()
     except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with what to do
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
