@@ -339,8 +339,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
         restore(store, layout, chosen, trained, optimizer)  # fsdp's shards gathered into the whole module here
         trained.eval()
-        handle = ModelHandle.of(p["model_factory"], p["peft_config"], trained) if skeleton else None
-        return TorchModel(model=trained, model_handle=handle, model_factory=p["model_factory"], optimizer=optimizer,
+        handle = ModelHandle.of(p["model_factory"], p["peft_config"], trained, run.seed) if skeleton else None
+        return TorchModel(model=trained, model_handle=handle, base_seed=run.seed if p["model_factory"] else None,
+                          model_factory=p["model_factory"], optimizer=optimizer,
                           feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
                           input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
                           run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),

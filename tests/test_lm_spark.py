@@ -216,3 +216,29 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
     with pytest.raises(ImportError, match="needs the peft package.*pip install peft"):
         sft(llama, store).fit(texts)
+
+
+def test_a_base_drawn_at_random_by_the_factory_is_rebuilt_as_the_ranks_drew_it(spark, store, llama, tmp_path):
+    """A factory that draws its base (a config's model, no weights read) is called where the adapters go on it
+    (each executor in transform, a load): under the run's seed, as the ranks called it, else the adapters would
+    sit on another base and the text would be nonsense of the right form."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(llama)
+    factory = functools.partial(LlamaForCausalLM, config)
+    df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    fitted = sft(llama, store, model=factory, epochs=2, random_seed=7).fit(df)
+    assert fitted.getModelHandle() is not None and fitted.getBaseSeed() == 7
+    prompts = [p for p, _ in lm_rows(6)]
+    asked = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
+    got = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
+    fitted.write().overwrite().save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
+    model, tokenizer = fitted.getModel().eval(), fitted.getTokenizer()
+    torch.manual_seed(7)
+    drawn = factory().state_dict()
+    base = {k.replace(".base_layer", ""): v for k, v in model.get_base_model().state_dict().items()
+            if "lora_" not in k}
+    assert base.keys() == drawn.keys() and all(torch.equal(base[k], v) for k, v in drawn.items())
+    assert [got[p] for p in prompts] == generated_one_by_one(model, tokenizer, prompts, 12)

@@ -38,14 +38,16 @@ class ModelHandle:
     factory: Callable[[], nn.Module]
     peft_config: Any
     trained: bytes = field(repr=False)
+    seed: Optional[int] = None  # the run's: the ranks built the base and the adapters under it
 
     @classmethod
-    def of(cls, factory: Callable[[], nn.Module], peft_config: Any, model: nn.Module) -> "ModelHandle":
+    def of(cls, factory: Callable[[], nn.Module], peft_config: Any, model: nn.Module,
+           seed: Optional[int] = None) -> "ModelHandle":
         """The handle of `model`'s trained adapters (`model`: the skeleton or a whole module)."""
         from safetensors.torch import save
 
         state = {k: v.detach().cpu().contiguous() for k, v in trainable_state(model).items()}
-        return cls(factory, peft_config, save(state))
+        return cls(factory, peft_config, save(state), seed)
 
     @property
     def key(self) -> str:
@@ -53,8 +55,8 @@ class ModelHandle:
         model) and what builds the base."""
         func = getattr(self.factory, "func", self.factory)  # a partial's function, named (no address in it)
         digest = hashlib.sha256(self.trained)
-        digest.update(repr((getattr(func, "__module__", None), getattr(func, "__qualname__", type(func).__name__),
-                            getattr(self.factory, "args", ()),
+        digest.update(repr((self.seed, getattr(func, "__module__", None),
+                            getattr(func, "__qualname__", type(func).__name__), getattr(self.factory, "args", ()),
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()
 
@@ -65,10 +67,15 @@ class ModelHandle:
 
     def build(self) -> nn.Module:
         """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded
-        (loads the base's weights into this process)."""
+        (loads the base's weights into this process). Built as the ranks built it, under the run's seed: a base
+        the factory draws at random (a config's model, no from_pretrained) is the one the adapters were trained
+        on."""
         try:
-            with hf_bars_off():
+            with hf_bars_off(), torch.random.fork_rng(devices=[]):
+                if self.seed is not None:
+                    torch.manual_seed(self.seed)
                 base = self.factory()
+                model = with_adapters(base, self.peft_config)
         except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with where and what to do
             raise BaseUnavailable(
                 f"The fitted model's base is built where it is needed (each executor for transform) by its model "
@@ -76,27 +83,12 @@ class ModelHandle:
                 "that path from every executor (a Unity Catalog Volume, DBFS or a mounted ABFS/S3 path; moved or "
                 "deleted?), or save a model that stands alone: fitted.save_pretrained(folder) writes the adapters "
                 "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
-        model = with_adapters(base, self.peft_config)
         load_trainable(model, self.state(), "the fitted model's adapters")
-        return model.eval()
-
-    def skeleton(self) -> nn.Module:
-        """The module with its parameters on the meta device but the adapters' trained values: what the driver
-        holds (classes, config, shapes; a few MB)."""
-        model = skeleton_of(self.factory, self.peft_config)
-        with_values(model, self.state())
         return model.eval()
 
 
 class BaseUnavailable(RuntimeError):
     """A handle's factory failed to build the base where the model is needed (an executor, getModel())."""
-
-
-def skeleton_of(factory: Callable[[], nn.Module], peft_config: Any) -> nn.Module:
-    """What `factory` builds, its parameters on the meta device (reading no weights into memory), with the
-    adapters of `peft_config` (also on meta)."""
-    built = built_on_meta(factory)
-    return with_adapters(built, peft_config) if isinstance(built, nn.Module) else built
 
 
 def built_on_meta(factory: Callable[[], Any]) -> Any:

@@ -289,6 +289,9 @@ MODEL_PARAMS = [
               "estimator.core.handle): transform sends it, and `model` is then the module on the meta device with "
               "the adapters' values", None, optional(is_instance(ModelHandle)),
               "a ModelHandle or None", json=False),
+    ParamSpec("base_seed", "the seed the ranks built the model under (the fit's drawn seed): a base that the "
+              "model factory draws at random is rebuilt under it where the adapters go on it (transform, load)",
+              None, optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("optimizer", "the optimizer at the end of training, over the trained model's parameters", None,
               optional(is_instance(torch.optim.Optimizer)), "a torch.optim.Optimizer or None", json=False),
     ParamSpec("feature_cols", "columns passed to forward(), in order", None, is_str_list(),

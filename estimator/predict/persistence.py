@@ -76,13 +76,15 @@ class ParamsReader(MLReader):
         DefaultParamsReader.getAndSetParams(instance, metadata)
         fs, root = url_to_fs(path)
         objects = cloudpickle.loads(_read(fs, posixpath.join(root, "objects.pkl")))
-        built = load_module(fs, root, objects.get("model_factory"))
+        # a base drawn at random is rebuilt as the ranks drew it (a TorchModel's; an estimator has none)
+        seed = instance.getOrDefault("base_seed") if instance.hasParam("base_seed") else None
+        built = load_module(fs, root, objects.get("model_factory"), seed)
         if built is not None:
             objects["model"], optimizer = built
             if on_meta(objects["model"]):  # adapters on a base on meta: held as a handle (estimator.core.handle)
                 model = objects["model"]
                 objects["model_handle"] = ModelHandle.of(objects["model_factory"],
-                                                         model.peft_config[model.active_adapter], model)
+                                                         model.peft_config[model.active_adapter], model, seed)
             if optimizer is not None:
                 objects["optimizer"] = optimizer
         elif fs.exists(posixpath.join(root, "model.pkl")):

@@ -76,11 +76,17 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
         json.dump(kind, f)
 
 
-def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False) -> nn.Module:
-    """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved);
-    `meta`: its parameters on the meta device (estimator.core.handle)."""
+def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False, seed: Optional[int] = None
+               ) -> nn.Module:
+    """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved),
+    under the seed the ranks built it under; `meta`: its parameters on the meta device (estimator.core.handle)."""
     try:
-        return built_on_meta(factory) if meta else factory()
+        if meta:
+            return built_on_meta(factory)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return factory()
     except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with what to do
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
@@ -89,7 +95,7 @@ def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False) 
                          "which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
 
 
-def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
+def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], seed: Optional[int] = None
                 ) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer]]]:
     """(the module, the optimizer or None) saved by save_module under `root`; None when `root` holds none (a
     model given as an instance, or an earlier release's save)."""
@@ -108,7 +114,7 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]]
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = adapted_skeleton(base_model(factory, root, meta=True), local)
             if model is None:  # adapters peft names otherwise (modules_to_save...): the base built whole
-                model = PeftModel.from_pretrained(base_model(factory, root), local, is_trainable=True)
+                model = PeftModel.from_pretrained(base_model(factory, root, seed=seed), local, is_trainable=True)
         elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)
