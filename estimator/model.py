@@ -1,6 +1,7 @@
 """TorchModel: a trained nn.Module as a Spark ML Model with batched Arrow inference."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import uuid
@@ -16,7 +17,7 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 from torch import nn
 
 from estimator.core import adapters
-from estimator.core.handle import on_meta
+from estimator.core.handle import ModelHandle, built_on_meta, loads_pretrained, on_meta
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
 from estimator.core.pickling import constructor_defaults, dumps, optimizer_groups, rebuild_optimizer
@@ -48,9 +49,16 @@ class TorchModel(DeclaredParams, Model, Persistable):
     def __init__(self, **kwargs: Any):
         kwargs = {HOROVOD_NAMES.get(k, k): v for k, v in kwargs.items() if k not in HOROVOD_UNUSED}
         if callable(kwargs.get("model")) and not isinstance(kwargs["model"], nn.Module):
-            # a factory (inference over a table with a pretrained model, no fit): built once here; save writes
-            # its weights and load rebuilds it through the factory, as for a fitted model built by one
-            kwargs["model_factory"], kwargs["model"] = kwargs["model"], built_model(kwargs["model"])
+            # A factory (inference over a table with a pretrained model, no fit). A from_pretrained partial is held
+            # as a handle: built here on the meta device (config and shapes), and on each executor by transform
+            # (estimator.core.handle). Any other is built once here (it may draw its weights at random: every
+            # executor must get the same) and sent whole. save writes its weights; load rebuilds it from them.
+            factory = kwargs["model_factory"] = kwargs["model"]
+            if loads_pretrained(factory):
+                kwargs["model"] = built_model(functools.partial(built_on_meta, factory))
+                kwargs["model_handle"] = ModelHandle(factory, None, b"")
+            else:
+                kwargs["model"] = built_model(factory)
         if "history" in kwargs and kwargs["history"] is None:
             kwargs["history"] = []
         super().__init__(**kwargs)

@@ -2,7 +2,7 @@
 never holds the base's weights (its peak RSS during fit and transform, sampled), transform sends the adapters and
 the factory, not the base (the bytes pickled for Spark and the files added, counted), each executor's Python
 worker builds the base once (a second transform builds nothing), and the generations are model.generate's, also
-after save/load (estimator.core.handle)."""
+after save/load (estimator.core.handle); a TorchModel of a from_pretrained factory without a fit likewise."""
 import functools
 import os
 import threading
@@ -148,6 +148,20 @@ def test_a_lora_fit_of_a_sized_base_keeps_its_weights_off_the_driver_and_out_of_
         loaded = TorchModel.load(path)
     assert load_rss.above <= 0.15 * weights and loaded.getModelHandle().key == handle.key  # adapters, no base
     assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
+
+    # a pretrained model over a table, no fit: a from_pretrained factory is held as a handle too
+    sent.pickled.clear(), sent.files.clear()
+    with PeakRss() as plain_rss:
+        writer = TorchModel(model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder),
+                            tokenizer=tokenizer, feature_cols=["prompt"], output_kind="generate", max_new_tokens=6)
+        written = {r.prompt: r.prediction for r in writer.transform(asked).collect()}
+    assert plain_rss.above <= 0.15 * weights and 0 < sent.total <= 2 * 2**20, (plain_rss.above, sent.total)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        ids = tokenizer([prompts[0]], return_tensors="pt")
+        tokens = base.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
+    assert written[prompts[0]] == tokenizer.decode(tokens[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def test_the_drivers_model_of_a_float32_folder_loaded_in_bfloat16_reads_no_weight(base):

@@ -83,8 +83,16 @@ class ModelHandle:
                 "that path from every executor (a Unity Catalog Volume, DBFS or a mounted ABFS/S3 path; moved or "
                 "deleted?), or save a model that stands alone: fitted.save_pretrained(folder) writes the adapters "
                 "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
-        load_trainable(model, self.state(), "the fitted model's adapters")
+        if self.trained:  # none: a pretrained model as its factory loads it (a TorchModel built without a fit)
+            load_trainable(model, self.state(), "the fitted model's adapters")
         return model.eval()
+
+
+def loads_pretrained(factory: Any) -> bool:
+    """A `functools.partial` of a transformers `from_pretrained` (no device_map of its own): every call gives the
+    same weights, read from a folder, so the model may be built where it is needed instead of sent."""
+    return (isinstance(factory, functools.partial) and getattr(factory.func, "__name__", "") == "from_pretrained"
+            and "device_map" not in factory.keywords)
 
 
 class BaseUnavailable(RuntimeError):
@@ -96,8 +104,7 @@ def built_on_meta(factory: Callable[[], Any]) -> Any:
     `from_pretrained` is also told `device_map="meta"`: transformers then reads no tensor at all (else it reads
     each and casts it to the dtype asked before the parameter goes to meta: a float32 folder loaded with
     dtype=torch.bfloat16 took 1.3x its weights on the driver)."""
-    meta_map = (isinstance(factory, functools.partial) and getattr(factory.func, "__name__", "") == "from_pretrained"
-                and "device_map" not in factory.keywords)
+    meta_map = loads_pretrained(factory)
     with hf_bars_off(), parameters_on_meta():
         if meta_map:
             try:

@@ -48,8 +48,10 @@ class ParamsWriter(MLWriter):
         json_params, objects = split_params(self.instance)
         DefaultParamsWriter.saveMetadata(self.instance, path, _metadata_session(self), paramMap=json_params)
         fs, root = url_to_fs(path)
-        objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
+        handle = objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
+        if handle is not None and not handle.trained and on_meta(model):  # no adapters: saved whole, as before
+            model = handle.build()
         built_by_factory = model is not None and objects.get("model_factory") is not None
         optimizer = objects.pop("optimizer", None) if built_by_factory else None
         if isinstance(objects.get("store"), Store):

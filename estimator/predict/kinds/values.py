@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import base_config
+from estimator.core.handle import on_meta
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import reshape
 from estimator.data.text import Tokenize
@@ -106,8 +107,10 @@ def probe_output_shapes(p: Dict[str, Any]) -> List[List[int]]:
     """Per-row output shapes by one forward pass on the driver (no Spark job), for a TorchModel built
     without output_shapes: the feature shapes come from input_shapes, else from a first Linear layer; a text
     model's (a tokenizer given), from two short texts tokenized as transform tokenizes them."""
+    if on_meta(p["model"]) and config_kind(p["model"]) is not None:  # a classifier held as a handle: its config
+        return [[int(base_config(p["model"]).num_labels)]]
     if p["tokenizer"] is not None and p["input_shapes"] is None and len(p["feature_cols"]) == 1:
-        model = copy.deepcopy(p["model"]).cpu().eval()
+        model = probed(p)
         texts = np.array(["a probe", "of the output's shape"], dtype=object)
         try:
             encoded = Tokenize(p["tokenizer"], (), effective_max_length(p)).encode(texts)
@@ -130,8 +133,17 @@ def probe_output_shapes(p: Dict[str, Any]) -> List[List[int]]:
             shape = [-1, first.in_features]
         inputs.append(reshape(np.zeros((rows, int(np.prod([d for d in shape if d != -1]))), np.float32),
                               shape, column))
-    model = copy.deepcopy(p["model"]).cpu().eval()
+    model = probed(p)
     with torch.no_grad():
         outputs = outputs_of(model(*[torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]))
     return [list(o.shape[1:]) for o in outputs]
+
+
+def probed(p: Dict[str, Any]) -> nn.Module:
+    """The module the probe runs: a copy of the model, or, held as a handle (estimator.core.handle), the module it
+    builds, dropped after the probe (a classifier's shape comes from its config instead; output_shapes skips it)."""
+    handle = p.get("model_handle")
+    if handle is not None and on_meta(p["model"]):
+        return handle.build()
+    return copy.deepcopy(p["model"]).cpu().eval()
 
