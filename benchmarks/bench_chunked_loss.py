@@ -4,6 +4,11 @@ tokens/s. Numbers, not assertions (RESULTS.md by hand). No Spark, no tokenizer: 
 
     .venv/bin/python benchmarks/bench_chunked_loss.py [--vocab 128256] [--hidden 256] [--layers 2] [--batch 4]
                                                       [--tokens 512] [--steps 4] [--labels sft,all] [--json F]
+                                                      [--device cuda] [--bf16]
+
+On CUDA (`--device cuda`) the memory is torch.cuda's peak allocated bytes above what the built model holds (not
+the RSS), the steps are timed with a synchronize at each end, and `--bf16` runs each step under bf16 autocast
+(the logits in bf16; the plain loss upcasts them all to float32, the chunked one each chunk).
 
 The model: a LlamaForCausalLM from a LlamaConfig (float32, untied head), peft's LoRA r=16 on every linear layer
 (not lm_head: peft's 'all-linear' leaves it out), AdamW over the adapters. Each path runs in a subprocess of its
@@ -63,7 +68,7 @@ def model_of(args):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora).train()
+    return get_peft_model(model, lora).to(args.device).train()
 
 
 def checkpointed(hidden, head, labels, positions=None):
@@ -82,7 +87,7 @@ def checkpointed(hidden, head, labels, positions=None):
     labelled = target != IGNORE
     picked, targets = hidden[:, :-1][labelled], target[labelled]
     positions = positions or positions_per_chunk(vocabulary_of(head, picked))
-    loss = torch.zeros((), dtype=torch.float32)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, picked.shape[0], positions):
         end = start + positions
         loss = loss + checkpoint(piece_loss, picked[start:end], targets[start:end], use_reentrant=False)
@@ -116,12 +121,18 @@ def child(args):
     import psutil
     import torch
 
+    import contextlib
+
     me = psutil.Process()
+    cuda = args.device.startswith("cuda")
     model = model_of(args)
-    ids, mask, labels = batch_of(args)
+    ids, mask, labels = (t.to(args.device) for t in batch_of(args))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     step = step_of(args.child, model, ids, mask, labels)
-    baseline = me.memory_info().rss
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated() if cuda else me.memory_info().rss
     peak, done = [baseline], threading.Event()
 
     def sample():
@@ -130,18 +141,29 @@ def child(args):
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    if not cuda:
+        sampler.start()
+    autocast = torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16) if args.bf16 else \
+        contextlib.nullcontext()
     times, losses = [], []
     for _ in range(1 + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
         started = time.perf_counter()
-        loss = step()
+        with autocast:
+            loss = step()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         losses.append(loss.item())
     done.set()
-    sampler.join()
+    if cuda:
+        peak[0] = torch.cuda.max_memory_allocated()
+    else:
+        sampler.join()
     print(json.dumps({"baseline_mb": baseline / 2 ** 20, "peak_mb": (peak[0] - baseline) / 2 ** 20,
                       "seconds": sum(times[1:]), "step_s": times, "losses": losses,
                       "tokens": int(mask.sum()) * args.steps, "threads": torch.get_num_threads()}))
@@ -160,6 +182,8 @@ def main(argv=None):
     parser.add_argument("--chunk-mb", default="32,512", help="more chunk sizes, run with the labels' last mode")
     parser.add_argument("--child")
     parser.add_argument("--label-mode", default="sft")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="each step under bf16 autocast")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.child:
@@ -173,14 +197,17 @@ def main(argv=None):
         for path in paths[mode]:
             command = [sys.executable, os.path.abspath(__file__), "--child", path, "--label-mode", mode,
                        *(f"--{k}={getattr(args, k)}" for k in ("vocab", "hidden", "layers", "batch", "tokens",
-                                                               "steps"))]
+                                                               "steps", "device")),
+                       *(["--bf16"] if args.bf16 else [])]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             results[f"{mode}/{path}"] = json.loads(out.strip().splitlines()[-1])
             print(mode, path, results[f"{mode}/{path}"], flush=True)
-    print(f"\n{os.cpu_count()} CPU cores, torch {torch.__version__}; Llama vocab {args.vocab:,}, hidden {args.hidden}, "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{os.cpu_count()} CPU cores"
+    print(f"\n{where}, torch {torch.__version__}{', bf16 autocast' if args.bf16 else ''}; Llama vocab {args.vocab:,}, hidden {args.hidden}, "
           f"{args.layers} layers, LoRA r=16, float32; batch {args.batch} x {args.tokens} tokens, {args.steps} timed "
           "steps after one warm-up")
-    print("| labels | path | peak RSS above the built model | vs plain | tokens/s | vs plain | first loss |")
+    memory = "peak CUDA memory allocated" if args.device.startswith("cuda") else "peak RSS"
+    print(f"| labels | path | {memory} above the built model | vs plain | tokens/s | vs plain | first loss |")
     print("|---|---|---|---|---|---|---|")
     for mode in modes:
         plain = results.get(f"{mode}/plain")

@@ -79,3 +79,45 @@ def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
                                  eos_token_id=tokenizer.eos_token_id)
             expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
     assert got == expected
+
+
+def test_the_chunked_loss_on_the_gpu_equals_the_plain_loss_in_float32_and_under_bf16_autocast(llama):
+    """The fit's causal-LM loss (the output head applied chunk by chunk to the labelled positions: issue 53) on CUDA:
+    the plain float32 cross entropy over the model's logits and its gradients, and under bf16 autocast the plain
+    loss of the bf16 logits upcast (what a model's own loss does) within bf16's rounding."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from estimator.core.spec import LMSpec
+    from estimator.data.lm import CausalLMTokenize
+    from estimator.train.objectives import chunked_loss
+    from estimator.train.objectives.tokens import TokenObjective, token_loss
+
+    rows = lm_rows(8)
+    tokens = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec("prompt", "response"), None)(
+        {"prompt": np.array([p for p, _ in rows], dtype=object), "response": np.array([r for _, r in rows],
+                                                                                      dtype=object)})
+    ids, mask, labels = (torch.from_numpy(tokens[k]).to("cuda") for k in ("prompt.input_ids",
+                                                                          "prompt.attention_mask", "response"))
+    batch = ([{"input_ids": ids, "attention_mask": mask}], [labels], None)
+    model = plain_causal_lm(llama, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM", init_lora_weights=False)).to("cuda")
+    assert chunked_loss.output_head(model.train())[0] is not None
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    for dtype in (None, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            want = token_loss(model(**batch[0][0]).logits, labels)[0]
+        want_grads = grads(want)
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            got = TokenObjective().on_batch(model, batch)[0]
+        got_grads = grads(got)
+        tolerance = 1e-5 if dtype is None else 2e-2
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=tolerance)
+        for name, value in want_grads.items():
+            error = (got_grads[name] - value).abs().max().item()
+            assert error <= tolerance * max(value.abs().max().item(), 1e-6), (dtype, name, error)
