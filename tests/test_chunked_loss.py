@@ -50,9 +50,9 @@ def counted(monkeypatch, llama):
     calls = []
     real = chunked_loss.chunk_loss
 
-    def counting(logits, targets, gradient=False):
+    def counting(logits, targets, gradient=False, masked=False):
         calls.append(logits.shape[0])
-        return real(logits, targets, gradient)
+        return real(logits, targets, gradient, masked)
 
     monkeypatch.setattr(chunked_loss, "chunk_loss", counting)
     monkeypatch.setattr(chunked_loss, "CHUNK_BYTES", 4 * AutoConfig.from_pretrained(llama).vocab_size * CHUNK)
@@ -76,9 +76,15 @@ def grads_of(model, loss):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("every_position", [False, True], ids=["labelled", "every-position"])
 @pytest.mark.parametrize("adapters", [None, "all-linear", ["q_proj", "v_proj", "lm_head"]],
                          ids=["full", "lora", "lora-on-lm_head"])
-def test_the_chunked_loss_and_its_gradients_equal_the_plain_float32_loss(llama, batch, counted, adapters):
+def test_the_chunked_loss_and_its_gradients_equal_the_plain_float32_loss(llama, batch, counted, adapters,
+                                                                         every_position, monkeypatch):
+    """On the CPU the labelled positions only; `every_position`: a GPU's way (no count read by the host: every
+    position through the head, the unlabelled ones weighed 0), run here on the CPU."""
+    if every_position:
+        monkeypatch.setattr(chunked_loss, "PICKED_ON", frozenset())
     model = plain_causal_lm(llama, None if adapters is None else lora(adapters)).train()
     head, why = output_head(model)
     assert head is not None, why
@@ -86,7 +92,7 @@ def test_the_chunked_loss_and_its_gradients_equal_the_plain_float32_loss(llama, 
         assert hasattr(head, "lora_A"), type(head)  # peft's layer: the chunks run its adapters
     want_loss, want_tokens, want = plain(model, batch)
     loss, sums = TokenObjective().on_batch(model, batch)
-    labelled = int((batch[1][0][:, 1:] != IGNORE).sum())
+    labelled = int((batch[1][0][:, 1:] != IGNORE).sum()) if not every_position else batch[1][0][:, 1:].numel()
     assert counted == [CHUNK] * (labelled // CHUNK) + ([labelled % CHUNK] if labelled % CHUNK else [])
     assert sums.tolist()[1:] == [float(want_tokens), 4.0]
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(want_loss.item(), rel=1e-5)

@@ -39,6 +39,9 @@ from estimator.data.lm import IGNORE
 # under a large model's activations at near the speed of the largest chunks (the plain loss needed 3,337 MB).
 CHUNK_BYTES = 128 * 2 ** 20
 
+# Devices where only the labelled positions go through the head (reading their count costs the host nothing).
+PICKED_ON = frozenset({"cpu"})
+
 # Config fields of transformers models whose forward changes the head's output before returning it as logits.
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -114,21 +117,27 @@ def hidden_states(model: Any, features: Sequence[Any], head: nn.Module, rows: Tu
 def chunked_token_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
                        positions: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the cross entropy summed over the labelled tokens, in float32, their count), as token_loss computes it
-    from the logits: the hidden state at t predicts the label at t + 1. Only labelled positions go through the
-    head, `positions` of them at a time (default: positions_per_chunk of the head's vocabulary)."""
+    from the logits: the hidden state at t predicts the label at t + 1, `positions` at a time (default:
+    positions_per_chunk of the head's vocabulary). On the CPU only the labelled positions go through the head;
+    on a GPU every position does, the unlabelled ones weighed 0: picking the labelled ones gives a tensor whose
+    size only the device knows, and reading it (twice in forward, once more in backward's scatter) made the host
+    wait for the GPU three times a step (tests/gpu/test_syncs.py), as the plain loss over all logits does not."""
     target = labels[:, 1:]
     labelled = target != IGNORE
-    picked = hidden[:, :-1][labelled]  # (labelled tokens, hidden): a gather, its backward a scatter
-    targets = target[labelled]
+    if hidden.device.type in PICKED_ON:
+        picked, targets, masked = hidden[:, :-1][labelled], target[labelled], False  # a gather; backward scatters
+    else:
+        picked, targets, masked = hidden[:, :-1].reshape(-1, hidden.shape[-1]), target.reshape(-1), True
     if positions is None:
         positions = positions_per_chunk(vocabulary_of(head, picked))
     trained = [p for p in head.parameters() if p.requires_grad]
     if torch.is_grad_enabled() and (picked.requires_grad or trained):
-        loss = HeadLoss.apply(picked, targets, head, positions, *trained)
+        loss = HeadLoss.apply(picked, targets, head, positions, masked, *trained)
     else:
         loss = picked.new_zeros((), dtype=torch.float32)
         for start in range(0, picked.shape[0], positions):
-            loss = loss + chunk_loss(head(picked[start:start + positions]), targets[start:start + positions])
+            loss = loss + chunk_loss(head(picked[start:start + positions]), targets[start:start + positions],
+                                     masked=masked)
     return loss, labelled.sum()
 
 
@@ -141,17 +150,23 @@ def vocabulary_of(head: nn.Module, hidden: torch.Tensor) -> int:
         return int(head(hidden[:1]).shape[-1]) if hidden.shape[0] else 1
 
 
-def chunk_loss(logits: torch.Tensor, targets: torch.Tensor, gradient: bool = False) -> Any:
+def chunk_loss(logits: torch.Tensor, targets: torch.Tensor, gradient: bool = False, masked: bool = False) -> Any:
     """The summed cross entropy of a chunk's logits (positions, vocabulary) in float32; with `gradient`, also its
     derivative with respect to the logits, in their dtype (softmax less the one-hot target). log_softmax's fused
     kernel writes one buffer, turned into the softmax in place: logsumexp and a copy cost two more passes over
-    the chunk (0.92x the plain loop's tokens/s at 128k, RESULTS.md)."""
+    the chunk (0.92x the plain loop's tokens/s at 128k, RESULTS.md). `masked`: targets may be IGNORE, whose
+    positions add 0 to the loss and to the gradient (no read of how many there are)."""
     logp = torch.log_softmax(logits.detach().float(), dim=-1)  # its own buffer, even for float32 logits
-    loss = -logp.gather(1, targets[:, None]).sum()
+    weight = (targets != IGNORE) if masked else None
+    targets = targets.clamp(min=0) if masked else targets
+    picked = logp.gather(1, targets[:, None])
+    loss = -(picked.squeeze(1) * weight).sum() if masked else -picked.sum()
     if not gradient:
         return loss
     grad = logp.exp_()
     grad[torch.arange(grad.shape[0], device=grad.device), targets] -= 1
+    if masked:
+        grad *= weight[:, None]
     return loss, grad.to(logits.dtype)
 
 
@@ -163,9 +178,9 @@ class HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, positions: int,
-                *params: torch.Tensor) -> torch.Tensor:
+                masked: bool, *params: torch.Tensor) -> torch.Tensor:
         wants = ctx.needs_input_grad
-        trained = [p for p, need in zip(params, wants[4:]) if need]
+        trained = [p for p, need in zip(params, wants[5:]) if need]
         grad_hidden = torch.zeros_like(hidden) if wants[0] else None
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in trained]  # summed over chunks in float32
         loss = hidden.new_zeros((), dtype=torch.float32)
@@ -173,7 +188,7 @@ class HeadLoss(torch.autograd.Function):
             piece = hidden[start:start + positions].detach().requires_grad_(wants[0])
             with torch.enable_grad():
                 logits = head(piece)
-            part, grad = chunk_loss(logits, targets[start:start + positions], gradient=True)
+            part, grad = chunk_loss(logits, targets[start:start + positions], gradient=True, masked=masked)
             loss += part
             inputs = ([piece] if wants[0] else []) + trained
             found = torch.autograd.grad(logits, inputs, grad, allow_unused=True) if inputs else ()
@@ -185,7 +200,7 @@ class HeadLoss(torch.autograd.Function):
                 if g is not None:
                     total += g
         ctx.grad_hidden, ctx.grads = grad_hidden, list(zip(grads, [p.dtype for p in trained]))
-        ctx.wants = wants[4:]
+        ctx.wants = wants[5:]
         return loss
 
     @staticmethod
@@ -194,7 +209,7 @@ class HeadLoss(torch.autograd.Function):
         grads = iter(ctx.grads)
         params = tuple(scaled(next(grads), grad_loss) if need else None for need in ctx.wants)
         ctx.grad_hidden = ctx.grads = None
-        return (hidden, None, None, None, *params)
+        return (hidden, None, None, None, None, *params)
 
 
 def scaled(summed: Tuple[torch.Tensor, torch.dtype], grad_loss: torch.Tensor) -> torch.Tensor:
