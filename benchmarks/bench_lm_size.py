@@ -6,6 +6,10 @@ process of its own (local[2], two ranks), after a warm-up fit and transform of a
 a first fit costs whatever the model: imports, Spark's first jobs). Numbers, not assertions (RESULTS.md).
 
     SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/bench_lm_size.py [--sizes 512:12,1024:12] [--json F]
+                                                                       [--full] [--strategy fsdp]
+
+`--full`: a full fine-tune (no peft_config: each checkpoint is the whole model and AdamW's state, left in the run
+and read where the model is built); `--strategy`: the fit's (fsdp: the checkpoint a folder of shards).
 
 A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
 save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
@@ -53,7 +57,7 @@ class Peak:
         return (self.peak - self.start) / 2 ** 20
 
 
-def one_size(hidden: int, layers: int, work: str) -> dict:
+def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp") -> dict:
     import torch
     import transformers
     from peft import LoraConfig
@@ -78,11 +82,12 @@ def one_size(hidden: int, layers: int, work: str) -> dict:
     df.count(), asked.count()
 
     def fit(folder, run):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         return TorchEstimator(
             num_proc=2, store=LocalStore(os.path.join(work, "runs")), run_id=run, tokenizer=tokenizer,
             model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder),
-            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
-            optimizer=functools.partial(torch.optim.AdamW, lr=5e-3), feature_cols=["prompt"],
+            peft_config=None if full else lora, strategy=strategy,
+            optimizer=functools.partial(torch.optim.AdamW, lr=5e-4 if full else 5e-3), feature_cols=["prompt"],
             label_cols=["response"], batch_size=4, epochs=1, max_new_tokens=6, random_seed=1, verbose=0).fit(df)
 
     fit(small, "warm").transform(asked).collect()
@@ -109,9 +114,9 @@ def one_size(hidden: int, layers: int, work: str) -> dict:
             seconds.append(time.perf_counter() - started)
     handle = getattr(fitted, "getModelHandle", lambda: None)()  # None: a release before the handle
     spark.stop()
-    return {"hidden": hidden, "layers": layers, "weights_mb": weights / 2 ** 20,
+    return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "weights_mb": weights / 2 ** 20,
             "fit_driver_peak_mb": fitting.mb, "transform_driver_peak_mb": transforming.mb,
-            "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20 if handle else None,
+            "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20 if handle and handle.trained else None,
             "first_transform_s": seconds[0], "second_transform_s": seconds[1]}
 
 
@@ -119,16 +124,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="512:12,1024:12", help="hidden:layers,... (4x apart by default)")
     parser.add_argument("--json")
+    parser.add_argument("--full", action="store_true", help="a full fine-tune: no peft_config")
+    parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         hidden, layers = map(int, args.one.split(":"))
         with tempfile.TemporaryDirectory() as work:
-            print("RESULT " + json.dumps(one_size(hidden, layers, work)), flush=True)
+            print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy)), flush=True)
         return
     results = []
     for size in args.sizes.split(","):
-        out = subprocess.run([sys.executable, __file__, "--one", size], capture_output=True, text=True, check=True,
+        out = subprocess.run([sys.executable, __file__, "--one", size, "--strategy", args.strategy,
+                              *(["--full"] if args.full else [])], capture_output=True, text=True, check=True,
                              cwd=tempfile.gettempdir())
         results.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
         print(json.dumps(results[-1]), flush=True)

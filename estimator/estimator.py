@@ -46,7 +46,7 @@ from estimator.model import TorchModel
 from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_vocabulary,
                                                effective_max_length)
 from estimator.predict.persistence import Persistable
-from estimator.train.checkpoint import load_checkpoint, restore
+from estimator.train.checkpoint import RunState, load_checkpoint, restore
 from estimator.train.lightning import optimizer_for
 from estimator.train.losses import ModelsOwnLoss, loss_kind
 from estimator.train.objectives.registry import choose_objective
@@ -157,17 +157,17 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         built it, the label columns as a list), and the fit's objective, chosen once (estimator.train.objectives)."""
         validated = self.validated()
         # A factory is called here once, then on each rank; what it left on the meta device is read here whole.
-        # A LoRA fit of a factory whose objective needs no forward here holds no weight of the base on the driver:
-        # its parameters stay on the meta device (estimator.core.handle); a strategy that shards its checkpoints
-        # reads them back into a whole module (fsdp: estimator.train.sharded_checkpoint), built whole here.
-        skeleton = validated["peft_config"] is not None and not strategy_class(validated).shards_checkpoints
+        # A fit of a factory whose objective needs no forward here holds no weight of the base on the driver: its
+        # parameters stay on the meta device (estimator.core.handle), and the TorchModel holds the trained adapters
+        # (read back from the run's checkpoint) or, for a full fine-tune or fsdp's shards, where that checkpoint is.
+        skeleton = validated["weights_folder"] is None
         model, factory = model_of(validated["model"], validated["weights_folder"], whole=not skeleton)
         model = with_peft(model, factory, validated["peft_config"], validated["weights_folder"], validated["optimizer"])
         p = MappingProxyType({**validated, "model": model, "model_factory": factory,
                               # none: a loop that computes its own loss (checked below)
                               "label_cols": list(validated["label_cols"] or [])})
         objective = choose_objective(p)
-        if factory is not None and skeleton and objective.driver_forward:  # its dry run runs the forward here
+        if factory is not None and skeleton and (objective is None or objective.driver_forward):  # a forward here
             model = with_peft(model_of(factory, p["weights_folder"])[0], factory, p["peft_config"],
                               p["weights_folder"], p["optimizer"])
             p = MappingProxyType({**p, "model": model})
@@ -320,7 +320,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """The TorchModel of the run's last checkpoint (weights, optimizer state and the whole history), or with
         restore_best, of its best epoch's checkpoint (the history stays whole)."""
         objs, store, run_id, layout = run.objs, run.store, run.run_id, run.store.run(run.run_id)
-        history = load_checkpoint(store, layout.checkpoint)["history"]
+        history = load_checkpoint(store, layout.checkpoint, lazy=True)["history"]  # a full fine-tune's: no tensor
         best = run.monitor.best_epoch(history)
         report_stop(p, run.monitor, run.run_id, history)
         chosen = layout.checkpoint
@@ -330,16 +330,26 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                                  f"{run.monitor.key} ({store.url(layout.best(best))}); it keeps save_top_k="
                                  f"{p['save_top_k']} of them. Refit under a new run_id to keep it.")
             chosen = layout.best(best)
-        skeleton = on_meta(p["model"])  # a LoRA fit of a factory: the adapters read here, the base never built
+        skeleton = on_meta(p["model"])  # a fit of a factory: the base never built here (estimator.core.handle)
+        # the adapters of a LoRA fit whose checkpoint holds them (a few MB) are read here; a full fine-tune's state
+        # and fsdp's shards stay in the run's checkpoint, read where the model is built
+        stored = skeleton and (p["peft_config"] is None or strategy_class(p).shards_checkpoints)
         trained = copy.deepcopy(p["model"])
-        if skeleton:
+        if skeleton and not stored:
             trainable_on_cpu(trained)
-        else:
+        elif not skeleton:
             trained = trained.cpu()
         optimizer = optimizer_for(trained, p["epochs"], stepping) if objs.lightning else build_optimizer(objs, trained)
-        restore(store, layout, chosen, trained, optimizer)  # fsdp's shards gathered into the whole module here
+        if stored:
+            handle = ModelHandle(p["model_factory"], p["peft_config"], b"", run.seed,
+                                 stored=RunState(store, layout, chosen, uuid.uuid4().hex))
+            if not getattr(store, "save_runs", True):  # the run's folder goes after the fit: read whole here
+                trained, optimizer = handle.built_with(optimizer, trained)
+                handle = None
+        else:
+            restore(store, layout, chosen, trained, optimizer)  # fsdp's shards gathered into the whole module here
+            handle = ModelHandle.of(p["model_factory"], p["peft_config"], trained, run.seed) if skeleton else None
         trained.eval()
-        handle = ModelHandle.of(p["model_factory"], p["peft_config"], trained, run.seed) if skeleton else None
         return TorchModel(model=trained, model_handle=handle, base_seed=run.seed if p["model_factory"] else None,
                           model_factory=p["model_factory"], optimizer=optimizer,
                           feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),

@@ -20,7 +20,7 @@ from estimator.core import adapters
 from estimator.core.handle import ModelHandle, built_on_meta, loads_pretrained, on_meta
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
-from estimator.core.pickling import constructor_defaults, dumps, optimizer_groups, rebuild_optimizer
+from estimator.core.pickling import dumps
 from estimator.core.quiet import hf_bars_off
 from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
@@ -64,17 +64,14 @@ class TorchModel(DeclaredParams, Model, Persistable):
         super().__init__(**kwargs)
 
     def getModel(self) -> nn.Module:
-        """The trained module. A model held as a handle (a LoRA fit of a model factory: the driver keeps the
-        adapters, not the base's weights; estimator.core.handle) is built here, once: this loads the base's weights
-        into this process. The module returned is then the model: what you change in it, transform and save use,
+        """The trained module. A model held as a handle (a fit of a model factory: the driver keeps the adapters, or
+        for a full fine-tune or fsdp, where the run's checkpoint is, not the weights; estimator.core.handle) is
+        built here, once: this loads the base's weights (and the checkpoint's model and optimizer state) into this
+        process. The module returned is then the model: what you change in it, transform and save use,
         so transform sends it whole from then on (a TorchModel.load of a saved copy holds a handle again)."""
         model, handle = self.getOrDefault("model"), self.getOrDefault("model_handle")
         if handle is not None and on_meta(model):
-            built = handle.build()
-            optimizer = self.getOrDefault("optimizer")
-            if optimizer is not None:  # the same optimizer over the built module's parameters
-                optimizer = rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, model),
-                                              constructor_defaults(optimizer), optimizer.state_dict(), built)
+            built, optimizer = handle.built_with(self.getOrDefault("optimizer"), model)
             self._set(model=built, optimizer=optimizer, model_handle=None)
             log.info("getModel() built the model from its handle in this process; transform now sends this module")
             return built

@@ -202,3 +202,24 @@ def test_a_forward_that_changes_its_heads_output_is_caught_and_the_batch_compute
         assert objective.on_batch(model, batch)[0].item() == pytest.approx(want.item(), rel=1e-6)
         assert objective.on_batch(model, batch)[0].item() == pytest.approx(want.item(), rel=1e-6)
     assert counted == []  # found once, then the plain path directly
+
+
+def test_under_autocast_a_frozen_heads_weight_is_cast_once_with_the_same_numbers(llama, batch, counted, monkeypatch):
+    """bf16 autocast (on the CPU here): the chunks call the head's weight cast once (cast_once), and the loss and
+    gradients are bit for bit those of the head called as a module, chunk by chunk (autocast's own casts)."""
+    model = plain_causal_lm(llama, lora()).train()
+    head = output_head(model)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert chunked_loss.cast_once(head, torch.device("cpu")) is not head
+    assert chunked_loss.cast_once(head, torch.device("cpu")) is head  # no autocast: the module
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = TokenObjective().on_batch(model, batch)[0]
+        return loss, grads_of(model, loss)
+
+    loss, grads = run()
+    monkeypatch.setattr(chunked_loss, "cast_once", lambda head, device: head)
+    want_loss, want = run()
+    assert torch.equal(loss, want_loss) and set(grads) == set(want) and len(want) > 0
+    assert all(torch.equal(grads[name], want[name]) for name in want)

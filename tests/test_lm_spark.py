@@ -242,3 +242,57 @@ def test_a_base_drawn_at_random_by_the_factory_is_rebuilt_as_the_ranks_drew_it(s
             if "lora_" not in k}
     assert base.keys() == drawn.keys() and all(torch.equal(base[k], v) for k, v in drawn.items())
     assert [got[p] for p in prompts] == generated_one_by_one(model, tokenizer, prompts, 12)
+
+
+def built_here(folder, log):
+    """The base from its folder; each call appends its process id and whether its weights are on the meta device
+    (built_on_meta's skeleton) to `log`, whichever process calls it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} {int(next(model.parameters()).is_meta)}\n")
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on_the_driver(spark, store, llama,
+                                                                                        tmp_path, strategy):
+    """A full fine-tune (no peft_config: the checkpoint is the whole model and AdamW's state) and fsdp's shards:
+    the driver builds the factory's model on the meta device only (each call in its process is logged), the
+    TorchModel holds where the run's checkpoint is, and transform reads it on the executors (only the model's
+    part of it): the text is model.generate's of the model restored from that checkpoint by hand, and the same
+    from getModel() and after save/load. With a store that keeps no run, the driver reads the model whole."""
+    from estimator.train.checkpoint import restore
+    from store import Store
+
+    log = str(tmp_path / "builds.log")
+    df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    fitted = sft(llama, store, model=functools.partial(built_here, llama, log), peft_config=None, strategy=strategy,
+                 optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full").fit(df)
+    on_driver = [line.split()[1] for line in open(log).read().splitlines() if int(line.split()[0]) == os.getpid()]
+    assert on_driver and set(on_driver) == {"1"}, on_driver  # built, on meta only
+    handle = fitted.getModelHandle()
+    assert handle is not None and handle.stored is not None and handle.trained == b""
+    prompts = [p for p, _ in lm_rows(6)]
+    asked = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
+    got = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
+    assert set(open(log).read().split()[1::2]) == {"0", "1"}  # the executors built it whole
+    by_hand = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    base = {k: v.clone() for k, v in by_hand.state_dict().items()}
+    restore(store, store.run("full"), store.run("full").checkpoint, by_hand, None)
+    assert any(not torch.equal(v, base[k]) for k, v in by_hand.state_dict().items())  # trained: not the base
+    tokenizer = fitted.getTokenizer()
+    assert [got[p] for p in prompts] == generated_one_by_one(by_hand.eval(), tokenizer, prompts, 12)
+
+    fitted.write().overwrite().save(str(tmp_path / "model"))  # stands alone: the weights in it
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
+    model = fitted.getModel()
+    assert fitted.getModelHandle() is None and fitted.getOptimizer().state  # AdamW's state read back too
+    assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in model.state_dict().items())
+
+    if strategy == "ddp":  # a store that removes each run's folder after the fit: the model read whole here
+        kept = Store.create(str(tmp_path / "nothing-kept"), save_runs=False)
+        whole = sft(llama, kept, model=functools.partial(built_here, llama, log), peft_config=None,
+                    optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full").fit(df)
+        assert whole.getModelHandle() is None and not kept.exists(kept.run("full").root)
+        assert {r.prompt: r.prediction for r in whole.transform(asked).collect()} == got

@@ -39,6 +39,9 @@ class ModelHandle:
     peft_config: Any
     trained: bytes = field(repr=False)
     seed: Optional[int] = None  # the run's: the ranks built the base and the adapters under it
+    # where the trained state is read from when it is not `trained` (a full fine-tune's whole model, fsdp's
+    # shards): the run's checkpoint in the store (estimator.train.checkpoint.RunState: `key`, `load_into`)
+    stored: Any = None
 
     @classmethod
     def of(cls, factory: Callable[[], nn.Module], peft_config: Any, model: nn.Module,
@@ -55,7 +58,7 @@ class ModelHandle:
         model) and what builds the base."""
         func = getattr(self.factory, "func", self.factory)  # a partial's function, named (no address in it)
         digest = hashlib.sha256(self.trained)
-        digest.update(repr((self.seed, getattr(func, "__module__", None),
+        digest.update(repr((self.seed, self.stored.key if self.stored is not None else None, getattr(func, "__module__", None),
                             getattr(func, "__qualname__", type(func).__name__), getattr(self.factory, "args", ()),
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()
@@ -85,7 +88,24 @@ class ModelHandle:
                 "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
         if self.trained:  # none: a pretrained model as its factory loads it (a TorchModel built without a fit)
             load_trainable(model, self.state(), "the fitted model's adapters")
+        if self.stored is not None:  # the run's checkpoint, read here (only the model's part of it)
+            self.stored.load_into(model)
         return model.eval()
+
+    def built_with(self, optimizer: Optional[torch.optim.Optimizer], skeleton: nn.Module
+                   ) -> "tuple[nn.Module, Optional[torch.optim.Optimizer]]":
+        """(the whole module, `optimizer` made over its parameters: the skeleton's, with its state; a state left in
+        the run's checkpoint, a full fine-tune's, read from there): what getModel() and save use."""
+        from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
+
+        built = self.build()
+        if optimizer is None:
+            return built, None
+        optimizer = rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, skeleton),
+                                      constructor_defaults(optimizer), optimizer.state_dict(), built)
+        if self.stored is not None:
+            self.stored.load_into(built, optimizer)
+        return built, optimizer
 
 
 def loads_pretrained(factory: Any) -> bool:

@@ -142,7 +142,7 @@ def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, st
     or one whose checkpoints it resumes: fsdp's and auto's are alike)."""
     if not store.exists(run.checkpoint):
         return Position(), []
-    state = load_checkpoint(store, run.checkpoint)
+    state = load_checkpoint(store, run.checkpoint, lazy=True)  # mapped: its tensors are only compared in shape
     shards = shards_of(state) is not None
     if shards != STRATEGIES[strategy].shards_checkpoints:
         written = writer_of(state, shards)
@@ -152,7 +152,7 @@ def resume_point(store: Store, run: Any, model: torch.nn.Module, run_id: str, st
     try:
         with warnings.catch_warnings():  # a skeleton's (estimator.core.handle): its names and shapes are checked
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
-            restore(store, run, run.checkpoint, copy.deepcopy(model), None)
+            restore(store, run, run.checkpoint, copy.deepcopy(model), None, lazy=True)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise ValueError(f"run_id {run_id!r} already has a checkpoint ({store.url(run.checkpoint)}) of a different "
                          f"model: {str(exc).splitlines()[0]} Use a new run_id, or remove that run's folder.") from None

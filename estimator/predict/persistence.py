@@ -50,8 +50,10 @@ class ParamsWriter(MLWriter):
         fs, root = url_to_fs(path)
         handle = objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
-        if handle is not None and not handle.trained and on_meta(model):  # no adapters: saved whole, as before
-            model = handle.build()
+        if handle is not None and not handle.trained and on_meta(model):  # no adapters inline: saved whole
+            model, optimizer = handle.built_with(objects.get("optimizer"), model)  # the run's state read here
+            if "optimizer" in objects:
+                objects["optimizer"] = optimizer
         built_by_factory = model is not None and objects.get("model_factory") is not None
         optimizer = objects.pop("optimizer", None) if built_by_factory else None
         if isinstance(objects.get("store"), Store):

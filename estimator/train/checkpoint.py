@@ -5,6 +5,7 @@ the file says which it holds, and loading follows the file."""
 from __future__ import annotations
 
 import io
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -166,11 +167,11 @@ class CheckpointWriter:
 
 
 def restore(store: Any, run: Any, path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-            device: Any = "cpu") -> Dict[str, Any]:
+            device: Any = "cpu", lazy: bool = False) -> Dict[str, Any]:
     """The checkpoint at `path` (a file of `run`, the run's RunLayout) loaded into `model` and `optimizer` (None:
     the model only), whether it holds the tensors (DDP) or names a folder of shards (FSDP, loaded resharded into
-    a sharded or a plain module); returns the rest of it (history, position, ...)."""
-    state = load_checkpoint(store, path, device)
+    a sharded or a plain module); returns the rest of it (history, position, ...). `lazy`: load_checkpoint's."""
+    state = load_checkpoint(store, path, device, lazy)
     if state.get(SHARDED):
         load_shards(store, folder(run, state[SHARDED]), model, optimizer)
     elif state.get("contents") == TRAINABLE:
@@ -189,11 +190,20 @@ def shards_of(state: Mapping[str, Any]) -> Optional[str]:
     return state.get(SHARDED) or None
 
 
-def load_checkpoint(store: Any, path: str, device: Any = "cpu") -> Dict[str, Any]:
+def load_checkpoint(store: Any, path: str, device: Any = "cpu", lazy: bool = False) -> Dict[str, Any]:
     """A checkpoint's tensors and plain values only (weights_only=True: no code is unpickled). numpy's scalars are
-    allowed too (data, not code): a run checkpointed by 0.2.0 with a numpy learning rate resumes."""
+    allowed too (data, not code): a run checkpointed by 0.2.0 with a numpy learning rate resumes. `lazy`: its
+    tensors mapped from the file, not read (a local store's file, else a local copy of it streamed to disk):
+    what reads only the history, or the model's tensors and not the optimizer's, holds no more than it reads
+    (a full fine-tune's file is the weights and twice as much again of AdamW's state)."""
     with torch.serialization.safe_globals(_numpy_scalars()):
-        return torch.load(io.BytesIO(store.read_bytes(path)), map_location=device, weights_only=True)
+        if not lazy:
+            return torch.load(io.BytesIO(store.read_bytes(path)), map_location=device, weights_only=True)
+        if store.is_local:
+            return torch.load(path, map_location=device, weights_only=True, mmap=True)
+        with tempfile.NamedTemporaryFile(suffix=".pt") as local:  # mapped, the file may go: its pages stay
+            store.fs.get_file(path, local.name)
+            return torch.load(local.name, map_location=device, weights_only=True, mmap=True)
 
 
 def _numpy_scalars() -> List[Any]:
@@ -222,3 +232,34 @@ def position_of(state: Optional[Dict[str, Any]]) -> Position:
 def describe(position: Position) -> str:
     return f"epoch {position.epochs}" + (f" and step {position.step} of epoch {position.epochs + 1}"
                                          if position.step else "")
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A fitted model's trained state where the run left it: the checkpoint at `path` of a run in
+    `store` (the tensors, or the folder of shards it names). A ModelHandle (estimator.core.handle) holds one for a
+    model whose state is the whole model (a full fine-tune) or sharded (fsdp): where the model is built (an
+    executor, getModel()), the base comes from the factory and this state is read into it there, mapped from the
+    file (load_checkpoint's `lazy`): the optimizer's part is never read. `run`: the run's RunLayout. `written`:
+    what tells two fits apart that wrote the same path (a refit of a run_id), for the executors' cache."""
+
+    store: Any
+    run: Any
+    path: str
+    written: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.store.url(self.path)}@{self.written}"
+
+    def load_into(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        if not self.store.exists(self.path):
+            raise RunStateGone(
+                f"The fitted model's weights are read from its run's checkpoint, {self.store.url(self.path)}, and "
+                "it is gone (the store's run budget, save_top_k of a refit or a hand removed it). Save a model you "
+                "keep with model.save(path) (it holds its weights), or fit it again.")
+        restore(self.store, self.run, self.path, model, optimizer, lazy=True)
+
+
+class RunStateGone(FileNotFoundError):
+    """A fitted model's state was read from its run's checkpoint, which is gone."""

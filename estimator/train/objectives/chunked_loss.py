@@ -135,10 +135,30 @@ def chunked_token_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tens
         loss = HeadLoss.apply(picked, targets, head, positions, masked, *trained)
     else:
         loss = picked.new_zeros((), dtype=torch.float32)
+        call = cast_once(head, picked.device)
         for start in range(0, picked.shape[0], positions):
-            loss = loss + chunk_loss(head(picked[start:start + positions]), targets[start:start + positions],
+            loss = loss + chunk_loss(call(picked[start:start + positions]), targets[start:start + positions],
                                      masked=masked)
     return loss, labelled.sum()
+
+
+def cast_once(head: nn.Module, device: torch.device) -> Any:
+    """What each chunk calls for its logits: `head`, or under autocast, a frozen plain Linear's weight cast to the
+    autocast dtype once for all the chunks. Autocast caches the cast of a weight that needs a gradient for the
+    step, not a frozen one's: a LoRA fit's head (2048 x 128k: 1 GB in float32) was cast again for each of the
+    63 chunks of a step on an H100, where the chunked loss ran at 0.76x the plain loss's tokens/s (RESULTS.md,
+    2026-11-27; this change not yet measured there). The same numbers: autocast's own cast, done once."""
+    kind = device.type
+    if (type(head) is not nn.Linear or head.weight.requires_grad or not torch.is_autocast_enabled(kind)):
+        return head
+    dtype = torch.get_autocast_dtype(kind)
+    weight = head.weight.detach().to(dtype)
+    bias = head.bias.detach().to(dtype) if head.bias is not None else None
+
+    def call(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(kind, enabled=False):
+            return torch.nn.functional.linear(hidden.to(dtype), weight, bias)
+    return call
 
 
 def vocabulary_of(head: nn.Module, hidden: torch.Tensor) -> int:
@@ -184,10 +204,11 @@ class HeadLoss(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if wants[0] else None
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in trained]  # summed over chunks in float32
         loss = hidden.new_zeros((), dtype=torch.float32)
+        call = cast_once(head, hidden.device)
         for start in range(0, hidden.shape[0], positions):
             piece = hidden[start:start + positions].detach().requires_grad_(wants[0])
             with torch.enable_grad():
-                logits = head(piece)
+                logits = call(piece)
             part, grad = chunk_loss(logits, targets[start:start + positions], gradient=True, masked=masked)
             loss += part
             inputs = ([piece] if wants[0] else []) + trained
