@@ -304,9 +304,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             log_fit(run_id, results, data, dry_run_seconds, launch_seconds, started, direct=source is not None)
         model = self._model(p, run, output_shapes, stepping or 1).setFeatureSizes(sizes)
         if tracked is not None:
-            handle = model.getModelHandle()  # MLflow logs the whole module; the TorchModel keeps its handle
-            tracked.finish(model.getHistory(), model.getBestEpoch(),
-                           handle.build() if handle is not None else model.getModel())
+            tracked.finish(model.getHistory(), model.getBestEpoch(), model)
             log.info("Logged run %s to MLflow run %s", run_id, tracked.run_id)
         if not getattr(store, "save_runs", True):
             store.rm(store.run(run_id).root)

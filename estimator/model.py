@@ -1,6 +1,7 @@
 """TorchModel: a trained nn.Module as a Spark ML Model with batched Arrow inference."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -181,6 +182,26 @@ class TorchModel(DeclaredParams, Model, Persistable):
         columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
                     else F.col(tmp).getField(n)).alias(f.name) for f, n in added]
         return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *columns)
+
+    def as_pyfunc(self) -> Any:
+        """The model as an MLflow pyfunc PythonModel (estimator.predict.pyfunc): transform's function over a
+        pandas DataFrame of the feature columns (text columns as strings). A model held as a handle stays one:
+        what it holds is the handle, built where the pyfunc is loaded."""
+        from estimator.predict.pyfunc import TorchModelPyfunc
+
+        p = self.validated()
+        predictor = self._predictor(p).bind_chat(False)
+        handle = self.getOrDefault("model_handle")
+        if handle is not None and handle.stored is not None:  # the run's checkpoint: read with the credentials
+            stored = handle.stored  # of where it is loaded, none kept in MLflow's files
+            handle = dataclasses.replace(handle, stored=dataclasses.replace(
+                stored, store=stored.store.without_credentials()))
+        blob = dumps(handle, "model", roots=[handle.factory, handle.peft_config]) if handle is not None else \
+            self._model_blob()
+        key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
+        sent = SentPredictor(dumps(predictor, f"output_kind={p['output_kind']!r}'s predictor",
+                                   roots=[predictor, p['tokenizer']]))
+        return TorchModelPyfunc(key, blob, sent, p["feature_cols"], [(f.name, n) for f, n in added_fields(predictor)])
 
     def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write a folder that Hugging Face's `from_pretrained` loads (config.json, model.safetensors) with the

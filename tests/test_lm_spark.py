@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+import pandas as pd
 import pytest
 import torch
 
@@ -255,19 +256,23 @@ def built_here(folder, log):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on_the_driver(spark, store, llama,
-                                                                                        tmp_path, strategy):
+                                                                                        tmp_path, strategy,
+                                                                                        monkeypatch):
     """A full fine-tune (no peft_config: the checkpoint is the whole model and AdamW's state) and fsdp's shards:
     the driver builds the factory's model on the meta device only (each call in its process is logged), the
     TorchModel holds where the run's checkpoint is, and transform reads it on the executors (only the model's
     part of it): the text is model.generate's of the model restored from that checkpoint by hand, and the same
-    from getModel() and after save/load. With a store that keeps no run, the driver reads the model whole."""
+    from the MLflow pyfunc the fit logged, from getModel() and after save/load. With a store that keeps no run,
+    the driver reads the model whole."""
     from estimator.train.checkpoint import restore
     from store import Store
 
     log = str(tmp_path / "builds.log")
     df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
     fitted = sft(llama, store, model=functools.partial(built_here, llama, log), peft_config=None, strategy=strategy,
-                 optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full").fit(df)
+                 optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full",
+                 mlflow=True).fit(df)
     on_driver = [line.split()[1] for line in open(log).read().splitlines() if int(line.split()[0]) == os.getpid()]
     assert on_driver and set(on_driver) == {"1"}, on_driver  # built, on meta only
     handle = fitted.getModelHandle()
@@ -282,6 +287,8 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
     assert any(not torch.equal(v, base[k]) for k, v in by_hand.state_dict().items())  # trained: not the base
     tokenizer = fitted.getTokenizer()
     assert [got[p] for p in prompts] == generated_one_by_one(by_hand.eval(), tokenizer, prompts, 12)
+    assert list(logged_pyfunc(mlflow).predict(pd.DataFrame({"prompt": prompts}))["prediction"]) == \
+        [got[p] for p in prompts]  # MLflow holds the handle, the run's checkpoint read where it is loaded
 
     fitted.write().overwrite().save(str(tmp_path / "model"))  # stands alone: the weights in it
     loaded = TorchModel.load(str(tmp_path / "model"))
@@ -296,3 +303,47 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
                     optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full").fit(df)
         assert whole.getModelHandle() is None and not kept.exists(kept.run("full").root)
         assert {r.prompt: r.prediction for r in whole.transform(asked).collect()} == got
+
+
+def logging_to_mlflow(tmp_path, monkeypatch):
+    """mlflow, tracking to a local file store of the test's own, in an experiment of its own."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow.set_experiment("lm")
+    return mlflow
+
+
+@pytest.fixture(autouse=True)
+def no_tracking_left():
+    yield
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(None)
+
+
+def logged_pyfunc(mlflow):
+    """The pyfunc model of the experiment's last run (what the fit logged as 'model')."""
+    import mlflow.pyfunc
+
+    runs = mlflow.search_runs(experiment_names=["lm"], order_by=["start_time DESC"], max_results=1)
+    return mlflow.pyfunc.load_model(f"runs:/{runs.run_id.iloc[0]}/model")
+
+
+def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfunc_generates_transforms_text(
+        spark, store, llama, tmp_path, monkeypatch):
+    """With mlflow, the fit logs the handle as a pyfunc model (estimator.predict.pyfunc), not a module built on the
+    driver: the driver's process builds the base on the meta device only, and the pyfunc loaded back writes
+    transform's text for each prompt (the base built where it is loaded)."""
+    log = str(tmp_path / "builds.log")
+    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
+    df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    fitted = sft(llama, store, model=functools.partial(built_here, llama, log), epochs=2, mlflow=True).fit(df)
+    on_driver = [line.split()[1] for line in open(log).read().splitlines() if int(line.split()[0]) == os.getpid()]
+    assert on_driver and set(on_driver) == {"1"}, on_driver
+    assert fitted.getModelHandle() is not None
+    prompts = [p for p, _ in lm_rows(6)]
+    asked = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
+    got = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
+    predicted = logged_pyfunc(mlflow).predict(pd.DataFrame({"prompt": prompts}))
+    assert list(predicted.columns) == ["response__output", "prediction"]  # transform's added columns
+    assert list(predicted["prediction"]) == [got[p] for p in prompts] and len(set(got.values())) > 1

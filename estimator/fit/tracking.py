@@ -108,8 +108,9 @@ class MlflowLog:
         self.logged.add(epoch)
 
     def finish(self, history: Any, best_epoch: Optional[int], model: Any) -> None:
-        """The rest, and the run ended if this fit started it."""
+        """The rest, and the run ended if this fit started it. `model`: the fitted TorchModel."""
         import mlflow
+        import mlflow.pyfunc
         import mlflow.pytorch
         import torch
 
@@ -117,11 +118,17 @@ class MlflowLog:
             self.epoch(row)
         if best_epoch is not None:
             self._try("the best epoch", lambda: mlflow.log_metric("best_epoch", best_epoch, run_id=self.run_id))
-        # pickle: any module (the default 'pt2' traces forward with an example input); the requirement given,
-        # so that MLflow does not spend seconds inferring it
-        self._try("the model", lambda: mlflow.pytorch.log_model(
-            model, name="model", serialization_format="pickle",
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"]))
+        # the requirements given, so that MLflow does not spend seconds inferring them
+        requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+        if model.getModelHandle() is not None:  # held as a handle: logged as one (estimator.predict.pyfunc)
+            from estimator import __version__
+
+            self._try("the model", lambda: mlflow.pyfunc.log_model(
+                name="model", python_model=model.as_pyfunc(),
+                pip_requirements=[*requirements, f"spark-torch-estimator=={__version__}"]))
+        else:  # pickle: any module (the default 'pt2' traces forward with an example input)
+            self._try("the model", lambda: mlflow.pytorch.log_model(
+                model.getModel(), name="model", serialization_format="pickle", pip_requirements=requirements))
         self.end("FINISHED")
 
     def end(self, status: str) -> None:
