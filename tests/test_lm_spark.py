@@ -83,11 +83,16 @@ def test_sft_with_lora_on_two_ranks_then_transform_writes_what_generate_writes(s
     pipeline = PipelineModel.load(str(tmp_path / "pipeline"))
     for again in (loaded, pipeline):
         assert {r.prompt: r.prediction for r in again.transform(test_df).collect()} == {p: got[p][0] for p in prompts}
+    fitted.write().option("standalone", "true").save(str(tmp_path / "standalone"))  # the base copied in
     os.rename(llama, llama + "-moved")  # the base's folder gone: the saved adapters have nothing to go on
     try:
         with pytest.raises(ValueError, match="holds a model's adapters .peft_config. without its base weights.*"
                                              "tiny.*fitted.save_pretrained"):
             TorchModel.load(str(tmp_path / "model"))
+        alone = TorchModel.load(str(tmp_path / "standalone"))  # its own base: a handle on its folder
+        assert alone.getModelHandle() is not None and str(tmp_path) in repr(alone.getModelHandle().factory)
+        assert {r.prompt: r.prediction for r in alone.transform(test_df).collect()} == \
+            {p: got[p][0] for p in prompts}
     finally:
         os.rename(llama + "-moved", llama)
 

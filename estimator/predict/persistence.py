@@ -21,12 +21,13 @@ import cloudpickle
 import torch
 from torch import nn
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from estimator.core.handle import ModelHandle, on_meta
 from estimator.core.pickling import dumps, rebind_optimizer
 from estimator.launch.session import is_connect
-from estimator.predict.weights import load_module, save_module
+from estimator.predict.weights import load_module, save_module, standalone_base
 from store import Store
 
 
@@ -50,7 +51,9 @@ class ParamsWriter(MLWriter):
         fs, root = url_to_fs(path)
         handle = objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
-        if handle is not None and not handle.trained and on_meta(model):  # no adapters inline: saved whole
+        # write().option("standalone", "true"): a model with adapters saved with its base (estimator.predict.weights)
+        standalone = str(getattr(self, "optionMap", {}).get("standalone", "false")).lower() == "true"
+        if handle is not None and (not handle.trained or standalone) and on_meta(model):  # saved whole
             model, optimizer = handle.built_with(objects.get("optimizer"), model)  # the run's state read here
             if "optimizer" in objects:
                 objects["optimizer"] = optimizer
@@ -60,7 +63,7 @@ class ParamsWriter(MLWriter):
             objects["store"] = objects["store"].without_credentials()
         _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values(), for_executors=False))
         if built_by_factory:
-            save_module(model, optimizer, objects.get("tokenizer"), fs, root)
+            save_module(model, optimizer, objects.get("tokenizer"), fs, root, standalone)
         elif model is not None:
             _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model], for_executors=False))
             buffer = io.BytesIO()
@@ -82,6 +85,9 @@ class ParamsReader(MLReader):
         objects = cloudpickle.loads(_read(fs, posixpath.join(root, "objects.pkl")))
         # a base drawn at random is rebuilt as the ranks drew it (a TorchModel's; an estimator has none)
         seed = instance.getOrDefault("base_seed") if instance.hasParam("base_seed") else None
+        base = standalone_base(fs, root)  # a standalone save's own base, instead of the fit's factory
+        if base is not None:
+            objects["model_factory"], seed = base, None
         built = load_module(fs, root, objects.get("model_factory"), seed)
         if built is not None:
             objects["model"], optimizer = built
@@ -89,6 +95,9 @@ class ParamsReader(MLReader):
                 model = objects["model"]
                 objects["model_handle"] = ModelHandle.of(objects["model_factory"],
                                                          model.peft_config[model.active_adapter], model, seed)
+                if base is not None and not isinstance(fs, LocalFileSystem):  # its base copied here: built here
+                    objects["model"], optimizer = objects["model_handle"].built_with(optimizer, model)
+                    objects["model_handle"] = None
             if optimizer is not None:
                 objects["optimizer"] = optimizer
         elif fs.exists(posixpath.join(root, "model.pkl")):

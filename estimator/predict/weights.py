@@ -37,6 +37,7 @@ from estimator.core.quiet import hf_bars_off
 MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
 ADAPTER_FOLDER = "adapter"
+BASE_FOLDER = "base"  # a standalone save's base, under a model with adapters
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -49,13 +50,19 @@ def is_hugging_face_model(model: Any) -> bool:
 
 
 def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokenizer: Any, fs: Any,
-                root: str) -> None:
-    """Write the trained weights, the optimizer and `module.json` under `root`."""
+                root: str, standalone: bool = False) -> None:
+    """Write the trained weights, the optimizer and `module.json` under `root`. `standalone`: a model with adapters
+    also writes its base (BASE_FOLDER, a Hugging Face folder), which a load then builds it on instead of calling
+    the fit's factory."""
     with tempfile.TemporaryDirectory() as local, hf_bars_off():
         if is_adapted(model):  # the adapters alone (peft's folder); the base is rebuilt by the factory
             model.save_pretrained(local)
             put_folder(local, fs, posixpath.join(root, ADAPTER_FOLDER))
             kind = {"format": "peft", "folder": ADAPTER_FOLDER, "class": qualified_name(type(model))}
+            if standalone:
+                base = save_base(model, os.path.join(local, BASE_FOLDER))
+                put_folder(os.path.join(local, BASE_FOLDER), fs, posixpath.join(root, BASE_FOLDER))
+                kind.update(base=BASE_FOLDER, base_class=qualified_name(type(base)))
         elif is_hugging_face_model(model):
             save_pretrained_folder(model, tokenizer, local)
             put_folder(local, fs, posixpath.join(root, HUGGING_FACE_FOLDER))
@@ -74,6 +81,46 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
             f.write(buffer.getvalue())
     with fs.open(posixpath.join(root, MODULE_FILE), "w") as f:
         json.dump(kind, f)
+
+
+def save_base(model: nn.Module, folder: str) -> nn.Module:
+    """The base under peft's adapters written to `folder` with save_pretrained (its weights as the base had them:
+    the adapters' layers' `base_layer` names mapped back, the adapters left out); returns the base module."""
+    if not is_hugging_face_model(model.get_base_model()):
+        raise TypeError("A standalone save writes the base as a Hugging Face folder, and this base is a "
+                        f"{type(model.get_base_model()).__name__}: save the model without the option (its adapters "
+                        "and the factory that builds the base).")
+    if any(getattr(c, "modules_to_save", None) for c in model.peft_config.values()):
+        raise ValueError("A standalone save of a model whose peft_config has modules_to_save is not supported yet: "
+                         "fitted.save_pretrained(folder) writes the adapters merged into the base, which stands alone.")
+    base = model.get_base_model()
+    state = {re.sub(r"\.base_layer(?=\.)", "", name): value for name, value in base.state_dict().items()
+             if ".lora_" not in name}
+    base.save_pretrained(folder, state_dict=state)
+    return base
+
+
+def standalone_base(fs: Any, root: str) -> Optional[Callable[[], nn.Module]]:
+    """The factory of the base a standalone save wrote under `root` (a from_pretrained of its folder), None when
+    it wrote none. A local folder (a mounted path too) is read where the model is built; a remote one is copied
+    to a local folder of this process first."""
+    import functools
+
+    path = posixpath.join(root, MODULE_FILE)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        kind = json.load(f)
+    if "base" not in kind:
+        return None
+    folder = posixpath.join(root, kind["base"])
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(fs, LocalFileSystem):
+        local = tempfile.mkdtemp(prefix="spark-torch-estimator-base-")
+        get_folder(fs, folder, local)
+        folder = local
+    return functools.partial(class_named(kind["base_class"]).from_pretrained, folder)
 
 
 def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False, seed: Optional[int] = None
