@@ -269,8 +269,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], p["drop_last"],
             p["backward_passes_per_step"], p["epochs"])
         if run.objs.lightning:  # the keys are what its steps log
-            step_metrics, val_metrics, scheduler_monitor = dry_lightning(run.objs, data, first_rows, has_validation,
-                                                                         p["epochs"], stepping)
+            step_metrics, val_metrics, scheduler_monitor = dry_lightning(
+                run.objs, data, first_rows, has_validation, p["epochs"], stepping,
+                built_in_schedule=checks.built_in_schedule(p))
             run = replace(run, monitor=checks.lightning_monitor(p, step_metrics, val_metrics, scheduler_monitor,
                                                                  has_validation))
         dry_run_seconds = time.perf_counter() - checked

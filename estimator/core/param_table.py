@@ -262,6 +262,16 @@ ESTIMATOR_PARAMS = [
               "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
               "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
+    ParamSpec("lr_schedule", "the learning rate after each optimizer step: 'constant', 'linear' (decays to 0 at "
+              "the run's last step) or 'cosine' (a half cosine to 0), after a linear warmup from 0 of warmup_steps "
+              "or warmup_ratio of the run's steps; as Hugging Face's get_*_schedule_with_warmup (TRL's); "
+              "checkpointed and resumed; the history's 'lr' is the rate at each epoch's end. None: the optimizer's "
+              "lr throughout (or lr_scheduler_fn's)", None,
+              lambda v: v is None or v in ("constant", "linear", "cosine"), "'constant', 'linear', 'cosine' or None"),
+    ParamSpec("warmup_steps", "optimizer steps of lr_schedule's linear warmup from 0 (a warmup without lr_schedule "
+              "is followed by a constant rate)", None, optional(is_int(0)), "an int >= 0 or None"),
+    ParamSpec("warmup_ratio", "lr_schedule's warmup as a fraction of the run's optimizer steps (rounded up)", None,
+              lambda v: v is None or (is_non_negative(v) and v < 1), "a number in [0, 1) or None"),
     ParamSpec("drop_nulls", "skip rows with a null (or an array holding a null) in any feature, label or weight "
               "column; default False: such rows are an error naming the column and count", False, is_bool,
               "True or False"),

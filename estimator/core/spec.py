@@ -143,6 +143,9 @@ class TrainSpec:
     log_every_n_steps: int = 50  # the training loss goes to TensorBoard every N optimizer steps
     precision: str = "32"  # "32", "bf16-mixed" (autocast) or "16-mixed" (autocast and a GradScaler; CUDA only)
     gradient_clip_val: Optional[float] = None  # the global gradient norm is clipped to this before each step
+    lr_schedule: Optional[str] = None  # the built-in schedule stepped per optimizer step (estimator.train.schedules)
+    warmup_steps: Optional[int] = None
+    warmup_ratio: Optional[float] = None
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
     strategy: str = "ddp"  # "ddp", "fsdp" or "auto": the model sharded over the ranks (estimator.train.sharding)
     gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)

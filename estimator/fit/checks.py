@@ -26,8 +26,31 @@ def language_model(objective: Any) -> bool:
     return objective is not None and objective.language_model
 
 
+def built_in_schedule(p: Mapping[str, Any]) -> bool:
+    """Whether the fit asks for the built-in per-step schedule (lr_schedule, or a warmup alone)."""
+    return p["lr_schedule"] is not None or bool(p["warmup_steps"]) or bool(p["warmup_ratio"])
+
+
+def check_schedule(p: Mapping[str, Any]) -> None:
+    """lr_schedule and its warmup against what else would set the learning rate (estimator.train.schedules)."""
+    if p["warmup_steps"] is not None and p["warmup_ratio"] is not None:
+        raise ValueError(f"{OWNER} takes warmup_steps or warmup_ratio, not both (got {p['warmup_steps']!r} and "
+                         f"{p['warmup_ratio']!r}).")
+    if not built_in_schedule(p):
+        return
+    given = "lr_schedule" if p["lr_schedule"] is not None else "warmup_steps" if p["warmup_steps"] else "warmup_ratio"
+    if p["lr_scheduler_fn"] is not None:
+        raise ValueError(f"{OWNER} takes {given} or lr_scheduler_fn, not both: {given} is the built-in schedule "
+                         "stepped after every optimizer step; lr_scheduler_fn builds your own.")
+    if p["train_fn"] is not None:
+        raise ValueError(f"{OWNER}: {given} is stepped by the built-in loop after each optimizer step, and a "
+                         "train_fn runs its own loop: build the scheduler in it (over ctx.optimizer) and step it "
+                         "there, or leave the param unset.")
+
+
 def check_params(p: Mapping[str, Any], objective: Any) -> None:
     """`objective`: the fit's (estimator.train.objectives.registry.choose_objective), chosen once."""
+    check_schedule(p)
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
     own = "train_fn" if p["train_fn"] is not None else "train_step" if p["train_step"] is not None else None
     lm = language_model(objective)  # a causal LM's fine-tuning: its loss is the next-token loss over its tokens

@@ -105,7 +105,8 @@ def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -
 
 
 def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has_validation: bool,
-                  epochs: int, stepping: Optional[int]) -> Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]:
+                  epochs: int, stepping: Optional[int], built_in_schedule: bool = False
+                  ) -> Tuple[Tuple[str, ...], Tuple[str, ...], Optional[str]]:
     """A LightningModule's configure_optimizers, training_step (and validation_step when there is validation
     data) on a few training rows: the keys training_step and validation_step log, and the scheduler's monitor."""
     arrays = head_arrays(objs, data, head)
@@ -119,8 +120,9 @@ def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has
     except Exception as exc:  # noqa: BLE001 - the user's hook
         raise ValueError(f"{type(module).__name__}.configure_optimizers() failed on the driver: "
                          f"{type(exc).__name__}: {exc}") from None
-    if scheduler is not None and objs.lr_scheduler_fn is not None:
-        raise ValueError(f"{type(module).__name__}.configure_optimizers() returns a scheduler and lr_scheduler_fn is "
+    if scheduler is not None and (objs.lr_scheduler_fn is not None or built_in_schedule):
+        other = "lr_scheduler_fn" if objs.lr_scheduler_fn is not None else "lr_schedule (or a warmup)"
+        raise ValueError(f"{type(module).__name__}.configure_optimizers() returns a scheduler and {other} is "
                          "set too: keep one of them.")
     batch = lightning.lightning_batch(to_tensors(arrays, data))
     keys: List[Tuple[str, ...]] = []

@@ -174,6 +174,8 @@ class Run:
         rank 0's checkpoint (and the best epochs') and the progress the driver shows. `seconds`: the epoch's
         training and validation on this rank, told in the driver's epoch line (not a history key)."""
         spec, schedule = self.spec, self.rank.schedule
+        if schedule.reports_lr:  # the rate the next step takes (lr_schedule), the same on every rank
+            row = {**row, "lr": float(self.optimizer.param_groups[0]["lr"])}
         self.history.append(row)
         self.seconds[epoch] = seconds
         self.loop.finite.check_epoch(self.model, row, epoch)  # before these weights are checkpointed

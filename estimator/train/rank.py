@@ -22,6 +22,7 @@ class Schedule:
     scheduler: Any = None
     monitor: Optional[str] = None
     interval: str = "epoch"
+    reports_lr: bool = False  # the history's rows hold 'lr' (the built-in lr_schedule)
 
 
 @dataclass(frozen=True)

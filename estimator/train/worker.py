@@ -24,6 +24,7 @@ from estimator.train.checkpoint import position_of
 from estimator.train.distributed import RankContext
 from estimator.train.epochs import Run
 from estimator.train.rank import Rank, Resumed, Schedule
+from estimator.train.schedules import built_in_schedule
 from estimator.train.memory import checkpoint_activations
 from estimator.train.strategies import STRATEGIES, Strategy
 
@@ -47,7 +48,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
         trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank,
                                                                    spec.epochs, run_optimizer_steps(spec, ctx.world_size))
                                    ) if objs.lightning else None
-        optimizer, schedule = optimization(objs, model)  # over the shards, with fsdp
+        optimizer, schedule = optimization(objs, model, spec, ctx.world_size)  # over the shards, with fsdp
         # a retry or a refit of this run_id: continue where the checkpoint stands (the optimizer's state loaded
         # after the scheduler's constructor reset the lr)
         resumed = resume(spec, strategy, model, optimizer, schedule)
@@ -70,7 +71,8 @@ def resume(spec: TrainSpec, strategy: Strategy, model: nn.Module, optimizer: tor
                    state.get("grad_scaler"))
 
 
-def optimization(objs: UserObjects, model: nn.Module) -> Tuple[torch.optim.Optimizer, Schedule]:
+def optimization(objs: UserObjects, model: nn.Module, spec: Optional[TrainSpec] = None, world_size: int = 1
+                 ) -> Tuple[torch.optim.Optimizer, Schedule]:
     """The optimizer and its schedule: the learning-rate scheduler (or None), what a ReduceLROnPlateau steps on
     (None: val_loss, else loss) and when the scheduler steps ('epoch', or 'step': after every optimizer step): a
     LightningModule's configure_optimizers(), or the user's optimizer and lr_scheduler_fn (a scheduler, or
@@ -81,6 +83,11 @@ def optimization(objs: UserObjects, model: nn.Module) -> Tuple[torch.optim.Optim
         optimizer, scheduler, monitor, interval = build_optimizer(objs, model), None, None, "epoch"
     if scheduler is None and objs.lr_scheduler_fn is not None:
         scheduler, monitor, interval = lightning.scheduler_config(objs.lr_scheduler_fn(optimizer), "lr_scheduler_fn")
+    if scheduler is None and spec is not None:  # lr_schedule (its conflicts are refused on the driver)
+        scheduler = built_in_schedule(optimizer, spec.lr_schedule, spec.warmup_steps, spec.warmup_ratio,
+                                      run_optimizer_steps(spec, world_size))
+        interval, reports = "step", scheduler is not None
+        return optimizer, Schedule(scheduler, monitor, interval, reports_lr=reports)
     return optimizer, Schedule(scheduler, monitor, interval)
 
 
