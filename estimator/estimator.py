@@ -353,12 +353,23 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           model_factory=p["model_factory"], optimizer=optimizer,
                           feature_cols=list(p["feature_cols"]), label_cols=list(p["label_cols"]),
                           input_shapes=p["input_shapes"], output_shapes=[list(s) for s in output_shapes], history=[dict(h) for h in history],
-                          run_id=run_id, inference_batch_size=max(p["val_batch_size"] or p["batch_size"], 256),
+                          run_id=run_id,
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
                           tokenizer=p["tokenizer"],
                           output_kind=objs.objective.transform_output if objs.objective is not None else None,
-                          **{s.name: p[s.name] for s in TRAINING_PARAMS})
+                          **{**{s.name: p[s.name] for s in TRAINING_PARAMS},
+                             "inference_batch_size": inference_rows(p, objs.objective)})
+
+
+def inference_rows(p: Mapping[str, Any], objective: Any) -> Optional[int]:
+    """The fitted model's inference_batch_size: the estimator's, else the larger of the validation batch and 256,
+    else for generation None (its own bound: prompt and new tokens per generate() call)."""
+    if p["inference_batch_size"] is not None:
+        return p["inference_batch_size"]
+    if objective is not None and objective.transform_output == "generate":
+        return None
+    return max(p["val_batch_size"] or p["batch_size"], 256)
 
 
 declare(TorchEstimator, ESTIMATOR_PARAMS)

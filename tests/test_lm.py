@@ -230,6 +230,30 @@ def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_anothe
     assert texts() == texts()  # greedy without a seed
 
 
+def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_writes_each_prompts_own_text(
+        llama, tokenizer, monkeypatch):
+    """inference_batch_size=None: each generate() call takes the shortest prompts left while rows x (their longest
+    prompt + max_new_tokens) stays within GENERATE_TOKENS (here 120); the texts are those of one prompt a call."""
+    from estimator.predict import generation
+
+    model = plain_causal_lm(llama).eval()
+    prompts = [p for p, _ in lm_rows(10)] + ["What is " + "the very long and winding thing " * 4 + "?"]
+    shapes = []
+    real = model.generate
+
+    def counted(**kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return real(**kwargs)
+
+    monkeypatch.setattr(model, "generate", counted)
+    monkeypatch.setattr(generation, "GENERATE_TOKENS", 120)
+    got = generation.generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 8, None).tolist()
+    assert len(shapes) > 1 and max(rows for rows, _ in shapes) > 1 and sum(rows for rows, _ in shapes) == 11
+    assert all(rows * (width + 8) <= 120 for rows, width in shapes), shapes
+    one_by_one = generation.generate_texts(model, tokenizer, prompts, False, "prompt", 1, "cpu", 8, None).tolist()
+    assert got == one_by_one and len(set(got)) > 1
+
+
 def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama, tokenizer):
     """generate_kwargs' own eos_token_id (a chat's end-of-turn token) and pad_token_id win over the tokenizer's."""
     from estimator.predict.generation import generate_texts

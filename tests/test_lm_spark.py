@@ -63,6 +63,7 @@ def test_sft_with_lora_on_two_ranks_then_transform_writes_what_generate_writes(s
     rows = lm_rows(24)
     df = spark.createDataFrame(rows, "prompt string, response string")
     fitted = sft(llama, store, run_id="sft", validation=0.25).fit(df)
+    assert fitted.getInferenceBatchSize() is None  # generation's own bound: tokens per generate() call
     history = fitted.getHistory()
     assert history[-1]["loss"] < history[0]["loss"] and "perplexity" in history[-1]
     assert history[-1]["val_perplexity"] == pytest.approx(math.exp(history[-1]["val_loss"]))
@@ -342,7 +343,9 @@ def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfun
     log = str(tmp_path / "builds.log")
     mlflow = logging_to_mlflow(tmp_path, monkeypatch)
     df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
-    fitted = sft(llama, store, model=functools.partial(built_here, llama, log), epochs=2, mlflow=True).fit(df)
+    fitted = sft(llama, store, model=functools.partial(built_here, llama, log), epochs=2, mlflow=True,
+                 inference_batch_size=3).fit(df)
+    assert fitted.getInferenceBatchSize() == 3  # set on the estimator, carried to its model (3 prompts a call)
     on_driver = [line.split()[1] for line in open(log).read().splitlines() if int(line.split()[0]) == os.getpid()]
     assert on_driver and set(on_driver) == {"1"}, on_driver
     assert fitted.getModelHandle() is not None

@@ -262,6 +262,11 @@ ESTIMATOR_PARAMS = [
               "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
               "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
+    ParamSpec("inference_batch_size", "rows per forward() or generate() call in transform (set on the estimator: "
+              "its fitted model's). None: 1,024 rows (a fit's model: the larger of val_batch_size or batch_size "
+              "and 256); with output_kind='generate', as many prompts, shortest first, as keep rows x (their "
+              "longest prompt + max_new_tokens) within 65,536 tokens a call (the KV cache grows with it)", None,
+              optional(is_int(1)), "an int >= 1 or None"),
     ParamSpec("lr_schedule", "the learning rate after each optimizer step: 'constant', 'linear' (decays to 0 at "
               "the run's last step) or 'cosine' (a half cosine to 0), after a linear warmup from 0 of warmup_steps "
               "or warmup_ratio of the run's steps; as Hugging Face's get_*_schedule_with_warmup (TRL's); "
@@ -333,7 +338,6 @@ MODEL_PARAMS = [
               "a string or None"),
     ParamSpec("best_epoch", "the best epoch (1-based) by the estimator's `monitor`, also when restore_best is False",
               None, optional(is_int(1)), "an int >= 1 or None"),
-    ParamSpec("inference_batch_size", "rows per forward() call in transform", 1024, is_int(1), "an int >= 1"),
     ParamSpec("output_kind", "what transform adds: None, the model's outputs (and the prediction columns of a "
               "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
               "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "

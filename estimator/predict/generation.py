@@ -20,8 +20,28 @@ import torch
 from estimator.data.lm import eos_id, pad_id, prompt_ids
 
 
-def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool, column: str, batch_size: int,
-                   device: str, max_new_tokens: int, generate_kwargs: Optional[Dict[str, Any]]) -> np.ndarray:
+GENERATE_TOKENS = 65_536  # rows x (longest prompt + max_new_tokens) per generate() call, by default
+
+
+def batches(lengths: Sequence[int], order: Sequence[int], batch_size: Optional[int], max_new_tokens: int
+            ) -> List[List[int]]:
+    """The rows of each generate() call, in `order` (shortest prompt first): `batch_size` rows each, or None: as
+    many as keep rows x (their longest prompt + max_new_tokens) within GENERATE_TOKENS (one row at least), the size of
+    the sequences, and so of the KV cache, a call holds."""
+    if batch_size is not None:
+        return [list(order[start:start + batch_size]) for start in range(0, len(order), batch_size)]
+    out: List[List[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * (lengths[i] + max_new_tokens) <= GENERATE_TOKENS:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool, column: str,
+                   batch_size: Optional[int], device: str, max_new_tokens: int,
+                   generate_kwargs: Optional[Dict[str, Any]]) -> np.ndarray:
     """The text generated for each row of `values` (prompts, or chats), as an object array of str."""
     prompts = prompt_ids(tokenizer, chat, values, column)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -33,8 +53,8 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     kwargs.setdefault("pad_token_id", pad)  # a user's own pad or eos (a chat's end-of-turn token) is kept
     kwargs.setdefault("eos_token_id", eos_id(tokenizer))
     with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
+        beams = int(kwargs.get("num_beams", 1))  # each row's sequences in the call
+        for rows in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams):
             width = max(len(prompts[i]) for i in rows)
             ids = torch.full((len(rows), width), pad, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 PREDICTION_FIELD = "_prediction"  # the struct's field behind prediction_col, whatever the kind puts there
+DEFAULT_ROWS = 1024  # rows per call in transform where inference_batch_size is None
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Added:
 class Predictor:
     """The fields every kind shares: how batches are read and where they run."""
     feature_cols: Tuple[str, ...]
-    batch_size: int  # rows per forward (or generate) call
+    batch_size: Optional[int]  # rows per forward (or generate) call; None: a kind's own bound (generate's tokens)
     use_gpu: Optional[bool]
     added: Tuple[Added, ...] = ()  # the driver's: which columns of the DataFrame the struct's fields become
     torch_threads: Optional[int] = None  # the cores of one Spark task (spark.task.cpus); None: torch's default
@@ -52,7 +53,8 @@ class Predictor:
     def shared(p: Dict[str, Any], added: Sequence[Added], torch_threads: Optional[int],
                tokenize: Any) -> Dict[str, Any]:
         """The shared fields' values, from the params, for a kind's `build`."""
-        return dict(feature_cols=tuple(p["feature_cols"]), batch_size=p["inference_batch_size"], use_gpu=p["use_gpu"],
+        rows = p["inference_batch_size"] if p["inference_batch_size"] is not None else DEFAULT_ROWS
+        return dict(feature_cols=tuple(p["feature_cols"]), batch_size=rows, use_gpu=p["use_gpu"],
                     added=tuple(added), torch_threads=torch_threads, tokenize=tokenize)
 
     def bind_chat(self, chat: bool) -> "Predictor":

@@ -45,8 +45,8 @@ class Generate(Predictor):
         if p["prediction_col"]:
             added.append(Added(p["prediction_col"], PREDICTION_FIELD, nullable=True))
         tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p))
-        return cls(**cls.shared(p, added, torch_threads, tokenize), outputs=fields,
-                   max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
+        shared = {**cls.shared(p, added, torch_threads, tokenize), "batch_size": p["inference_batch_size"]}
+        return cls(**shared, outputs=fields, max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
 
     def bind_chat(self, chat: bool) -> "Generate":
         return dataclasses.replace(self, chat=chat)
