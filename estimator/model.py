@@ -27,6 +27,7 @@ from estimator.launch.session import task_gpus
 from estimator.launch.shipping import ship_file, ship_package, temporary_file
 from estimator.predict import inference
 from estimator.predict.inference import SentPredictor, make_predict, make_predict_pandas
+from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
@@ -143,6 +144,9 @@ class TorchModel(DeclaredParams, Model, Persistable):
                                  "numbers to the model and does not run transformation_fn. Decode the column into an "
                                  "array column first (e.g. a pandas_udf around your decoding function, as in "
                                  "notebooks/png_digits_example.py) and pass that with setFeatureCols([...]).")
+            if is_chat(df.schema[column].dataType) and predictor.accepts_chat:  # every message field rendered
+                check_chat_fields(p["tokenizer"], column, df.schema[column].dataType.elementType.names,
+                                  p["chat_tools"])
             if is_chat(df.schema[column].dataType) and not predictor.accepts_chat:
                 raise ValueError(f"Column {column!r} (from feature_cols) holds chats (a list of messages): transform "
                                  "generates the assistant's reply to them with output_kind='generate', a causal LM "

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks"))
 
-from sft_example import color_facts, save_pretrained_llama  # noqa: E402
+from sft_example import CHAT_TEMPLATE, color_facts, save_pretrained_llama  # noqa: E402
 
 __all__ = ["color_facts", "save_pretrained_llama", "lm_rows", "lm_train_spec", "plain_causal_lm"]
 

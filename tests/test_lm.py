@@ -13,7 +13,7 @@ from estimator.core.spec import LMSpec
 from estimator.data.lm import IGNORE, CausalLMTokenize, chat_tokens
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import load_checkpoint, restore
-from lm_helpers import color_facts, lm_rows, lm_train_spec, plain_causal_lm, save_pretrained_llama
+from lm_helpers import CHAT_TEMPLATE, color_facts, lm_rows, lm_train_spec, plain_causal_lm, save_pretrained_llama
 
 peft = pytest.importorskip("peft")
 
@@ -65,6 +65,73 @@ def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
     assert [l for l in labels if l != IGNORE] == [i for i, l in zip(ids, labels) if l != IGNORE]
     with pytest.raises(ValueError, match="'role' and 'content'"):
         CausalLMTokenize(tokenizer, LMSpec("chat"), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}</s>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['name'] is defined %}[{{ m['name'] }}] {% endif %}"
+    "{{ m['content'] }}{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"
+    "<call>{{ c['function']['name'] }}({{ c['function']['arguments'] }})</call>{% endfor %}{% endif %}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+def test_a_chat_with_tool_calls_renders_as_its_template_does_and_the_calls_are_learned(tokenizer):
+    """Messages as a Spark struct column gives them (every field, null where a message has none): the assistant's
+    tool_calls, the tool's name and chat_tools reach the template; the call is labelled, the tool's answer not."""
+    from estimator.predict.generation import generate_texts
+    from estimator.predict.language_checks import check_chat_fields
+
+    tokenizer = copy_with_template(tokenizer, TOOL_TEMPLATE)
+    call = [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    row = [{"role": "user", "content": "Weather in Oslo?", "tool_calls": None, "name": None},
+           {"role": "assistant", "content": None, "tool_calls": np.array(call, dtype=object), "name": None},
+           {"role": "tool", "content": "rain", "tool_calls": None, "name": "weather"},
+           {"role": "assistant", "content": "It rains.", "tool_calls": None, "name": None}]
+    batch = CausalLMTokenize(tokenizer, LMSpec("chat", tools=tuple(TOOLS)), None)(
+        {"chat": np.array([row], dtype=object)})
+    ids, labels = batch["chat.input_ids"][0], batch["chat.labels"][0]
+    as_template = [{k: v for k, v in m.items() if v is not None} for m in row]
+    as_template[1] = {"role": "assistant", "content": "", "tool_calls": call}
+    want = tokenizer.apply_chat_template(as_template, tools=TOOLS, tokenize=True, return_dict=False)
+    assert list(ids) == list(want)
+    text = tokenizer.decode(ids)
+    assert "tools: weather" in text and '<call>weather({"city": "Oslo"})</call>' in text and "[weather] rain" in text
+    learned = tokenizer.decode([i for i, l in zip(ids, labels) if l != IGNORE])
+    assert learned == '<call>weather({"city": "Oslo"})</call></s>It rains.</s>'  # the call and the answer
+    check_chat_fields(tokenizer, "chat", ["role", "content", "tool_calls", "name"], TOOLS)  # all read: no error
+    with pytest.raises(ValueError, match=r"messages hold \['tool_calls', 'name'\].*never reads them"):
+        check_chat_fields(copy_with_template(tokenizer, CHAT_TEMPLATE), "chat", ["role", "content", "tool_calls",
+                                                                               "name"], None)
+    with pytest.raises(ValueError, match="chat_tools is set.*never reads 'tools'"):
+        check_chat_fields(copy_with_template(tokenizer, CHAT_TEMPLATE), "chat", ["role", "content"], TOOLS)
+    prompt = np.array([row[:3]], dtype=object)  # generation continues after the tool's answer, the tools shown
+    model = plain_causal_lm_of(tokenizer)
+    (text,) = generate_texts(model, tokenizer, prompt, True, "chat", None, "cpu", 4, None, TOOLS)
+    rendered = tokenizer.apply_chat_template(as_template[:3], tools=TOOLS, add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([rendered]), max_new_tokens=4, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert text == tokenizer.decode(out[0, len(rendered):], skip_special_tokens=True)
+
+
+def copy_with_template(tokenizer, template):
+    import copy
+
+    other = copy.deepcopy(tokenizer)
+    other.chat_template, other.model_max_length = template, 256  # the tools make a conversation longer than 64
+    return other
+
+
+def plain_causal_lm_of(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(config).eval()
 
 
 def test_rows_left_without_a_response_token_are_counted_over_the_whole_table(llama, tokenizer, store):

@@ -189,6 +189,10 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     map_chat = spark.createDataFrame([([{"role": "user", "content": "hi"}],)], "chat array<map<string,string>>")
     int_responses = spark.createDataFrame([(p, i) for i, (p, _) in enumerate(lm_rows(8))],
                                           "prompt string, response int")
+    tool_chat = spark.createDataFrame(
+        [([("user", "Weather?", None), ("assistant", None, [("function", ("weather", '{"city": "Oslo"}'))])],)],
+        "chat array<struct<role:string, content:string, tool_calls:array<struct<type:string, "
+        "function:struct<name:string, arguments:string>>>>>")
     cases = [
         (dict(model=functools.partial(transformers.AutoModelForSequenceClassification.from_pretrained, bert),
               tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,
@@ -205,6 +209,10 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         (dict(optimizer=None), texts, "'optimizer' parameter .* must be with peft_config, a callable"),
         (dict(generate_kwargs={"max_new_tokens": 2}), texts,
          "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
+        (dict(feature_cols=["chat"], label_cols=None), tool_chat,
+         r"messages hold \['tool_calls'\], and the chat template .* never reads them: they would be dropped"),
+        (dict(chat_tools=[{"type": "function", "function": {"name": "weather"}}]), texts,
+         "chat_tools are given to the chat template .* 'prompt' is a string column"),
     ]
     for params, df, message in cases:
         with pytest.raises(ValueError, match=message):

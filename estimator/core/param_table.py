@@ -262,6 +262,13 @@ ESTIMATOR_PARAMS = [
               "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
               "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
+    ParamSpec("chat_tools", "the tools a chat column's conversations may call, as a list of function schemas "
+              "(dicts, as transformers' apply_chat_template(tools=...) takes them): given to the chat template "
+              "with every conversation, in training and in generation. Messages may hold tool_calls (an "
+              "assistant's), name and tool_call_id (a 'tool' message's): the template renders them, and a field "
+              "the template never reads is refused before any job", None,
+              lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(t, dict) for t in v)),
+              "a list of dicts or None"),
     ParamSpec("inference_batch_size", "rows per forward() or generate() call in transform (set on the estimator: "
               "its fitted model's). None: 1,024 rows (a fit's model: the larger of val_batch_size or batch_size "
               "and 256); with output_kind='generate', as many prompts, shortest first, as keep rows x (their "

@@ -36,6 +36,7 @@ class LMSpec:
 
     column: str  # the prompt, or the chat's messages
     response: Optional[str] = None  # the string label column; None for a chat column
+    tools: Optional[Tuple[Any, ...]] = None  # chat_tools: given to the chat template with each conversation
 
     @property
     def chat(self) -> bool:

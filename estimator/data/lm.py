@@ -45,34 +45,56 @@ def pad_id(tokenizer: Any) -> int:
     return int(pad) if pad is not None else eos_id(tokenizer)
 
 
-def messages_of(row: Any, column: str) -> List[Dict[str, str]]:
-    """A chat row as the list of {role, content} dicts chat templates take."""
+def plain_value(value: Any) -> Any:
+    """A message field as a chat template reads it: Arrow's lists (numpy arrays) as lists, structs as dicts."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_value(v) for k, v in value.items()}
+    return value
+
+
+def messages_of(row: Any, column: str) -> List[Dict[str, Any]]:
+    """A chat row as the list of message dicts chat templates take: role and content (a string; empty in an
+    assistant's message that only calls tools), and every other field it holds that is not null (tool_calls,
+    name, tool_call_id: the template renders them; fit refuses a field the template never reads)."""
     out = []
     for message in list(row):
-        if not hasattr(message, "get") or message.get("role") is None or message.get("content") is None:
+        if not hasattr(message, "get") or message.get("role") is None or (
+                message.get("content") is None and message.get("tool_calls") is None):
             raise ValueError(f"Column {column!r} holds a message {message!r}: each message of a chat column must be "
-                             "a struct with 'role' and 'content' (array<struct<role:string, content:string>>).")
-        out.append({"role": str(message["role"]), "content": str(message["content"])})
+                             "a struct with 'role' and 'content' (array<struct<role:string, content:string>>; "
+                             "an assistant's message may hold tool_calls instead of content).")
+        extra = {k: plain_value(v) for k, v in message.items() if k not in ("role", "content") and v is not None}
+        content = message.get("content")
+        out.append({"role": str(message["role"]), "content": "" if content is None else str(content), **extra})
     return out
 
 
-def render(tokenizer: Any, messages: Sequence[Dict[str, str]], generation_prompt: bool) -> List[int]:
+def render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt: bool,
+           tools: Optional[Sequence[Any]] = None) -> List[int]:
+    """A conversation's tokens, as the tokenizer's chat template renders it (with `tools`: chat_tools)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"The tokenizer {type(tokenizer).__name__} has no chat template (tokenizer.chat_template): "
                          "a chat column is rendered with it. Use the model's tokenizer, or set a template.")
+    extra = {"tools": list(tools)} if tools else {}
     return token_ids(tokenizer.apply_chat_template(list(messages), tokenize=True,
-                                                   add_generation_prompt=generation_prompt))
+                                                   add_generation_prompt=generation_prompt, **extra))
 
 
-def chat_tokens(tokenizer: Any, messages: Sequence[Dict[str, str]], column: str) -> Tuple[List[int], List[int]]:
-    """(ids, labels) of one conversation: each assistant turn's tokens labelled, found as the difference between
-    the conversation rendered up to the turn's generation prompt and up to the turn's end."""
-    ids = render(tokenizer, messages, False)
+def chat_tokens(tokenizer: Any, messages: Sequence[Dict[str, Any]], column: str,
+                tools: Optional[Sequence[Any]] = None) -> Tuple[List[int], List[int]]:
+    """(ids, labels) of one conversation: each assistant turn's tokens labelled (its tool calls too), found as
+    the difference between the conversation rendered up to the turn's generation prompt and up to the turn's
+    end."""
+    ids = render(tokenizer, messages, False, tools)
     labels = [IGNORE] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prefix, upto = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1], False)
+        prefix, upto = render(tokenizer, messages[:i], True, tools), render(tokenizer, messages[:i + 1], False, tools)
         start, end = len(prefix), len(upto)
         if ids[:end] != upto or upto[:start] != prefix:
             raise ValueError(f"The chat template of {type(tokenizer).__name__} renders a conversation differently "
@@ -107,7 +129,8 @@ class CausalLMTokenize:
     def rows(self, batch: Arrays) -> List[Tuple[List[int], List[int]]]:
         spec, tokenizer = self.spec, self.tokenizer
         if spec.chat:
-            rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column) for m in batch[spec.column]]
+            rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column, spec.tools)
+                    for m in batch[spec.column]]
         else:
             eos = eos_id(tokenizer)
             prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
@@ -130,11 +153,12 @@ def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
         messages = messages_of(value, spec.column)
         first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
         if first is not None:
-            starts[row] = len(render(tokenizer, messages[:first], True))
+            starts[row] = len(render(tokenizer, messages[:first], True, spec.tools))
     return starts
 
 
-def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str) -> List[List[int]]:
+def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str,
+               tools: Optional[Sequence[Any]] = None) -> List[List[int]]:
     """What generation continues: the prompt's tokens, or a conversation rendered up to the assistant's turn (a
     last assistant message, the reference answer, left out)."""
     if not chat:
@@ -144,7 +168,7 @@ def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str) -
         messages = messages_of(row, column)
         if messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        out.append(render(tokenizer, messages, True))
+        out.append(render(tokenizer, messages, True, tools))
     return out
 
 

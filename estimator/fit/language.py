@@ -16,7 +16,7 @@ from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
-from estimator.predict.language_checks import model_positions
+from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
 
@@ -72,7 +72,12 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
         if labels:
             raise ValueError(f"Column {column!r} is a chat (its assistant turns are what the model learns to write), "
                              f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
-        return LMSpec(column)
+        check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
+        return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
+    if p["chat_tools"]:
+        raise ValueError(f"chat_tools are given to the chat template with each conversation of a chat column; "
+                         f"{column!r} is a {dtype.simpleString()} column. Leave chat_tools unset, or train on a "
+                         f"chat column ({CHAT_TYPE}, with tool_calls in the assistant's messages).")
     if not isinstance(dtype, StringType):
         raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
                          f"column), or a chat column ({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")

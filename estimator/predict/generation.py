@@ -41,9 +41,10 @@ def batches(lengths: Sequence[int], order: Sequence[int], batch_size: Optional[i
 
 def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool, column: str,
                    batch_size: Optional[int], device: str, max_new_tokens: int,
-                   generate_kwargs: Optional[Dict[str, Any]]) -> np.ndarray:
-    """The text generated for each row of `values` (prompts, or chats), as an object array of str."""
-    prompts = prompt_ids(tokenizer, chat, values, column)
+                   generate_kwargs: Optional[Dict[str, Any]], tools: Optional[Sequence[Any]] = None) -> np.ndarray:
+    """The text generated for each row of `values` (prompts, or chats: rendered with `tools`), as an object array
+    of str."""
+    prompts = prompt_ids(tokenizer, chat, values, column, tools)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: List[str] = [""] * len(prompts)
     kwargs = dict(generate_kwargs or {})

@@ -5,7 +5,7 @@ use them without importing the driver's fit; estimator.fit.language imports them
 output kinds that call these travel to the executors."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from estimator.core.adapters import base_config
 from estimator.data.text import length_limit
@@ -77,3 +77,21 @@ def check_text_column(p: Dict[str, Any], owner: str = "TorchModel") -> None:
     if len(p["feature_cols"]) != 1:
         raise ValueError(f"{owner} with output_kind={kind!r} reads one column (the text, or a chat's "
                          f"messages); got feature_cols={list(p['feature_cols'])}.")
+
+
+def check_chat_fields(tokenizer: Any, column: str, fields: Sequence[str], tools: Any) -> None:
+    """Every field of a chat column's messages and chat_tools reach the chat template: a field (tool_calls, name,
+    tool_call_id) or the tools its template's text never names would vanish from what the model reads."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return  # none (refused where a conversation is rendered), or one per name: not read here
+    unread = [f for f in fields if f not in ("role", "content") and f not in template]
+    if unread:
+        raise ValueError(f"Column {column!r}'s messages hold {unread}, and the chat template of "
+                         f"{type(tokenizer).__name__} never reads them: they would be dropped from what the model "
+                         "reads. Use a tokenizer whose template renders tool calls (Llama 3.1, Qwen 2.5, Mistral's), "
+                         "or drop those fields from the messages first.")
+    if tools and "tools" not in template:
+        raise ValueError(f"chat_tools is set, and the chat template of {type(tokenizer).__name__} never reads "
+                         "'tools': the model would not see them. Use a tokenizer whose template renders tools, or "
+                         "leave chat_tools unset.")

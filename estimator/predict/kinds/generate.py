@@ -24,6 +24,7 @@ class Generate(Predictor):
     chat: bool = False  # the feature column holds chats, rendered with the chat template (bind_chat)
     max_new_tokens: int = 64
     generate_kwargs: Optional[Dict[str, Any]] = None
+    chat_tools: Optional[Tuple[Any, ...]] = None  # given to the chat template with each conversation
 
     accepts_chat: ClassVar[bool] = True
 
@@ -46,7 +47,8 @@ class Generate(Predictor):
             added.append(Added(p["prediction_col"], PREDICTION_FIELD, nullable=True))
         tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p))
         shared = {**cls.shared(p, added, torch_threads, tokenize), "batch_size": p["inference_batch_size"]}
-        return cls(**shared, outputs=fields, max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"])
+        return cls(**shared, outputs=fields, max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"],
+                   chat_tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
 
     def bind_chat(self, chat: bool) -> "Generate":
         return dataclasses.replace(self, chat=chat)
@@ -56,6 +58,6 @@ class Generate(Predictor):
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
         texts = generate_texts(model, self.tokenize.tokenizer, columns[0], self.chat, self.feature_cols[0],
-                               self.batch_size, device, self.max_new_tokens, self.generate_kwargs)
+                               self.batch_size, device, self.max_new_tokens, self.generate_kwargs, self.chat_tools)
         text = pa.array(list(texts), pa.string())
         return [text] * (len(self.outputs) + 1)
