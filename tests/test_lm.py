@@ -56,6 +56,20 @@ def test_the_prompt_and_the_padding_carry_no_loss_and_the_response_and_eos_do(to
     assert cut["prompt.input_ids"].shape[1] == 9 and (cut["response"] != IGNORE).sum() > 0
 
 
+def test_a_text_column_learns_every_token_and_completion_only_loss_false_learns_the_prompt_too(tokenizer):
+    texts = {"text": np.array(["The kettle is teal.", "Drums are red and loud."], dtype=object)}
+    batch = CausalLMTokenize(tokenizer, LMSpec("text", text=True), None)(texts)
+    ids, labels, mask = batch["text.input_ids"], batch["text.labels"], batch["text.attention_mask"]
+    assert (labels[mask == 1] == ids[mask == 1]).all() and (labels[mask == 0] == IGNORE).all()
+    assert tokenizer.decode(ids[0][mask[0] == 1], skip_special_tokens=False).endswith("teal.</s>")
+    rows = {"prompt": np.array(["What color is the kettle?"], dtype=object),
+            "response": np.array([" The kettle is teal."], dtype=object)}
+    only = CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)(rows)
+    every = CausalLMTokenize(tokenizer, LMSpec("prompt", "response", every_token=True), None)(rows)
+    assert (only["prompt.input_ids"] == every["prompt.input_ids"]).all()
+    assert (every["response"] == every["prompt.input_ids"]).all() and (only["response"] == IGNORE).sum() > 3
+
+
 def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
     messages = [{"role": "system", "content": "Answer with a color."},
                 {"role": "user", "content": "What color is the kettle?"}, {"role": "assistant", "content": "teal"},

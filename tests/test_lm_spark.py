@@ -205,7 +205,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         (dict(), int_responses, r"Column 'response' \(from label_cols\) has type int;.*cast it first"),
         (dict(feature_cols=["chat"], label_cols=None), map_chat,
          r"is array<map<string,string>>, and a chat column's messages are structs.*F\.transform"),
-        (dict(label_cols=None), texts, r"got label_cols=\[\]\. A chat's messages are a column of .*F\.from_json"),
+        (dict(label_cols=["response", "response2"]), texts.withColumn("response2", texts.response),
+         r"takes the response as one string label column.*got label_cols=\['response', 'response2'\]\. A chat"),
         (dict(optimizer=None), texts, "'optimizer' parameter .* must be with peft_config, a callable"),
         (dict(generate_kwargs={"max_new_tokens": 2}), texts,
          "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
@@ -363,3 +364,22 @@ def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfun
     predicted = logged_pyfunc(mlflow).predict(pd.DataFrame({"prompt": prompts}))
     assert list(predicted.columns) == ["response__output", "prediction"]  # transform's added columns
     assert list(predicted["prediction"]) == [got[p] for p in prompts] and len(set(got.values())) > 1
+
+
+def test_whole_texts_without_a_label_train_every_token_and_held_out_perplexity_falls(spark, store, llama):
+    """Continued pretraining: a text column, no label column: every token in the loss; the held-out documents'
+    perplexity falls epoch by epoch, and transform continues a text as model.generate does."""
+    from sft_example import color_facts
+
+    documents = [(p.replace("What color is the", "The") .replace("?", "") + r,) for p, r in color_facts()] * 2
+    df = spark.createDataFrame(documents, "text string")
+    fitted = sft(llama, store, feature_cols=["text"], label_cols=None, epochs=3, validation=0.25,
+                 max_new_tokens=6).fit(df)
+    history = fitted.getHistory()
+    assert [round(row["val_perplexity"], 3) for row in history] == sorted(
+        [round(row["val_perplexity"], 3) for row in history], reverse=True), history
+    assert history[-1]["val_perplexity"] < 0.8 * history[0]["val_perplexity"]
+    starts = ["The kettle", "The drum"]
+    got = {r.text: r.output for r in fitted.transform(spark.createDataFrame([(t,) for t in starts],
+                                                                            "text string")).collect()}
+    assert [got[t] for t in starts] == generated_one_by_one(fitted.getModel().eval(), fitted.getTokenizer(), starts, 6)

@@ -262,6 +262,10 @@ ESTIMATOR_PARAMS = [
               "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
               "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
+    ParamSpec("completion_only_loss", "a causal LM's loss over the response's tokens only (a chat's assistant "
+              "turns), as TRL's SFTTrainer's default; False: over every token of the row, the prompt (the whole "
+              "conversation) too. A text column with no label column learns every token either way (continued "
+              "pretraining)", True, is_bool, "True or False"),
     ParamSpec("chat_tools", "the tools a chat column's conversations may call, as a list of function schemas "
               "(dicts, as transformers' apply_chat_template(tools=...) takes them): given to the chat template "
               "with every conversation, in training and in generation. Messages may hold tool_calls (an "

@@ -34,17 +34,19 @@ class LMSpec:
     """What the rows of a causal LM fine-tuning are: a prompt column with a response (label) column, or a chat
     column (response None)."""
 
-    column: str  # the prompt, or the chat's messages
-    response: Optional[str] = None  # the string label column; None for a chat column
+    column: str  # the prompt, or the chat's messages, or the text (`text`)
+    response: Optional[str] = None  # the string label column; None for a chat column or a text column
     tools: Optional[Tuple[Any, ...]] = None  # chat_tools: given to the chat template with each conversation
+    text: bool = False  # a text column and no label: every token in the loss (continued pretraining)
+    every_token: bool = False  # completion_only_loss=False: the prompt (the whole conversation) in the loss too
 
     @property
     def chat(self) -> bool:
-        return self.response is None
+        return self.response is None and not self.text
 
     @property
     def labels_key(self) -> str:
-        """Where the batch holds the labels: the response column's place, or `<chat column>.labels`."""
+        """Where the batch holds the labels: the response column's place, or `<chat or text column>.labels`."""
         return self.response if self.response is not None else f"{self.column}.labels"
 
 

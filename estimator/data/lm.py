@@ -131,12 +131,18 @@ class CausalLMTokenize:
         if spec.chat:
             rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column, spec.tools)
                     for m in batch[spec.column]]
+        elif spec.text:  # every token, then the EOS: the model learns the texts and where they end
+            eos = eos_id(tokenizer)
+            texts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
+            rows = [(list(t) + [eos], list(t) + [eos]) for t in texts]
         else:
             eos = eos_id(tokenizer)
             prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
             responses = tokenizer([str(t) for t in batch[spec.response]], add_special_tokens=False)["input_ids"]
             rows = [(list(p) + list(r) + [eos], [IGNORE] * len(p) + list(r) + [eos])
                     for p, r in zip(prompts, responses)]
+        if spec.every_token:  # completion_only_loss=False: the prompt's (a conversation's) tokens learned too
+            rows = [(ids, list(ids)) for ids, _ in rows]
         limit = self.max_length
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
 
@@ -145,6 +151,8 @@ def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
     """Per row, the position of its first labelled token (the prompt's token count, or where a chat's first
     assistant turn begins), or -1 for a chat with no assistant turn: a row keeps a response token after the cut at
     max_length only when 0 <= start < max_length."""
+    if spec.text or spec.every_token:  # every token labelled (the first is context: the second is learned)
+        return np.zeros(len(batch[spec.column]), dtype=np.int64)
     if not spec.chat:  # what generation is given: the prompt's tokens
         return np.array([len(p) for p in prompt_ids(tokenizer, False, batch[spec.column], spec.column)],
                         dtype=np.int64)

@@ -73,7 +73,8 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
             raise ValueError(f"Column {column!r} is a chat (its assistant turns are what the model learns to write), "
                              f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
         check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
-        return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
+        return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
+                      every_token=not p["completion_only_loss"])
     if p["chat_tools"]:
         raise ValueError(f"chat_tools are given to the chat template with each conversation of a chat column; "
                          f"{column!r} is a {dtype.simpleString()} column. Leave chat_tools unset, or train on a "
@@ -81,16 +82,19 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
     if not isinstance(dtype, StringType):
         raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
                          f"column), or a chat column ({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")
+    if not labels:  # continued pretraining: the texts themselves are learned
+        return LMSpec(column, text=True)
     if len(labels) != 1:
-        raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} needs the response as one string "
-                         f"label column (label_cols=['response']); got label_cols={labels}. A chat's messages are a "
-                         f"column of {CHAT_TYPE} (from a JSON string: F.from_json(column, '{CHAT_TYPE}')).")
+        raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} takes the response as one string "
+                         f"label column (label_cols=['response']), or none to learn the texts themselves; got "
+                         f"label_cols={labels}. A chat's messages are a column of {CHAT_TYPE} (from a JSON string: "
+                         f"F.from_json(column, '{CHAT_TYPE}')).")
     label_type = schema[labels[0]].dataType
     if not isinstance(label_type, StringType):
         raise ValueError(f"Column {labels[0]!r} (from label_cols) has type {label_type.simpleString()}; the response a "
                          "causal LM is fine-tuned to write after the prompt is a string column: cast it first "
                          f"(F.col({labels[0]!r}).cast('string')).")
-    return LMSpec(column, labels[0])
+    return LMSpec(column, labels[0], every_token=not p["completion_only_loss"])
 
 
 def check_lm_params(p: Dict[str, Any]) -> None:
