@@ -41,7 +41,7 @@ def plain_causal_lm(path, peft_config=None, seed=3):
 
 
 def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2, run="r", chat=False,
-                  max_length=None, val_rows=(), **fields):
+                  max_length=None, val_rows=(), packed=False, **fields):
     """A TrainSpec over `rows` ((prompt, response) pairs, or chats: lists of messages) in the store's Parquet."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,7 +62,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
         return list_pieces(store, store.path(name))
 
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
-    lm = LMSpec("chat") if chat else LMSpec("prompt", "response")
+    lm = LMSpec("chat", packed=packed) if chat else LMSpec("prompt", "response", packed=packed)
     data = DataSpec(store, train, val, (lm.column,), () if chat else ("response",), lm=lm, max_length=max_length)
     factory = functools.partial(AutoModelForCausalLM.from_pretrained, path)
     objs = user_objects(with_adapters(factory(), peft_config), functools.partial(torch.optim.AdamW, lr=lr), [], [],

@@ -70,6 +70,69 @@ def test_a_text_column_learns_every_token_and_completion_only_loss_false_learns_
     assert (every["response"] == every["prompt.input_ids"]).all() and (only["response"] == IGNORE).sum() > 3
 
 
+@pytest.mark.parametrize("text", [False, True], ids=["prompt-response", "whole-text"])
+def test_a_packed_batch_gives_each_row_its_own_logits_and_the_unpacked_loss(llama, tokenizer, text):
+    """packing=True: rows best-fit into sequences of up to max_length (the tokenizer's 64 here), positions from 0
+    per row, no attention_mask: each row's logits are those it has alone, and the loss sums (loss, labelled
+    tokens, rows) are the unpacked batch's; whole texts too (every token labelled: no row learns the next's)."""
+    from estimator.data.lm import bins
+    from estimator.train.objectives.tokens import TokenObjective
+
+    rows = lm_rows(7)
+    batch = ({"text": np.array([p + r for p, r in rows], dtype=object)} if text else
+             {"prompt": np.array([p for p, _ in rows], dtype=object),
+              "response": np.array([r for _, r in rows], dtype=object)})
+    spec = LMSpec("text", text=True) if text else LMSpec("prompt", "response")
+    plain = CausalLMTokenize(tokenizer, spec, None)(batch)
+    pack = CausalLMTokenize(tokenizer, dataclasses.replace(spec, packed=True), None)(batch)
+    col = spec.column
+    ids, positions = pack[f"{col}.input_ids"], pack[f"{col}.position_ids"]
+    assert f"{col}.attention_mask" not in pack and ids.shape[1] <= 64 and 1 < ids.shape[0] < 7
+    assert (positions == 0).sum() == 7
+    model = plain_causal_lm(llama).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions),
+                       use_cache=False).logits
+        found = 0
+        for seq in range(ids.shape[0]):
+            starts = list(np.flatnonzero(positions[seq] == 0)) + [ids.shape[1]]
+            for a, b in zip(starts, starts[1:]):
+                mask = plain[f"{col}.attention_mask"]
+                row = next(r for r in range(7) if list(plain[f"{col}.input_ids"][r][mask[r] == 1]) ==
+                           list(ids[seq, a:a + int(mask[r].sum())]))
+                n = int(mask[row].sum())
+                alone = model(input_ids=torch.from_numpy(plain[f"{col}.input_ids"][row:row + 1, :n])).logits[0]
+                assert torch.allclose(logits[seq, a:a + n], alone, atol=1e-4), (seq, row)
+                found += 1
+    assert found == 7
+
+    def sums(arrays):
+        features = {k.split(".", 1)[1]: torch.from_numpy(v) for k, v in arrays.items()
+                    if k.startswith(col + ".") and k != spec.labels_key}
+        return TokenObjective().on_batch(model, ([features], [torch.from_numpy(arrays[spec.labels_key])], None))[1]
+
+    with torch.no_grad():
+        want, got = sums(plain), sums(pack)
+    assert got[1:].tolist() == want[1:].tolist() and got[0].item() == pytest.approx(want[0].item(), rel=1e-5)
+    assert bins([5, 3, 9, 1, 6], 10) == [[2, 3], [4, 1], [0]]  # best fit, the longest first
+
+    from estimator.train.objectives.tokens import ModelFailed, check_packed
+
+    features = {k.split(".", 1)[1]: torch.from_numpy(v) for k, v in pack.items() if k != spec.labels_key}
+    check_packed(model, features)  # a Llama keeps each packed row to itself
+
+    class NoPositions(torch.nn.Module):  # a model whose attention ignores packed positions: refused, by name
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids, use_cache):
+            return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+    with pytest.raises(ModelFailed, match="packing=True: a row packed after another got other logits"):
+        check_packed(NoPositions(model), features)
+
+
 def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
     messages = [{"role": "system", "content": "Answer with a color."},
                 {"role": "user", "content": "What color is the kettle?"}, {"role": "assistant", "content": "teal"},
@@ -169,15 +232,16 @@ def test_rows_left_without_a_response_token_are_counted_over_the_whole_table(lla
         check_room(chat, tokenizer, None)
 
 
-@pytest.mark.parametrize("batch, every", [(4, 1), (2, 2)])
-def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store, batch, every):
+@pytest.mark.parametrize("batch, every, packed", [(4, 1, False), (2, 2, False), (4, 1, True)],
+                         ids=["batch-4", "accumulated", "packed"])
+def test_two_ranks_of_lora_sft_equal_one_plain_peft_loop_of_batch_2b(llama, tokenizer, store, batch, every, packed):
     """The loss is averaged over response tokens of the whole step (both ranks, and every batch of an
     accumulation window), not over each rank's batch: the rows' responses differ in length, so a mean of the
-    ranks' means would train other weights."""
+    ranks' means would train other weights. Packed (each rank's 4 rows in fewer sequences), the same."""
     ranks, steps, epochs, lr = 2, 4, 2, 1e-2
     rows = lm_rows(ranks * 4 * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
-                                                lr=lr, backward_passes_per_step=every), ranks)
+                                                lr=lr, backward_passes_per_step=every, packed=packed), ranks)
     batch = batch * every  # each rank's rows of one optimizer step
     plain = plain_causal_lm(llama, lora())
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)

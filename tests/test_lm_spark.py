@@ -367,14 +367,14 @@ def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfun
 
 
 def test_whole_texts_without_a_label_train_every_token_and_held_out_perplexity_falls(spark, store, llama):
-    """Continued pretraining: a text column, no label column: every token in the loss; the held-out documents'
-    perplexity falls epoch by epoch, and transform continues a text as model.generate does."""
+    """Continued pretraining: a text column, no label column: every token in the loss, the rows packed; the
+    held-out documents' perplexity falls epoch by epoch, and transform continues a text as model.generate does."""
     from sft_example import color_facts
 
     documents = [(p.replace("What color is the", "The") .replace("?", "") + r,) for p, r in color_facts()] * 2
     df = spark.createDataFrame(documents, "text string")
     fitted = sft(llama, store, feature_cols=["text"], label_cols=None, epochs=3, validation=0.25,
-                 max_new_tokens=6).fit(df)
+                 max_new_tokens=6, packing=True).fit(df)  # packed: the texts are short, the sequences 64
     history = fitted.getHistory()
     assert [round(row["val_perplexity"], 3) for row in history] == sorted(
         [round(row["val_perplexity"], 3) for row in history], reverse=True), history

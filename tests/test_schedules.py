@@ -87,8 +87,9 @@ def test_a_cosine_run_reports_its_rate_and_resumed_inside_an_epoch_goes_on_as_if
      "warmup_ratio is stepped by the built-in loop.*train_fn"),
     ({"lr_schedule": "exponential"}, "lr_schedule.*'constant', 'linear', 'cosine' or None"),
     ({"warmup_ratio": 1.5}, "warmup_ratio.*a number in \\[0, 1\\)"),
+    ({"packing": True}, "packing=True packs a causal LM's tokenized rows.*this fit is not one"),
 ])
-def test_what_would_set_the_rate_twice_is_refused_by_name_before_any_job(store, params, named):
+def test_what_would_set_the_rate_twice_or_pack_a_table_that_is_not_text_is_refused_by_name(store, params, named):
     from estimator import TorchEstimator
 
     model = MLP()

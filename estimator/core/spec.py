@@ -39,6 +39,7 @@ class LMSpec:
     tools: Optional[Tuple[Any, ...]] = None  # chat_tools: given to the chat template with each conversation
     text: bool = False  # a text column and no label: every token in the loss (continued pretraining)
     every_token: bool = False  # completion_only_loss=False: the prompt (the whole conversation) in the loss too
+    packed: bool = False  # packing=True: each batch's rows packed into sequences (estimator.data.lm.packed)
 
     @property
     def chat(self) -> bool:

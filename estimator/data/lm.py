@@ -116,6 +116,8 @@ class CausalLMTokenize:
         spec = self.spec
         rows = self.rows(batch)
         out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response)}
+        if spec.packed:
+            return {**out, **packed(rows, self.max_length, pad_id(self.tokenizer), spec)}
         width = max((len(ids) for ids, _ in rows), default=0)
         ids = np.full((len(rows), width), pad_id(self.tokenizer), dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
@@ -145,6 +147,58 @@ class CausalLMTokenize:
             rows = [(ids, list(ids)) for ids, _ in rows]
         limit = self.max_length
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
+
+
+def bins(lengths: Sequence[int], width: int) -> List[List[int]]:
+    """The rows (by index) of each packed sequence: best-fit decreasing, the longest row first, each into the
+    sequence it fills the most without passing `width` tokens (a new sequence when none has room)."""
+    room: List[int] = []
+    out: List[List[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b, left in enumerate(room) if left >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: room[b])
+            out[b].append(i)
+            room[b] -= lengths[i]
+        else:
+            out.append([i])
+            room.append(width - lengths[i])
+    return out
+
+
+def packed(rows: Sequence[Tuple[List[int], List[int]]], limit: Optional[int], pad: int, spec: LMSpec
+           ) -> Dict[str, np.ndarray]:
+    """packing=True: the batch's rows in as few sequences of at most `limit` tokens (the longest row where no
+    limit cuts) as bins() finds, each row's positions from 0 and no attention_mask (transformers then confines
+    attention to each row: its packed-sequence mask, or flash attention's boundaries). Each row's first label is
+    IGNORE: the last position of the row before it would otherwise learn to predict it (alone, no position
+    does). The sequences are padded on the right as the last row's continuation (positions going on, label
+    IGNORE): a row's count is its positions equal to 0."""
+    width = max([limit or 0] + [len(ids) for ids, _ in rows])
+    groups = bins([len(ids) for ids, _ in rows], width)
+    used = max((sum(len(rows[i][0]) for i in group) for group in groups), default=0)
+    ids = np.full((len(groups), used), pad, dtype=np.int64)
+    labels = np.full((len(groups), used), IGNORE, dtype=np.int64)
+    positions = np.zeros((len(groups), used), dtype=np.int64)
+    for g, group in enumerate(groups):
+        at = 0
+        for i in group:
+            row_ids, row_labels = rows[i]
+            n = len(row_ids)
+            ids[g, at:at + n], labels[g, at:at + n] = row_ids, row_labels
+            labels[g, at] = IGNORE
+            positions[g, at:at + n] = np.arange(n)
+            at += n
+        if at and at < used:  # the padding continues the last row: its positions go on
+            positions[g, at:] = positions[g, at - 1] + 1 + np.arange(used - at)
+    return {f"{spec.column}{SEP}input_ids": ids, f"{spec.column}{SEP}position_ids": positions,
+            spec.labels_key: labels}
+
+
+def packed_rows(features: Any) -> Any:
+    """The rows a packed batch holds (a tensor, on the batch's device: no read), None for a batch not packed."""
+    positions = features.get("position_ids") if isinstance(features, dict) else None
+    return None if positions is None else (positions == 0).sum()
 
 
 def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:

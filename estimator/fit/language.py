@@ -7,6 +7,8 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
+import sys
+
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -74,7 +76,7 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                              f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
         check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
         return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
-                      every_token=not p["completion_only_loss"])
+                      every_token=not p["completion_only_loss"], packed=packing(p))
     if p["chat_tools"]:
         raise ValueError(f"chat_tools are given to the chat template with each conversation of a chat column; "
                          f"{column!r} is a {dtype.simpleString()} column. Leave chat_tools unset, or train on a "
@@ -83,7 +85,7 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
         raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
                          f"column), or a chat column ({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")
     if not labels:  # continued pretraining: the texts themselves are learned
-        return LMSpec(column, text=True)
+        return LMSpec(column, text=True, packed=packing(p))
     if len(labels) != 1:
         raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} takes the response as one string "
                          f"label column (label_cols=['response']), or none to learn the texts themselves; got "
@@ -94,7 +96,23 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
         raise ValueError(f"Column {labels[0]!r} (from label_cols) has type {label_type.simpleString()}; the response a "
                          "causal LM is fine-tuned to write after the prompt is a string column: cast it first "
                          f"(F.col({labels[0]!r}).cast('string')).")
-    return LMSpec(column, labels[0], every_token=not p["completion_only_loss"])
+    return LMSpec(column, labels[0], every_token=not p["completion_only_loss"], packed=packing(p))
+
+
+def packing(p: Mapping[str, Any]) -> bool:
+    """packing=True where it is exact: a transformers model whose attention reads packed rows from position_ids
+    (its modeling module builds its mask with masking_utils' create_causal_mask); refused by name otherwise."""
+    if not p["packing"]:
+        return False
+    model = p["model"]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = sys.modules.get(type(base).__module__)
+    if not hasattr(module, "create_causal_mask"):
+        raise ValueError(f"packing=True puts several rows in one sequence, which is exact only where the model's "
+                         f"attention keeps each row to itself from its positions (transformers' packed-sequence "
+                         f"mask: Llama, Qwen, Mistral, Gemma...); {type(base).__name__} ({type(base).__module__}) "
+                         "builds its mask otherwise. Leave packing=False for this model.")
+    return True
 
 
 def check_lm_params(p: Dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
-from estimator.data.lm import IGNORE
+from estimator.data.lm import IGNORE, packed_rows
 from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.base import BuiltIn, summarize_means
 from estimator.train.objectives.chunked_loss import chunked_token_loss, hidden_states, output_head
@@ -66,6 +66,7 @@ class TokenObjective(BuiltIn):
         if self._checked:
             return self.batch_loss(model, tensors)
         try:
+            check_packed(model, tensors[0][0])
             done = self.batch_loss(model, tensors)
         except Exception as exc:  # noqa: BLE001 - the user's model: typed, never retried
             if failure_kind(exc) is not FailureKind.USER:  # a peer gone, a module missing: theirs to say
@@ -78,12 +79,17 @@ class TokenObjective(BuiltIn):
 
     def batch_loss(self, model: Any, tensors: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         features, labels, _ = tensors
+        rows = packed_rows(features[0])  # packing=True: the rows its sequences hold (estimator.data.lm.packed)
+        if rows is None:
+            rows = labels[0].shape[0]
+        else:  # no KV cache: transformers confines attention to each packed row only without one
+            features = [dict(features[0], use_cache=False), *features[1:]]
         head, _ = output_head(model)
         if head is not None and id(head) not in self._plain:
             hidden = hidden_states(model, features, head, tuple(labels[0].shape))
             if hidden is not None:
                 loss, tokens = chunked_token_loss(hidden, head, labels[0])
-                return loss, self.batch_sums(loss, tokens, labels[0].shape[0])
+                return loss, self.batch_sums(loss, tokens, rows)
             self._plain.add(id(head))  # this batch and the next ones: the plain path (the forward runs again)
             log.warning("The causal LM's forward does not return its output head's result as its logits: its loss "
                         "is computed from the full logits in float32 (more memory).")
@@ -95,11 +101,14 @@ class TokenObjective(BuiltIn):
                              + (f" with logits of shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor)
                                 else " without logits") + ". Use a model such as AutoModelForCausalLM.")
         loss, tokens = token_loss(logits, labels[0])
-        return loss, self.batch_sums(loss, tokens, labels[0].shape[0])
+        return loss, self.batch_sums(loss, tokens, rows)
 
-    def batch_sums(self, loss: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    def batch_sums(self, loss: torch.Tensor, tokens: torch.Tensor, rows: Any) -> torch.Tensor:
         """(loss, tokens, rows) in float64 by one concatenation: no vector filled element by element (each element
-        a kernel launch)."""
+        a kernel launch). `rows`: a count, or a packed batch's as a tensor on the device."""
+        if isinstance(rows, torch.Tensor):
+            return torch.cat([loss.detach().double().reshape(1), tokens.double().reshape(1),
+                              rows.double().reshape(1)])
         key = (rows, loss.device)
         if key not in self._rows:
             if len(self._rows) > 8:  # batch sizes vary (a last partial batch): keep a few
@@ -117,6 +126,30 @@ class TokenObjective(BuiltIn):
             loss = row[prefix + "loss"]
             row[prefix + "perplexity"] = math.exp(loss) if loss == loss and loss < 700 else float("inf")
         return row
+
+
+def check_packed(model: Any, features: Any) -> None:
+    """packing=True, on a rank's first batch: a row packed after another gets the logits it gets alone (its
+    attention kept to itself), else ModelFailed names packing. The driver's check of the model's class
+    (estimator.fit.language.packing) cannot see every way a model builds its positions (ALiBi, positions from
+    the attention mask): this forward does, once."""
+    if packed_rows(features) is None:
+        return
+    positions, ids = features["position_ids"], features["input_ids"]
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+    if len(starts) < 3:  # one row in the first sequence: nothing packed to compare
+        return
+    a, b = starts[1], starts[2]
+    with torch.no_grad():
+        together = logits_of(forward(model, [{"input_ids": ids[:1, :b], "position_ids": positions[:1, :b],
+                                               "use_cache": False}]))[0, a:b].float()
+        alone = logits_of(forward(model, [{"input_ids": ids[:1, a:b], "position_ids": positions[:1, a:b],
+                                           "use_cache": False}]))[0].float()
+    scale = float(alone.abs().max()) or 1.0
+    if float((together - alone).abs().max()) > 2e-2 * scale:
+        raise ModelFailed("packing=True: a row packed after another got other logits than alone (its attention "
+                          f"or its positions reach the row before it in {type(model).__name__}): packing would "
+                          "train on rows that see each other. Leave packing=False for this model.")
 
 
 class ModelFailed(ValueError):
