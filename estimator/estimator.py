@@ -364,10 +364,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
 def inference_rows(p: Mapping[str, Any], objective: Any) -> Optional[int]:
     """The fitted model's inference_batch_size: the estimator's, else the larger of the validation batch and 256,
-    else for generation None (its own bound: prompt and new tokens per generate() call)."""
+    else for a language model None (its output kind's own bound: generation's tokens per generate() call)."""
     if p["inference_batch_size"] is not None:
         return p["inference_batch_size"]
-    if objective is not None and objective.transform_output == "generate":
+    if objective is not None and objective.language_model:
         return None
     return max(p["val_batch_size"] or p["batch_size"], 256)
 
