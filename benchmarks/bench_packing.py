@@ -8,7 +8,9 @@ epoch. Numbers, not assertions (RESULTS.md by hand).
                                                  [--json F]
 
 Model: the 'small' Llama of bench_lm.py (hidden 256, 4 layers, 256 positions), LoRA r=16 on every linear layer,
-AdamW lr 1e-3, constant. Rows: made-up facts as prompts (about 10 tokens), each response the fact then " That is
+AdamW lr 1e-3, constant, gradients clipped at norm 1.0 and the rows shuffled (TRL's defaults: without the
+clipping our held-out loss was 0.48 against TRL's 0.35 on seed 0, with it 0.32; the run below matches them;
+AdamW's weight decay stays torch's 0.01 against Hugging Face's 0). Rows: made-up facts as prompts (about 10 tokens), each response the fact then " That is
 all." repeated 0-45 times (seeded): 2 to about 200 tokens. Ours: 2 ranks x batch 8 (the global batch 16),
 max_length 256; tokens/s = the rows' tokens over the ranks' training-loop seconds. TRL: one process, batch 16,
 max_length 256, completion-only loss (its default for prompt/completion rows), no eval during training;
@@ -84,7 +86,7 @@ def ours(path, rows, held, packed, seed, work):
     store = LocalStore(os.path.join(work, f"store-{packed}-{seed}"))
     spec = lm_train_spec(store, path, rows, batch=BATCH, epochs=1, peft_config=lora(), lr=LR, run="r", verbose=0,
                          max_length=MAX_LENGTH, packed=packed)
-    spec = dataclasses.replace(spec, seed=seed)
+    spec = dataclasses.replace(spec, seed=seed, shuffle=True, gradient_clip_val=1.0)  # as TRL's defaults do
     results = LocalLauncher().run(spec, RANKS)
     model = plain_causal_lm(path, lora(), seed=0)
     restore(store, store.run("r"), store.run("r").checkpoint, model, None)
