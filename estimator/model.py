@@ -170,8 +170,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
         source = blob if len(blob) <= inference.INLINE_BYTES else ship_model_file(df.sparkSession, key, blob)
         internal = spark_type(predictor.arrow_type())  # the UDF's struct, as inference builds it
         # the predictor travels as a model does: a kind of the user's own, defined only on the driver, by value
-        sent = SentPredictor(dumps(predictor, f"output_kind={p['output_kind']!r}'s predictor",
-                                   roots=[predictor, p['tokenizer']]))
+        sent = sent_predictor(predictor, p)
         if hasattr(F, "arrow_udf"):
             predict = F.arrow_udf(make_predict(key, source, sent), internal).asNondeterministic()
         else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
@@ -203,8 +202,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
         blob = dumps(handle, "model", roots=[handle.factory, handle.peft_config]) if handle is not None else \
             self._model_blob()
         key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
-        sent = SentPredictor(dumps(predictor, f"output_kind={p['output_kind']!r}'s predictor",
-                                   roots=[predictor, p['tokenizer']]))
+        sent = sent_predictor(predictor, p)
         return TorchModelPyfunc(key, blob, sent, p["feature_cols"], [(f.name, n) for f, n in added_fields(predictor)])
 
     def save_pretrained(self, path: str, merged: bool = True) -> None:
@@ -226,6 +224,13 @@ class TorchModel(DeclaredParams, Model, Persistable):
         model = self.getModel()
         return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 
+
+
+def sent_predictor(predictor: Predictor, p: Dict[str, Any]) -> SentPredictor:
+    """The predictor as transform (and the MLflow pyfunc) carries it: pickled with a kind of the user's own, one
+    defined only on the driver, by value."""
+    return SentPredictor(dumps(predictor, f"output_kind={p['output_kind']!r}'s predictor",
+                               roots=[predictor, p['tokenizer']]))
 
 
 def built_model(factory: Any) -> nn.Module:

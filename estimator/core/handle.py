@@ -68,11 +68,8 @@ class ModelHandle:
 
         return load(self.trained)
 
-    def build(self) -> nn.Module:
-        """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded
-        (loads the base's weights into this process). Built as the ranks built it, under the run's seed: a base
-        the factory draws at random (a config's model, no from_pretrained) is the one the adapters were trained
-        on."""
+    def _base(self) -> nn.Module:
+        """The factory's base with the adapters and their inline trained values, under the run's seed."""
         try:
             with hf_bars_off(), torch.random.fork_rng(devices=[]):
                 if self.seed is not None:
@@ -88,6 +85,14 @@ class ModelHandle:
                 "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
         if self.trained:  # none: a pretrained model as its factory loads it (a TorchModel built without a fit)
             load_trainable(model, self.state(), "the fitted model's adapters")
+        return model
+
+    def build(self) -> nn.Module:
+        """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded
+        (loads the base's weights into this process), or the run's checkpoint's model (`stored`). Built as the
+        ranks built it, under the run's seed: a base the factory draws at random (a config's model, no
+        from_pretrained) is the one the adapters were trained on."""
+        model = self._base()
         if self.stored is not None:  # the run's checkpoint, read here (only the model's part of it)
             self.stored.load_into(model)
         return model.eval()
@@ -98,14 +103,14 @@ class ModelHandle:
         the run's checkpoint, a full fine-tune's, read from there): what getModel() and save use."""
         from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 
-        built = self.build()
         if optimizer is None:
-            return built, None
+            return self.build(), None
+        built = self._base()
         optimizer = rebuild_optimizer(type(optimizer), optimizer_groups(optimizer, skeleton),
                                       constructor_defaults(optimizer), optimizer.state_dict(), built)
-        if self.stored is not None:
+        if self.stored is not None:  # the checkpoint read once: the model's part and the optimizer's
             self.stored.load_into(built, optimizer)
-        return built, optimizer
+        return built.eval(), optimizer
 
 
 def loads_pretrained(factory: Any) -> bool:
