@@ -5,7 +5,11 @@ with `--trl-python` naming an interpreter that has trl). Held-out loss over the 
 epoch. Numbers, not assertions (RESULTS.md by hand).
 
     .venv/bin/python benchmarks/bench_packing.py [--rows 512] [--seeds 3] [--trl-python /work/venv-trl/bin/python]
-                                                 [--json F]
+                                                 [--json F] [--device cuda]
+
+--device cuda (GPU rows, no TRL): the 'base' Llama of bench_lm.py (hidden 1024, 8 layers), one rank of batch 32,
+bf16-mixed, 2,048 rows unless --rows says otherwise; packed rows go through torch's variable-length flash
+attention there.
 
 Model: the 'small' Llama of bench_lm.py (hidden 256, 4 layers, 256 positions), LoRA r=16 on every linear layer,
 AdamW lr 1e-3, constant, gradients clipped at norm 1.0 and the rows shuffled (TRL's defaults: without the
@@ -36,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
 LR, BATCH, RANKS, MAX_LENGTH = 1e-3, 8, 2, 256
+GPU_BATCH = 32
 
 
 def rows_of(count, seed):
@@ -76,7 +81,7 @@ def held_out_loss(model, path, rows):
     return total / count
 
 
-def ours(path, rows, held, packed, seed, work):
+def ours(path, rows, held, packed, seed, work, cuda=False, precision="bf16-mixed"):
     from estimator.launch.local import LocalLauncher
     from estimator.train.checkpoint import restore
     from bench_lm import lora
@@ -84,10 +89,11 @@ def ours(path, rows, held, packed, seed, work):
     from store import LocalStore
 
     store = LocalStore(os.path.join(work, f"store-{packed}-{seed}"))
-    spec = lm_train_spec(store, path, rows, batch=BATCH, epochs=1, peft_config=lora(), lr=LR, run="r", verbose=0,
-                         max_length=MAX_LENGTH, packed=packed)
+    gpu = dict(use_gpu=True, precision=precision) if cuda else {}
+    spec = lm_train_spec(store, path, rows, batch=GPU_BATCH if cuda else BATCH, epochs=1, peft_config=lora(), lr=LR,
+                         run="r", verbose=0, max_length=MAX_LENGTH, packed=packed, **gpu)
     spec = dataclasses.replace(spec, seed=seed, shuffle=True, gradient_clip_val=1.0)  # as TRL's defaults do
-    results = LocalLauncher().run(spec, RANKS)
+    results = LocalLauncher().run(spec, 1 if cuda else RANKS)
     model = plain_causal_lm(path, lora(), seed=0)
     restore(store, store.run("r"), store.run("r").checkpoint, model, None)
     return {"seconds": max(r.train_loop_seconds for r in results), "held_out_loss": held_out_loss(model, path, held)}
@@ -120,7 +126,9 @@ def trl_child(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="bf16-mixed", help="with --device cuda: bf16-mixed or 32")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--trl-python")
     parser.add_argument("--json")
@@ -135,14 +143,16 @@ def main(argv=None):
 
     from bench_lm import build
 
+    cuda = args.device == "cuda"
+    args.rows = args.rows or (2048 if cuda else 512)
     results = {}
     with tempfile.TemporaryDirectory() as work:
-        path = build(os.path.join(work, "llama"), "small")
+        path = build(os.path.join(work, "llama"), "base" if cuda else "small")
         for seed in range(args.seeds):
             rows, held = rows_of(args.rows, seed), rows_of(64, 1000 + seed)
             tokens = tokens_in(path, rows)
-            runs = {"ours": ours(path, rows, held, False, seed, work),
-                    "ours, packing": ours(path, rows, held, True, seed, work)}
+            runs = {"ours": ours(path, rows, held, False, seed, work, cuda, args.precision),
+                    "ours, packing": ours(path, rows, held, True, seed, work, cuda, args.precision)}
             if args.trl_python:
                 rows_file = os.path.join(work, f"rows-{seed}.json")
                 with open(rows_file, "w") as f:
@@ -159,7 +169,9 @@ def main(argv=None):
                 run["tokens_per_s"] = tokens / run["seconds"]
                 results.setdefault(name, []).append(run)
                 print(seed, name, run, flush=True)
-    print(f"\n{os.cpu_count()} CPU cores, torch {torch.__version__}; {args.rows} rows (responses 2-200 tokens), "
+    where = (f"{torch.cuda.get_device_name()}, {args.precision}, batch {GPU_BATCH}" if cuda
+             else f"{os.cpu_count()} CPU cores")
+    print(f"\n{where}, torch {torch.__version__}; {args.rows} rows (responses 2-200 tokens), "
           f"{args.seeds} seeds; medians")
     print("| way | tokens/s | vs ours unpacked | held-out loss (min-max) |")
     print("|---|---|---|---|")

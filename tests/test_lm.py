@@ -72,11 +72,12 @@ def test_a_text_column_learns_every_token_and_completion_only_loss_false_learns_
 
 @pytest.mark.parametrize("text", [False, True], ids=["prompt-response", "whole-text"])
 def test_a_packed_batch_gives_each_row_its_own_logits_and_the_unpacked_loss(llama, tokenizer, text):
-    """packing=True: rows best-fit into sequences of up to max_length (the tokenizer's 64 here), positions from 0
-    per row, no attention_mask: each row's logits are those it has alone, and the loss sums (loss, labelled
-    tokens, rows) are the unpacked batch's; whole texts too (every token labelled: no row learns the next's)."""
-    from estimator.data.lm import bins
-    from estimator.train.objectives.tokens import TokenObjective
+    """packing=True: a batch's rows in one sequence with no padding, positions from 0 per row, their boundaries
+    given, no attention_mask: through the packed attention each row's logits are those it has alone, and the
+    loss sums (loss, labelled tokens, rows) are the unpacked batch's; whole texts too (every token labelled: no
+    row learns the next's)."""
+    from estimator.train.objectives.packed_attention import use_packed_attention
+    from estimator.train.objectives.tokens import ModelFailed, TokenObjective, check_packed
 
     rows = lm_rows(7)
     batch = ({"text": np.array([p + r for p, r in rows], dtype=object)} if text else
@@ -86,51 +87,46 @@ def test_a_packed_batch_gives_each_row_its_own_logits_and_the_unpacked_loss(llam
     plain = CausalLMTokenize(tokenizer, spec, None)(batch)
     pack = CausalLMTokenize(tokenizer, dataclasses.replace(spec, packed=True), None)(batch)
     col = spec.column
-    ids, positions = pack[f"{col}.input_ids"], pack[f"{col}.position_ids"]
-    assert f"{col}.attention_mask" not in pack and ids.shape[1] <= 64 and 1 < ids.shape[0] < 7
-    assert (positions == 0).sum() == 7
+    ids, positions, bounds = pack[f"{col}.input_ids"], pack[f"{col}.position_ids"], pack[f"{col}.cu_seq_lens_q"]
+    mask = plain[f"{col}.attention_mask"]
+    assert f"{col}.attention_mask" not in pack and ids.shape == (1, mask.sum())  # no padding at all
+    assert list(bounds) == [0, *np.cumsum(mask.sum(axis=1))] and list(np.flatnonzero(positions[0] == 0)) == \
+        list(bounds[:-1])
+    unpacked = plain_causal_lm(llama).eval()
     model = plain_causal_lm(llama).eval()
+    use_packed_attention(model)
     with torch.no_grad():
         logits = model(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions),
-                       use_cache=False).logits
-        found = 0
-        for seq in range(ids.shape[0]):
-            starts = list(np.flatnonzero(positions[seq] == 0)) + [ids.shape[1]]
-            for a, b in zip(starts, starts[1:]):
-                mask = plain[f"{col}.attention_mask"]
-                row = next(r for r in range(7) if list(plain[f"{col}.input_ids"][r][mask[r] == 1]) ==
-                           list(ids[seq, a:a + int(mask[r].sum())]))
-                n = int(mask[row].sum())
-                alone = model(input_ids=torch.from_numpy(plain[f"{col}.input_ids"][row:row + 1, :n])).logits[0]
-                assert torch.allclose(logits[seq, a:a + n], alone, atol=1e-4), (seq, row)
-                found += 1
-    assert found == 7
+                       cu_seq_lens_q=torch.from_numpy(bounds), use_cache=False).logits[0]
+        for row, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            assert list(plain[f"{col}.input_ids"][row][mask[row] == 1]) == list(ids[0, a:b])
+            alone = unpacked(input_ids=torch.from_numpy(plain[f"{col}.input_ids"][row:row + 1, :b - a])).logits[0]
+            assert torch.allclose(logits[a:b], alone, atol=1e-4), row
 
-    def sums(arrays):
+    def sums(arrays, on):
         features = {k.split(".", 1)[1]: torch.from_numpy(v) for k, v in arrays.items()
                     if k.startswith(col + ".") and k != spec.labels_key}
-        return TokenObjective().on_batch(model, ([features], [torch.from_numpy(arrays[spec.labels_key])], None))[1]
+        return TokenObjective().on_batch(on, ([features], [torch.from_numpy(arrays[spec.labels_key])], None))[1]
 
     with torch.no_grad():
-        want, got = sums(plain), sums(pack)
+        want, got = sums(plain, unpacked), sums(pack, model)
     assert got[1:].tolist() == want[1:].tolist() and got[0].item() == pytest.approx(want[0].item(), rel=1e-5)
-    assert bins([5, 3, 9, 1, 6], 10) == [[2, 3], [4, 1], [0]]  # best fit, the longest first
-
-    from estimator.train.objectives.tokens import ModelFailed, check_packed
 
     features = {k.split(".", 1)[1]: torch.from_numpy(v) for k, v in pack.items() if k != spec.labels_key}
     check_packed(model, features)  # a Llama keeps each packed row to itself
 
-    class NoPositions(torch.nn.Module):  # a model whose attention ignores packed positions: refused, by name
+    class NoPositions(torch.nn.Module):  # a model whose attention ignores packed rows: refused, by name
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids, position_ids, use_cache):
+        def forward(self, input_ids, position_ids, cu_seq_lens_q, use_cache):
             return self.inner(input_ids=input_ids, use_cache=use_cache)
 
     with pytest.raises(ModelFailed, match="packing=True: a row packed after another got other logits"):
-        check_packed(NoPositions(model), features)
+        check_packed(NoPositions(unpacked), features)
+    with pytest.raises(ValueError, match="not one packed sequence with its rows' boundaries"):
+        model(input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions))
 
 
 def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
@@ -289,6 +285,27 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(llama, store):
     for name, value in whole["model"].items():
         assert torch.equal(value, split["model"][name]), name
     assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
+
+
+def test_a_packed_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_weights(llama, store):
+    """packing=True, 24 rows in batches of 4 (6 steps), a checkpoint every 2 steps, the run cut before step 5 and
+    resumed from its checkpoint at step 4: the same adapters and loss as the run never cut."""
+    from estimator.core.faults import Fault
+    from estimator.failures import RankFailed
+
+    rows = lm_rows(24)
+    LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run="whole",
+                                      packed=True), 1)
+    cut = lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run="cut", packed=True,
+                        checkpoint_steps=2)
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=5),)).run(cut, 1)
+    assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 4
+    LocalLauncher().run(dataclasses.replace(cut, resume_from=cut.run.checkpoint, attempt=1, launch_id="again"), 1)
+    whole, again = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "cut"))
+    for name, value in whole["model"].items():
+        assert torch.allclose(value, again["model"][name], atol=1e-6), name
+    assert again["history"][-1]["loss"] == pytest.approx(whole["history"][-1]["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("adapters", [True, False], ids=["lora", "whole"])

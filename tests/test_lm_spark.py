@@ -184,6 +184,9 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     from text_helpers import save_pretrained_bert
 
     bert = save_pretrained_bert(str(tmp_path / "bert"), ["a b c", "d e f"])
+    bloom = str(tmp_path / "bloom")  # a causal LM whose attention is its own code (no attention interface)
+    transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=400, hidden_size=16, n_layer=1, n_head=2)
+                                  ).save_pretrained(bloom)
     texts = spark.createDataFrame(lm_rows(8), "prompt string, response string")
     bad_chat = spark.createDataFrame([([("user", "hi")],)], "chat array<struct<role:string, text:string>>")
     map_chat = spark.createDataFrame([([{"role": "user", "content": "hi"}],)], "chat array<map<string,string>>")
@@ -214,6 +217,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
          r"messages hold \['tool_calls'\], and the chat template .* never reads them: they would be dropped"),
         (dict(chat_tools=[{"type": "function", "function": {"name": "weather"}}]), texts,
          "chat_tools are given to the chat template .* 'prompt' is a string column"),
+        (dict(model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, bloom), packing=True),
+         texts, "packing=True puts a batch's rows in one sequence.*BloomForCausalLM.*Leave packing=False"),
     ]
     for params, df, message in cases:
         with pytest.raises(ValueError, match=message):

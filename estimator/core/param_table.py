@@ -262,11 +262,11 @@ ESTIMATOR_PARAMS = [
               "{'scheduler': ..., 'interval': 'step'} to step it after every optimizer step (OneCycleLR); "
               "checkpointed and resumed",
               None, optional(callable), "a callable taking the optimizer, or None", json=False),
-    ParamSpec("packing", "a causal LM's rows of each batch packed into as few sequences of up to max_length "
-              "tokens as best-fit decreasing finds (no padding between them), each row's positions from 0 and its "
-              "attention confined to itself (transformers' packed-sequence mask): the same loss and gradients as "
-              "unpacked, fewer padded tokens computed. The batch is what is packed, so batch_size still counts "
-              "rows, and resumes and ranks are as without it", False, is_bool, "True or False"),
+    ParamSpec("packing", "a causal LM's rows of each batch in one sequence with no padding, each row's "
+              "positions from 0 and its attention confined to itself at the cost of its own length (flash "
+              "attention over the rows' boundaries on a GPU in half precision, else row by row): the same loss "
+              "and gradients as unpacked, no padded tokens computed. The batch is what is packed, so batch_size "
+              "still counts rows, and resumes and ranks are as without it", False, is_bool, "True or False"),
     ParamSpec("completion_only_loss", "a causal LM's loss over the response's tokens only (a chat's assistant "
               "turns), as TRL's SFTTrainer's default; False: over every token of the row, the prompt (the whole "
               "conversation) too. A text column with no label column learns every token either way (continued "

@@ -117,7 +117,7 @@ class CausalLMTokenize:
         rows = self.rows(batch)
         out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response)}
         if spec.packed:
-            return {**out, **packed(rows, self.max_length, pad_id(self.tokenizer), spec)}
+            return {**out, **packed(rows, pad_id(self.tokenizer), spec)}
         width = max((len(ids) for ids, _ in rows), default=0)
         ids = np.full((len(rows), width), pad_id(self.tokenizer), dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
@@ -149,50 +149,25 @@ class CausalLMTokenize:
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
 
 
-def bins(lengths: Sequence[int], width: int) -> List[List[int]]:
-    """The rows (by index) of each packed sequence: best-fit decreasing, the longest row first, each into the
-    sequence it fills the most without passing `width` tokens (a new sequence when none has room)."""
-    room: List[int] = []
-    out: List[List[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fits = [b for b, left in enumerate(room) if left >= lengths[i]]
-        if fits:
-            b = min(fits, key=lambda b: room[b])
-            out[b].append(i)
-            room[b] -= lengths[i]
-        else:
-            out.append([i])
-            room.append(width - lengths[i])
-    return out
-
-
-def packed(rows: Sequence[Tuple[List[int], List[int]]], limit: Optional[int], pad: int, spec: LMSpec
-           ) -> Dict[str, np.ndarray]:
-    """packing=True: the batch's rows in as few sequences of at most `limit` tokens (the longest row where no
-    limit cuts) as bins() finds, each row's positions from 0 and no attention_mask (transformers then confines
-    attention to each row: its packed-sequence mask, or flash attention's boundaries). Each row's first label is
-    IGNORE: the last position of the row before it would otherwise learn to predict it (alone, no position
-    does). The sequences are padded on the right as the last row's continuation (positions going on, label
-    IGNORE): a row's count is its positions equal to 0."""
-    width = max([limit or 0] + [len(ids) for ids, _ in rows])
-    groups = bins([len(ids) for ids, _ in rows], width)
-    used = max((sum(len(rows[i][0]) for i in group) for group in groups), default=0)
-    ids = np.full((len(groups), used), pad, dtype=np.int64)
-    labels = np.full((len(groups), used), IGNORE, dtype=np.int64)
-    positions = np.zeros((len(groups), used), dtype=np.int64)
-    for g, group in enumerate(groups):
-        at = 0
-        for i in group:
-            row_ids, row_labels = rows[i]
-            n = len(row_ids)
-            ids[g, at:at + n], labels[g, at:at + n] = row_ids, row_labels
-            labels[g, at] = IGNORE
-            positions[g, at:at + n] = np.arange(n)
-            at += n
-        if at and at < used:  # the padding continues the last row: its positions go on
-            positions[g, at:] = positions[g, at - 1] + 1 + np.arange(used - at)
+def packed(rows: Sequence[Tuple[List[int], List[int]]], pad: int, spec: LMSpec) -> Dict[str, np.ndarray]:
+    """packing=True: the batch's rows one after another in a single sequence, no padding (each row already within
+    max_length), each row's positions from 0, and the rows' boundaries as cumulative lengths (`cu_seq_lens_q`,
+    the name transformers' models pass on to their attention): the packed attention
+    (estimator.train.objectives.packed_attention) keeps each row to itself at the cost of its own length. Each
+    row's first label is IGNORE: the last position of the row before it would otherwise learn to predict it
+    (alone, no position does). A row's count is its positions equal to 0."""
+    lengths = [len(ids) for ids, _ in rows]
+    bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+    total = int(bounds[-1])
+    ids = np.full((1, total), pad, dtype=np.int64)
+    labels = np.full((1, total), IGNORE, dtype=np.int64)
+    positions = np.zeros((1, total), dtype=np.int64)
+    for (row_ids, row_labels), at, n in zip(rows, bounds[:-1], lengths):
+        ids[0, at:at + n], labels[0, at:at + n] = row_ids, row_labels
+        labels[0, at] = IGNORE
+        positions[0, at:at + n] = np.arange(n)
     return {f"{spec.column}{SEP}input_ids": ids, f"{spec.column}{SEP}position_ids": positions,
-            spec.labels_key: labels}
+            f"{spec.column}{SEP}cu_seq_lens_q": bounds, spec.labels_key: labels}
 
 
 def packed_rows(features: Any) -> Any:

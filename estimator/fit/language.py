@@ -100,18 +100,18 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
 
 
 def packing(p: Mapping[str, Any]) -> bool:
-    """packing=True where it is exact: a transformers model whose attention reads packed rows from position_ids
-    (its modeling module builds its mask with masking_utils' create_causal_mask); refused by name otherwise."""
+    """packing=True where it is exact: a transformers model that dispatches its attention through transformers'
+    attention interface (the ranks give it the packed attention, estimator.train.objectives.packed_attention);
+    refused by name otherwise."""
     if not p["packing"]:
         return False
     model = p["model"]
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    module = sys.modules.get(type(base).__module__)
-    if not hasattr(module, "create_causal_mask"):
-        raise ValueError(f"packing=True puts several rows in one sequence, which is exact only where the model's "
-                         f"attention keeps each row to itself from its positions (transformers' packed-sequence "
-                         f"mask: Llama, Qwen, Mistral, Gemma...); {type(base).__name__} ({type(base).__module__}) "
-                         "builds its mask otherwise. Leave packing=False for this model.")
+    if not getattr(base, "_supports_attention_backend", False):
+        raise ValueError(f"packing=True puts a batch's rows in one sequence, each row attending to itself through "
+                         f"transformers' attention interface (Llama, Qwen, Mistral, Gemma, GPT-2...); "
+                         f"{type(base).__name__} ({type(base).__module__}) computes its attention otherwise. "
+                         "Leave packing=False for this model.")
     return True
 
 

@@ -121,3 +121,50 @@ def test_the_chunked_loss_on_the_gpu_equals_the_plain_loss_in_float32_and_under_
         for name, value in want_grads.items():
             error = (got_grads[name] - value).abs().max().item()
             assert error <= tolerance * max(value.abs().max().item(), 1e-6), (dtype, name, error)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-autocast", "fp32"])
+def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store, monkeypatch, mode):
+    """packing=True on CUDA: a bf16 model, or float32 under bf16 autocast, goes through torch's variable-length
+    flash attention (where this torch has it) and float32 through the row-by-row path; either way each packed
+    row's logits are those it gets alone (bf16's rounding apart), and a packed LoRA fit in bf16-mixed trains."""
+    import contextlib
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from estimator.core.spec import LMSpec
+    from estimator.data.lm import CausalLMTokenize
+    from estimator.train.objectives import packed_attention
+
+    flash = []
+    original = packed_attention.flash_rows
+    monkeypatch.setattr(packed_attention, "flash_rows",
+                        lambda *a: flash.append(original(*a)) or flash[-1])
+    rows = lm_rows(7)
+    batch = {"prompt": np.array([p for p, _ in rows], dtype=object),
+             "response": np.array([r for _, r in rows], dtype=object)}
+    pack = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec("prompt", "response", packed=True),
+                            None)(batch)
+    ids, positions, bounds = (torch.from_numpy(pack[f"prompt.{k}"]).to("cuda")
+                              for k in ("input_ids", "position_ids", "cu_seq_lens_q"))
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    alone_model = plain_causal_lm(llama).to("cuda", dtype).eval()
+    model = plain_causal_lm(llama).to("cuda", dtype).eval()
+    packed_attention.use_packed_attention(model)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if mode == "bf16-autocast"
+                else contextlib.nullcontext())
+    with torch.no_grad(), autocast:
+        logits = model(input_ids=ids, position_ids=positions, cu_seq_lens_q=bounds, use_cache=False).logits[0]
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            alone = alone_model(input_ids=ids[:, a:b]).logits[0]
+            scale = alone.float().abs().max().item()
+            error = (logits[a:b].float() - alone.float()).abs().max().item()
+            assert error <= (3e-2 if mode != "fp32" else 1e-4) * scale, (mode, a, error)
+    used_flash = any(out is not None for out in flash)
+    assert used_flash == (mode != "fp32" and packed_attention.varlen_attention() is not None), (mode, len(flash))
+    print(f"packed attention on {torch.cuda.get_device_name()} ({mode}): flash={used_flash}, torch {torch.__version__}")
+    if mode == "bf16-autocast":
+        (fit,) = LocalLauncher().run(lm_train_spec(store, llama, lm_rows(32), batch=8, epochs=3, peft_config=lora(),
+                                                   use_gpu=True, precision="bf16-mixed", packed=True, run="packed"), 1)
+        assert fit.history[-1]["loss"] < fit.history[0]["loss"]

@@ -109,6 +109,22 @@ def test_an_epoch_tokenized_on_the_rank_waits_no_more_than_the_models_own_loop(s
     assert len(watch.syncs) <= per_step * watch.steps + allowed(watch.steps), (per_step, watch.syncs[:5])
 
 
+def test_a_packed_epoch_in_bf16_waits_no_more_than_the_same_epoch_unpacked(store, monkeypatch, tmp_path):
+    """packing=True on CUDA (bf16-mixed: torch's variable-length flash attention): the rows' boundaries come with
+    the batch, so the packed attention reads nothing back; the host waits no more often than unpacked."""
+    from lm_helpers import color_facts, lm_rows, lm_train_spec, save_pretrained_llama
+
+    path = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
+    watch, counts = Watch(monkeypatch), {}
+    for packed in (False, True):
+        before = watch.steps
+        (result,) = watch.run(lm_train_spec(store, path, lm_rows(96), batch=4, epochs=1, use_gpu=True,
+                                            precision="bf16-mixed", packed=packed, run=f"packed-{packed}"))
+        assert result.device == "cuda:0" and watch.steps - before >= 20
+        counts[packed] = (len(watch.syncs), watch.syncs[:5])
+    assert counts[True][0] <= counts[False][0], counts
+
+
 def test_the_watch_sees_a_sync_where_there_is_one(store, digits, monkeypatch):
     """The check above can fail: a loss read back per step (what the loop must not do) is counted."""
     watch = Watch(monkeypatch)

@@ -24,6 +24,7 @@ from estimator.data.lm import IGNORE, packed_rows
 from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.base import BuiltIn, summarize_means
 from estimator.train.objectives.chunked_loss import chunked_token_loss, hidden_states, output_head
+from estimator.train.objectives.packed_attention import use_packed_attention
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -55,6 +56,8 @@ class TokenObjective(BuiltIn):
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "TokenObjective":
+        if spec.data.lm is not None and spec.data.lm.packed:  # each packed row attends to itself only
+            use_packed_attention(model)
         return cls()
 
     def __init__(self) -> None:
@@ -131,19 +134,20 @@ class TokenObjective(BuiltIn):
 def check_packed(model: Any, features: Any) -> None:
     """packing=True, on a rank's first batch: a row packed after another gets the logits it gets alone (its
     attention kept to itself), else ModelFailed names packing. The driver's check of the model's class
-    (estimator.fit.language.packing) cannot see every way a model builds its positions (ALiBi, positions from
-    the attention mask): this forward does, once."""
+    (estimator.fit.language.packing) cannot see every way a model builds its attention and positions (ALiBi, an
+    attention module of its own, positions from the attention mask): this forward does, once."""
     if packed_rows(features) is None:
         return
-    positions, ids = features["position_ids"], features["input_ids"]
-    starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
-    if len(starts) < 3:  # one row in the first sequence: nothing packed to compare
+    positions, ids, cu = features["position_ids"], features["input_ids"], features["cu_seq_lens_q"]
+    bounds = cu.tolist()  # one read, on the first batch only
+    if len(bounds) < 3:  # one row: nothing packed to compare
         return
-    a, b = starts[1], starts[2]
+    a, b = bounds[1], bounds[2]
     with torch.no_grad():
         together = logits_of(forward(model, [{"input_ids": ids[:1, :b], "position_ids": positions[:1, :b],
-                                               "use_cache": False}]))[0, a:b].float()
+                                               "cu_seq_lens_q": cu[:3], "use_cache": False}]))[0, a:b].float()
         alone = logits_of(forward(model, [{"input_ids": ids[:1, a:b], "position_ids": positions[:1, a:b],
+                                           "cu_seq_lens_q": torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device),
                                            "use_cache": False}]))[0].float()
     scale = float(alone.abs().max()) or 1.0
     if float((together - alone).abs().max()) > 2e-2 * scale:
