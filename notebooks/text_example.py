@@ -102,17 +102,23 @@ def main(argv=None) -> float:
     # --8<-- [start:finetune]
     est = TorchEstimator(
         num_proc=2, store=store,
-        model=functools.partial(AutoModelForSequenceClassification.from_pretrained, path),
-        optimizer=functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.01),
-        tokenizer=AutoTokenizer.from_pretrained(path),  # the text is tokenized on the ranks
-        loss=torch.nn.CrossEntropyLoss(), metrics=["accuracy"], feature_cols=["text"],
-        label_cols=["label"], batch_size=32, epochs=epochs, validation=0.1,
+        model=functools.partial(
+            AutoModelForSequenceClassification.from_pretrained, path),
+        optimizer=functools.partial(
+            torch.optim.AdamW, lr=lr, weight_decay=0.01),
+        # the text is tokenized on the ranks
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        loss=torch.nn.CrossEntropyLoss(), metrics=["accuracy"],
+        feature_cols=["text"], label_cols=["label"],
+        batch_size=32, epochs=epochs, validation=0.1,
     )
-    pm = Pipeline(stages=[est]).fit(train_df)  # the model is built on each rank from `path`
+    # the model is built on each rank from `path`
+    pm = Pipeline(stages=[est]).fit(train_df)
     pred = pm.transform(test_df)  # prediction, rawPrediction, probability
     evaluator = MulticlassClassificationEvaluator(labelCol="label")
     accuracy = evaluator.setMetricName("accuracy").evaluate(pred)
-    pm.stages[0].save_pretrained(saved)  # a from_pretrained folder, tokenizer included
+    # a from_pretrained folder, tokenizer included
+    pm.stages[0].save_pretrained(saved)
     # --8<-- [end:finetune]
 
     for row in pm.stages[0].getHistory():
