@@ -1,5 +1,6 @@
 """MkDocs hooks: the param reference is the param table's own text, written into docs/params.md at build time
-(each param is declared once, in estimator/core/param_table.py; nothing in docs/ repeats it); the changelog page
+(each param is declared once, in estimator/core/param_table.py, and rendered to docs/_generated/params.md by
+`python -m estimator.core.param_reference`: the build imports neither the package nor torch); the changelog page
 is CHANGELOG.md (its links to docs/<page>.md made the site's); the site's name carries the package's version;
 the lines a page shows on GitHub only (`<!-- github-only -->` blocks) are taken out."""
 import configparser
@@ -9,17 +10,16 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "<!-- params of {}: the param table's rows, inserted by .ci/docs_hooks.py -->"
+GENERATED = os.path.join("docs", "_generated", "params.md")  # estimator.core.param_reference.FILE
 
 
 def tables():
-    sys.path.insert(0, ROOT)
-    try:
-        from estimator.core.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS, TRAINING_PARAMS
-        from estimator.core.params import markdown_table
-    finally:
-        sys.path.remove(ROOT)
-    return {"TorchEstimator": markdown_table(ESTIMATOR_PARAMS, anchor="estimator-"),
-            "TorchModel": markdown_table([s for s in MODEL_PARAMS if s not in TRAINING_PARAMS], anchor="model-")}
+    """The tables by class name, from the file `python -m estimator.core.param_reference` writes (the package is not
+    imported: the docs build needs neither torch nor pyspark; tests/test_docs.py keeps the file in step)."""
+    with open(os.path.join(ROOT, GENERATED)) as handle:
+        text = handle.read()
+    found = re.findall(r"^<!-- table of (\w+) -->\n(.*?)(?=^<!-- table of |\Z)", text, re.S | re.M)
+    return {name: table.strip("\n") + "\n" for name, table in found}
 
 
 def linked(text: str) -> str:

@@ -80,7 +80,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
 
         est = TorchEstimator(
             model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
-            loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
+            loss=nn.CrossEntropyLoss(),
+            feature_cols=["features"], label_cols=["label"],
             batch_size=64, epochs=5, num_proc=2,
         )
         model = est.fit(train_df)

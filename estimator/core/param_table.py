@@ -365,6 +365,32 @@ MODEL_PARAMS = [
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
     TOKENIZER,
 ]
+# The param reference's sections (docs/params.md, estimator.core.param_reference), in order: every estimator
+# param in exactly one (tests/test_docs.py checks it).
+TOPICS = (
+    ("The essentials", "What almost every fit sets.",
+     ("num_proc", "store", "model", "optimizer", "lr", "loss", "metrics", "feature_cols", "label_cols",
+      "batch_size", "epochs", "validation")),
+    ("Data", "Columns, shapes, batches and how the rows are read.",
+     ("input_shapes", "label_shapes", "sample_weight_col", "drop_nulls", "transformation_fn", "tokenizer",
+      "max_length", "val_batch_size", "shuffle", "drop_last", "train_steps_per_epoch", "validation_steps_per_epoch",
+      "data_mode", "partitions_per_process", "reader", "train_reader_num_workers", "val_reader_num_workers",
+      "reader_pool_type", "mp_start_method", "inmemory_cache_all", "shuffle_buffer_size")),
+    ("Training", "The loop, the loss, the learning rate and when to stop.",
+     ("loss_weights", "loss_constructors", "train_step", "train_fn", "random_seed", "lr_schedule", "warmup_steps",
+      "warmup_ratio", "lr_scheduler_fn", "gradient_clip_val", "backward_passes_per_step", "terminate_on_nan",
+      "early_stopping_patience", "monitor", "monitor_mode", "min_delta", "restore_best", "callbacks")),
+    ("Language models", "Fine-tuning and generation of causal LMs ([Language models](language-models.md)).",
+     ("peft_config", "packing", "completion_only_loss", "chat_tools", "max_new_tokens", "generate_kwargs",
+      "inference_batch_size")),
+    ("GPUs and large models", "Devices, precision, sharding and memory ([GPUs and clusters](gpus.md)).",
+     ("use_gpu", "backend", "precision", "compile", "strategy", "shard_units", "reshard_after_forward",
+      "weights_folder", "gradient_checkpointing", "gradient_compression", "shared_memory_allreduce")),
+    ("Tracking and checkpoints", "What a run writes and reports.",
+     ("run_id", "verbose", "log_every_n_steps", "mlflow", "checkpoint_steps", "checkpoint_async", "save_top_k")),
+    ("Failures", "Retries, lost workers and timeouts ([Failures and recovery](failures.md)).",
+     ("max_retries", "min_num_proc", "rendezvous_timeout", "collective_timeout")),
+)
 # The estimator's training params (batch_size, epochs, lr, ...) stay readable on the model it returns, as Spark's
 # models keep their estimator's params (what a CrossValidator picked): the same specs, not repeated.
 TRAINING_PARAMS = [s for s in ESTIMATOR_PARAMS if s.json and s.name not in {m.name for m in MODEL_PARAMS}]

@@ -256,7 +256,9 @@ def markdown_table(specs: Sequence[ParamSpec], anchor: str = "") -> str:
     for spec in specs:
         default = default_text(spec)
         default = default if default == "required" else f"`{default}`"
-        name = f'<a id="{anchor}{spec.name}"></a>`{spec.name}`' if anchor else f"`{spec.name}`"
+        # the name may wrap after an underscore (<wbr>): a long one no longer widens its column past the screen
+        shown = "<code>" + spec.name.replace("_", "_<wbr>") + "</code>"
+        name = f'<a id="{anchor}{spec.name}"></a>{shown}' if anchor else shown
         cells = [name, default, spec.allowed, spec.doc]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
