@@ -15,7 +15,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, overload
 
 from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
@@ -87,10 +87,19 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         model = est.fit(train_df)
         predictions = model.transform(test_df)"""
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
+    def __init__(self, **params: Any):
+        """Args:
+            **params: Any params of the [param reference](params.md), by name (`model`, `feature_cols`, ...).
+        """
+        super().__init__(**params)
 
-    def fit(self, dataset: DataFrame, params: Any = None) -> Any:
+    @overload
+    def fit(self, dataset: DataFrame, params: Optional[Dict[Any, Any]] = None) -> TorchModel: ...
+
+    @overload
+    def fit(self, dataset: DataFrame, params: List[Dict[Any, Any]]) -> List[TorchModel]: ...
+
+    def fit(self, dataset: DataFrame, params: Any = None) -> Union[TorchModel, List[TorchModel]]:
         """Train on a DataFrame (classic or Spark Connect); Spark ML's `Estimator.fit`.
 
         Args:
@@ -130,6 +139,19 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             return self._train(p, run, data, df.sparkSession)
         finally:
             finish(run.store, m)
+
+    @classmethod
+    def load(cls, path: str) -> TorchEstimator:
+        """Load a TorchEstimator saved by `save` (of this release or an earlier one); a `PipelineModel` holding one loads
+        with `PipelineModel.load`.
+
+        Args:
+            path: The folder `save` wrote.
+
+        Returns:
+            The TorchEstimator, as it was saved.
+        """
+        return cls.read().load(path)
 
     def fit_on_parquet(self, train_path: str, val_path: Optional[str] = None) -> TorchModel:
         """Train on Parquet already in the store: folders (paths inside the store, or full URLs of it)

@@ -48,8 +48,12 @@ class TorchModel(DeclaredParams, Model, Persistable):
     Also built directly, with Horovod's names (`TorchModel(model=m, feature_columns=[...], label_columns=[...],
     input_shapes=[[2]], history=None, optimizer=o, run_id='a')`)."""
 
-    def __init__(self, **kwargs: Any):
-        kwargs = {HOROVOD_NAMES.get(k, k): v for k, v in kwargs.items() if k not in HOROVOD_UNUSED}
+    def __init__(self, **params: Any):
+        """Args:
+            **params: Any params of the [param reference](params.md), by name; Horovod's `feature_columns` and
+                `label_columns` too.
+        """
+        kwargs = {HOROVOD_NAMES.get(k, k): v for k, v in params.items() if k not in HOROVOD_UNUSED}
         if callable(kwargs.get("model")) and not isinstance(kwargs["model"], nn.Module):
             # A factory (inference over a table with a pretrained model, no fit). A from_pretrained partial is held
             # as a handle: built here on the meta device (config and shapes), and on each executor by transform
@@ -64,6 +68,29 @@ class TorchModel(DeclaredParams, Model, Persistable):
         if "history" in kwargs and kwargs["history"] is None:
             kwargs["history"] = []
         super().__init__(**kwargs)
+
+    @classmethod
+    def load(cls, path: str) -> TorchModel:
+        """Load a TorchModel saved by `save` (of this release or an earlier one); a `PipelineModel` holding one loads
+        with `PipelineModel.load`.
+
+        Args:
+            path: The folder `save` wrote.
+
+        Returns:
+            The TorchModel, as it was saved.
+        """
+        return cls.read().load(path)
+
+    def getHistory(self) -> List[Dict[str, float]]:
+        """The run's history: one dict per epoch, `epoch` (1-based), `loss`, the metrics and their `val_` twins
+        (with validation data), `lr` where a schedule sets it; empty for a model built without a fit."""
+        return self.getOrDefault(self.history)
+
+    def getBestEpoch(self) -> Optional[int]:
+        """The best epoch (1-based) by the estimator's `monitor` and `monitor_mode`, the one `restore_best` keeps;
+        None for a model built without a fit."""
+        return self.getOrDefault(self.best_epoch)
 
     def getModel(self) -> nn.Module:
         """The trained module. A model held as a handle (a fit of a model factory: the driver keeps the adapters, or
@@ -119,7 +146,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
         Returns:
             The rows with `getOutputColumns()` added (and, for a classifier, Spark ML's prediction columns);
-            lazy, as any Spark transform.
+                lazy, as any Spark transform.
 
         Raises:
             ValueError: A feature column is missing or of a type the model cannot read, or an output column

@@ -116,11 +116,33 @@ class Persistable(MLReadable, MLWritable):
     """Mixin: `write()`/`read()` for classes whose params come from a `declare` table."""
 
     def write(self) -> ParamsWriter:
+        """A writer of this stage, Spark ML's: `write().overwrite().save(path)` replaces what is at `path`;
+        `write().option("standalone", "true")` also saves a LoRA model's base beside its adapters
+        (docs/models.md).
+
+        Returns:
+            The writer (`save(path)`, `overwrite()`, `option(key, value)`).
+        """
         return ParamsWriter(self)
 
     @classmethod
     def read(cls) -> ParamsReader:
+        """A reader of this class's saved stages, Spark ML's: `read().load(path)` is `load(path)`.
+
+        Returns:
+            The reader (`load(path)`).
+        """
         return ParamsReader(cls)
+
+    def save(self, path: str) -> None:
+        """Save this stage to `path` (local, or any URL Spark's Hadoop file system reads: dbfs:/, abfss://,
+        s3a://); a path that exists already is an error (`write().overwrite().save(path)` replaces it).
+
+        Args:
+            path: The folder to write: the params as Spark ML's metadata, the model's weights beside them.
+        """
+        self.write().save(path)
+
 
 
 def _metadata_session(io: Any) -> Any:
