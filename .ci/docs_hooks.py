@@ -80,6 +80,7 @@ def without_github_only(markdown: str) -> str:
 
 def on_page_markdown(markdown, page, config, files):
     markdown = without_github_only(markdown)  # before anything else
-    if markdown.lstrip().startswith(CHANGELOG_MARKER):
+    body = re.sub(r"\A---\n.*?\n---\n", "", markdown, flags=re.S)  # a page's front matter (MkDocs strips it)
+    if body.lstrip().startswith(CHANGELOG_MARKER):
         return changelog()
     return render(markdown)

@@ -78,6 +78,8 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert f"<title>spark-torch-estimator {estimator.__version__}" in (site / "index.html").read_text()
     search = json.loads((site / "search" / "search_index.json").read_text())
     assert "=" in search["config"]["separator"]  # strategy='fsdp' is found by fsdp
+    boosted = {d["location"].split("#")[0] for d in search["docs"] if d.get("boost", 1) < 1}
+    assert boosted == {"changelog.html", "benchmarks.html"}  # ranked below the pages that explain
     assert "Out of memory (OOM)" in (site / "troubleshooting.html").read_text()
     # the figures (benchmarks/figures.py draws them, from a real run for the history)
     assert 'src="img/fit.svg"' in (site / "index.html").read_text() and (site / "img" / "fit.svg").exists()
