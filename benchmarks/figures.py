@@ -1,8 +1,11 @@
 """The manual's figures, made from the code and from a real run (matplotlib, which the test extra brings):
 
-    .venv/bin/python benchmarks/figures.py [--out docs/img] [--epochs 8]
+    .venv/bin/python benchmarks/figures.py [--out docs/img] [--epochs 8] [--diagrams-only]
 
 - fit.svg: what a fit does (the driver, the store, the barrier tasks and their ranks);
+- shards.svg: the ranks, their shards of the materialized Parquet, and the store;
+- retry.svg: the checkpoint and retry cycle (a rank fails, the launch is retried from the last checkpoint);
+  the diagrams are drawn tall and narrow, their text readable on a phone (390 px wide);
 - digits-history.svg: the loss and validation accuracy per epoch of notebooks/digits_example.py's CNN, trained
   here on 2 ranks (local[2]) with its settings; the history it plots is written beside it as JSON.
 SVG files without dates or random ids: running this again changes them only where the run's numbers changed.
@@ -43,30 +46,85 @@ def arrow(ax, start, end, label, offset=(0, 0.12), style="-|>"):
             va="bottom", fontsize=8, color=INK, style="italic")
 
 
-def fit_diagram(path: str) -> None:
-    fig, ax = plt.subplots(figsize=(9, 4.6))
-    ax.set_xlim(0, 9)
-    ax.set_ylim(0, 4.6)
+def tall(height: float):
+    """A figure 4.4 in wide (a phone's 390 px at about 0.9 of its size): 11-13 pt text stays readable."""
+    fig, ax = plt.subplots(figsize=(4.4, height))
+    ax.set_xlim(0, 4.4)
+    ax.set_ylim(0, height)
     ax.axis("off")
-    box(ax, 0.2, 2.5, 2.6, 1.9, "Driver", ["TorchEstimator.fit(df)", "checks params, columns, slots",
-                                           "dry run on a few rows", "returns a TorchModel"], DRIVER)
-    box(ax, 0.2, 0.2, 2.6, 1.6, "Store", ["Parquet: the DataFrame, once", "checkpoints, progress",
-                                          "local, HDFS, S3, ABFS"], STORE)
-    box(ax, 3.9, 0.2, 4.9, 4.2, "", [], "#fafafa")
-    ax.text(6.35, 4.3, "Spark barrier job: num_proc tasks, started together", ha="center", va="top", fontsize=9.5,
-            color=INK)
-    for i, y in enumerate((2.45, 0.45)):
-        box(ax, 4.2, y, 4.3, 1.45, f"rank {i}" + (" (writes checkpoints)" if i == 0 else ""),
-            [f"reads shard {i} of the Parquet", "forward, loss, backward, step", "DDP / FSDP2 (torch.distributed)"],
-            RANK)
-    arrow(ax, (6.35, 2.45), (6.35, 1.9), "", style="<|-|>")
-    ax.text(6.5, 2.17, "gradients all-reduced", ha="left", va="center", fontsize=8, color=INK, style="italic")
-    arrow(ax, (1.5, 2.5), (1.5, 1.8), "materialize", offset=(-0.55, -0.12))
-    arrow(ax, (2.8, 3.6), (4.2, 3.6), "launch", offset=(0, 0.05))
-    arrow(ax, (4.2, 1.1), (2.8, 1.1), "shards, checkpoints", offset=(0, 0.05), style="<|-|>")
-    arrow(ax, (4.2, 2.9), (2.8, 2.9), "epochs, results", offset=(0, -0.3))
+    return fig, ax
+
+
+def card(ax, x, y, w, h, title, lines, color):
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", fc=color, ec=INK,
+                                lw=1.2))
+    ax.text(x + w / 2, y + h - 0.12, title, ha="center", va="top", fontsize=13, weight="bold", color=INK)
+    ax.text(x + w / 2, y + h - 0.5, "\n".join(lines), ha="center", va="top", fontsize=11, color=INK,
+            linespacing=1.35)
+
+
+def down(ax, x, top, bottom, label, side=0.12):
+    ax.add_patch(FancyArrowPatch((x, top), (x, bottom), arrowstyle="-|>", mutation_scale=14, lw=1.3, color=INK))
+    ax.text(x + side, (top + bottom) / 2, label, ha="left", va="center", fontsize=11, color=INK, style="italic")
+
+
+def save(fig, path):
     fig.savefig(path, format="svg", metadata={"Date": None}, bbox_inches="tight")
     plt.close(fig)
+
+
+def fit_diagram(path: str) -> None:
+    fig, ax = tall(7.4)
+    card(ax, 0.2, 5.75, 4.0, 1.55, "Driver", ["TorchEstimator.fit(df): checks", "params, columns, slots; a dry run",
+                                              "returns a TorchModel"], DRIVER)
+    down(ax, 2.2, 5.75, 5.2, "materialize, once")
+    card(ax, 0.2, 3.95, 4.0, 1.25, "Store", ["Parquet of the DataFrame,", "checkpoints, progress"], STORE)
+    down(ax, 2.2, 3.95, 3.4, "launch: a barrier job")
+    box_y = 0.1
+    ax.add_patch(FancyBboxPatch((0.2, box_y), 4.0, 3.3, boxstyle="round,pad=0.02,rounding_size=0.08", fc="#fafafa",
+                                ec=INK, lw=1.0))
+    ax.text(2.2, 3.3, "num_proc tasks, started together", ha="center", va="top", fontsize=11, color=INK)
+    for i, y in enumerate((1.85, 0.25)):
+        card(ax, 0.4, y, 3.6, 1.2, f"rank {i}" + (" (checkpoints)" if i == 0 else ""),
+             [f"reads shard {i}; forward, loss,", "backward, step (DDP or FSDP2)"], RANK)
+    ax.text(2.35, 1.65, "gradients all-reduced", ha="left", va="center", fontsize=10, color=INK, style="italic")
+    ax.add_patch(FancyArrowPatch((2.2, 1.85), (2.2, 1.45), arrowstyle="<|-|>", mutation_scale=12, lw=1.2,
+                                 color=INK))
+    save(fig, path)
+
+
+def shards_diagram(path: str) -> None:
+    fig, ax = tall(7.0)
+    card(ax, 0.2, 5.4, 4.0, 1.5, "Store", ["runs/<run_id>/: checkpoints", "data/<key>/: the Parquet,",
+                                           "written once, reused"], STORE)
+    ax.text(2.2, 5.0, "row groups\ndealt to\nthe ranks", ha="center", va="center", fontsize=11, color=INK,
+            style="italic")
+    for i, x in enumerate((0.2, 2.3)):
+        ax.add_patch(FancyArrowPatch((x + 0.95, 5.4), (x + 0.95, 4.6), arrowstyle="-|>", mutation_scale=14,
+                                     lw=1.3, color=INK))
+        card(ax, x, 2.6, 1.9, 2.0, f"shard {i}", ["its row groups;", "in memory or", "streamed"], STORE)
+        ax.add_patch(FancyArrowPatch((x + 0.95, 2.6), (x + 0.95, 1.9), arrowstyle="-|>", mutation_scale=14,
+                                     lw=1.3, color=INK))
+        card(ax, x, 0.1, 1.9, 1.8, f"rank {i}", ["equal steps:", "the same batch", "count each"], RANK)
+    ax.text(2.2, 2.25, "shuffled\nper epoch", ha="center", va="center", fontsize=11, color=INK, style="italic")
+    save(fig, path)
+
+
+def retry_diagram(path: str) -> None:
+    fig, ax = tall(7.6)
+    card(ax, 0.2, 6.1, 4.0, 1.35, "Training", ["rank 0 writes a checkpoint", "every checkpoint_steps / epoch"],
+         RANK)
+    down(ax, 2.2, 6.1, 5.55, "a rank fails or is lost")
+    card(ax, 0.2, 4.2, 4.0, 1.35, "The job ends", ["every task stops; the error", "is typed (RankFailed.kind)"],
+         "#ffebee")
+    down(ax, 2.2, 4.2, 3.65, "retryable, max_retries left")
+    card(ax, 0.2, 2.3, 4.0, 1.35, "Relaunch", ["a new barrier job (fewer", "ranks: min_num_proc)"], DRIVER)
+    down(ax, 2.2, 2.3, 1.75, "read the last checkpoint")
+    card(ax, 0.2, 0.1, 4.0, 1.65, "Resume", ["at its step, inside an epoch;", "the rest of the epoch's rows",
+                                             "once each"], STORE)
+    ax.add_patch(FancyArrowPatch((0.2, 0.9), (0.2, 6.8), connectionstyle="arc3,rad=-0.3", arrowstyle="-|>",
+                                 mutation_scale=14, lw=1.3, color=INK, clip_on=False))  # back to training, on the left
+    save(fig, path)
 
 
 def digits_history(epochs: int) -> list:
@@ -121,9 +179,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "img"))
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--diagrams-only", action="store_true", help="the diagrams, not the trained history")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     fit_diagram(os.path.join(args.out, "fit.svg"))
+    shards_diagram(os.path.join(args.out, "shards.svg"))
+    retry_diagram(os.path.join(args.out, "retry.svg"))
+    if args.diagrams_only:
+        return
     history = digits_history(args.epochs)
     with open(os.path.join(args.out, "digits-history.json"), "w") as handle:
         json.dump([{k: round(float(v), 4) for k, v in row.items()} for row in history], handle, indent=1)

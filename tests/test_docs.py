@@ -82,7 +82,9 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
     assert boosted == {"changelog.html", "benchmarks.html"}  # ranked below the pages that explain
     assert "Out of memory (OOM)" in (site / "troubleshooting.html").read_text()
     # the figures (benchmarks/figures.py draws them, from a real run for the history)
-    assert 'src="img/fit.svg"' in (site / "index.html").read_text() and (site / "img" / "fit.svg").exists()
+    for page, figure in (("index", "fit"), ("data", "shards"), ("failures", "retry")):  # drawn for a phone
+        assert f'src="img/{figure}.svg"' in (site / f"{page}.html").read_text() and \
+            (site / "img" / f"{figure}.svg").exists(), figure
     assert 'src="img/digits-history.svg"' in (site / "getting-started.html").read_text() and (site / "img" / "digits-history.svg").exists()
     started = (site / "getting-started.html").read_text()
     assert "--8&lt;--" not in started and "load_digits" in started  # the README's example, included
@@ -156,6 +158,13 @@ def cited(pattern):
         text = re.sub(r'"\s*\n\s*"', "", read(path))  # adjacent string literals joined, as Python joins them
         for match in re.finditer(pattern, text):
             yield os.path.relpath(path, ROOT), match.groups()
+
+
+def test_the_index_lists_every_page():
+    index = read("docs/index.md")
+    listed = set(re.findall(r"^\| \[[^\]]+\]\(([\w-]+\.md)\)", index, re.M))
+    assert listed == {os.path.basename(p) for p in pages()} - {"index.md"}, \
+        sorted(listed ^ ({os.path.basename(p) for p in pages()} - {"index.md"}))
 
 
 def test_every_page_and_section_an_error_names_exists():
