@@ -290,7 +290,7 @@ def test_the_python_blocks_of_each_page_run_in_order(page, tmp_path):
         accuracy = float(re.search(r"^test accuracy ([0-9.]+)$", result.stdout, re.M).group(1))
         assert accuracy >= 0.8, result.stdout
         assert re.search(r"\|What color is the kettle\?\s*\| The kettle is teal\.\s*\|", result.stdout), result.stdout
-        assert "LlamaForCausalLM loads for serving" in result.stdout and "vectors of 32" in result.stdout
+        assert "LlamaForCausalLM loads for serving" in result.stdout and "vectors of 64" in result.stdout
 
 
 PARAGRAPH_WORDS = 80  # a longer paragraph is a wall of text on the site: split it, or lead into a list
