@@ -242,7 +242,7 @@ def cut_at_step_8(store, digits, run, strategy):
     from estimator.failures import RankFailed
 
     cut = spec(store, digits, run, strategy=strategy, checkpoint_steps=3, epochs=1, shared_memory_allreduce=False,
-               collective_timeout=20.0)  # rank 1 waits for the failed rank 0 that long
+               collective_timeout=8.0)  # rank 1 waits for the failed rank 0 that long
     with pytest.raises(RankFailed):
         LocalLauncher(faults=(Fault("step", 0, "raise", step=8),)).run(cut, 2)
     state = load_checkpoint(store, cut.run.checkpoint)
@@ -262,11 +262,11 @@ def resumed(store, cut, run, ranks):
     return trained(store, run)[0]
 
 
-def test_a_sharded_run_stopped_inside_an_epoch_resumes_on_2_1_and_4_ranks_as_if_uninterrupted(store, digits):
+def test_a_sharded_run_stopped_inside_an_epoch_resumes_on_1_and_4_ranks_as_if_uninterrupted(store, digits):
     """The shards both ranks wrote at step 6 are DDP's whole state at step 6 (read on this process, no ranks). On
-    2, 1 or 4 ranks (the global batch of 100 kept) the rest of the epoch trains the old ranks' global batches, each
+    1 or 4 ranks (the global batch of 100 kept) the rest of the epoch trains the old ranks' global batches, each
     dealt to the new ranks (estimator.data.remainder.kept_batches): every row left once, and the weights of the
-    uninterrupted run, as DDP's whole checkpoint resumed on 4 ranks gives them too."""
+    uninterrupted run."""
     whole = spec(store, digits, "whole", strategy="fsdp", checkpoint_steps=3, epochs=1, shared_memory_allreduce=False)
     LocalLauncher().run(whole, 2)
     expected = trained(store, "whole")[0].state_dict()
@@ -278,8 +278,9 @@ def test_a_sharded_run_stopped_inside_an_epoch_resumes_on_2_1_and_4_ranks_as_if_
         assert torch.allclose(at_6.state_dict()[name], value, atol=1e-6), name
     for index, value in ddp_optimizer_at_6.state_dict()["state"].items():
         assert torch.allclose(optimizer_at_6.state_dict()["state"][index]["exp_avg"], value["exp_avg"], atol=1e-7)
-    for run, cut, ranks in (("again-2", sharded, 2), ("fsdp-1", sharded, 1), ("fsdp-4", sharded, 4),
-                            ("ddp-4", plain, 4)):
+    # (the same ranks resuming, and DDP's whole checkpoint on another rank count: test_fsdp_spark.py and
+    # test_resize_spark.py)
+    for run, cut, ranks in (("fsdp-1", sharded, 1), ("fsdp-4", sharded, 4)):
         weights = resumed(store, cut, run, ranks).state_dict()
         for name, value in expected.items():
             assert torch.allclose(weights[name], value, atol=1e-5), (run, name, (weights[name] - value).abs().max())
