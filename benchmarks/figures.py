@@ -32,20 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INK, DRIVER, STORE, RANK = "#263238", "#e3f2fd", "#fff8e1", "#e8f5e9"
 
 
-def box(ax, x, y, w, h, title, lines, color):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.08", fc=color, ec=INK,
-                                lw=1.2))
-    ax.text(x + w / 2, y + h - 0.18, title, ha="center", va="top", fontsize=11, weight="bold", color=INK)
-    ax.text(x + w / 2, y + h - 0.52, "\n".join(lines), ha="center", va="top", fontsize=8.5, color=INK,
-            linespacing=1.5)
-
-
-def arrow(ax, start, end, label, offset=(0, 0.12), style="-|>"):
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=12, lw=1.1, color=INK))
-    ax.text((start[0] + end[0]) / 2 + offset[0], (start[1] + end[1]) / 2 + offset[1], label, ha="center",
-            va="bottom", fontsize=8, color=INK, style="italic")
-
-
 def tall(height: float):
     """A figure 4.4 in wide (a phone's 390 px at about 0.9 of its size): 11-13 pt text stays readable."""
     fig, ax = plt.subplots(figsize=(4.4, height))
