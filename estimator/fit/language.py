@@ -7,7 +7,6 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
-
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
