@@ -84,7 +84,7 @@ def main(argv=None) -> float:
     spark = SparkSession.builder.master("local[2]").appName("sft-example").getOrCreate()
     facts = color_facts()
     path = args.model or save_pretrained_llama(os.path.join(args.workdir, "tiny-llama"),
-                                               [p + r for p, r in facts] * 4)
+                                               [p + r for p, r in facts] * 4, layers=3)
     train_df = spark.createDataFrame(facts, "prompt string, response string")
     store = Store.create(os.path.join(args.workdir, "runs"))
 
@@ -105,6 +105,7 @@ def main(argv=None) -> float:
         # a string label on a causal LM: SFT
         feature_cols=["prompt"], label_cols=["response"],
         batch_size=2, epochs=args.epochs, max_new_tokens=16,
+        gradient_clip_val=1.0,  # as TRL's max_grad_norm
     )
     fitted = est.fit(train_df)
     # adds `prediction`: generated text
