@@ -68,5 +68,6 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     objs = user_objects(with_adapters(factory(), peft_config), functools.partial(torch.optim.AdamW, lr=lr), [], [],
                         [], model_factory=factory, tokenizer=AutoTokenizer.from_pretrained(path),
                         peft_config=peft_config, objective=TokenObjective)
+    fields = {"shuffle": False, **fields}
     return TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run(run), batch, batch, epochs, seed=3,
-                     shuffle=False, **fields)
+                     **fields)

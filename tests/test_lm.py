@@ -287,17 +287,48 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(llama, store):
     assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
 
 
+def test_balanced_windows_keep_the_drawn_rows_and_batch_sizes_and_even_out_the_batches():
+    """packing=True with shuffle: each window of batches holds the rows drawn, each once, in batches of the drawn
+    sizes, about equally long (the longest less the shortest: 27 characters, drawn 180-472); a resumed epoch's batches are the
+    uninterrupted epoch's from where it stopped."""
+    from estimator.data.balance import balance
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, size=8 * 4 + 3)  # 8 batches of 4, a last batch of 3
+    rows = np.array(["x" * int(n) for n in lengths], dtype=object)
+    drawn = [{"prompt": rows[i:i + 4], "response": np.array([""] * len(rows[i:i + 4]), dtype=object),
+              "id": np.arange(i, min(i + 4, len(rows)))} for i in range(0, len(rows), 4)]
+    spec = LMSpec("prompt", "response", packed=True)
+    out = list(balance(iter(drawn), spec, window=4))
+    assert [len(b["id"]) for b in out] == [len(b["id"]) for b in drawn]
+    for w in range(0, len(drawn), 4):
+        assert sorted(np.concatenate([b["id"] for b in out[w:w + 4]])) == list(
+            np.concatenate([b["id"] for b in drawn[w:w + 4]]))
+    def spreads(batches):  # per full window of 4, the longest batch's characters less the shortest's
+        return [max(sums) - min(sums) for sums in ([sum(len(r) for r in b["prompt"]) for b in batches[w:w + 4]]
+                                                   for w in (0, 4))]
+
+    assert spreads(drawn) == [472, 180] and spreads(out) == [27, 27]  # within the longest row (199): LPT's bound
+    for b in out:
+        assert [len(r) for r in b["prompt"]] == [lengths[i] for i in b["id"]]  # the columns stay together
+    for skip in (1, 3, 4, 6):
+        start = skip - skip % 4
+        again = list(balance(iter(drawn[start:]), spec, drop=skip - start, window=4))
+        assert [b["id"].tolist() for b in again] == [b["id"].tolist() for b in out[skip:]]
+
+
 def test_a_packed_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_weights(llama, store):
-    """packing=True, 24 rows in batches of 4 (6 steps), a checkpoint every 2 steps, the run cut before step 5 and
-    resumed from its checkpoint at step 4: the same adapters and loss as the run never cut."""
+    """packing=True, shuffled (the batches balanced in windows of 8), 24 rows in batches of 4 (6 steps), a
+    checkpoint every 2 steps, the run cut before step 5 and resumed from its checkpoint at step 4, inside the
+    window: the same adapters and loss as the run never cut."""
     from estimator.core.faults import Fault
     from estimator.failures import RankFailed
 
     rows = lm_rows(24)
     LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run="whole",
-                                      packed=True), 1)
+                                      packed=True, shuffle=True), 1)
     cut = lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(), run="cut", packed=True,
-                        checkpoint_steps=2)
+                        checkpoint_steps=2, shuffle=True)
     with pytest.raises(RankFailed):
         LocalLauncher(faults=(Fault("step", 0, "raise", step=5),)).run(cut, 1)
     assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 4

@@ -266,7 +266,8 @@ ESTIMATOR_PARAMS = [
               "positions from 0 and its attention confined to itself at the cost of its own length (flash "
               "attention over the rows' boundaries on a GPU in half precision, else row by row): the same loss "
               "and gradients as unpacked, no padded tokens computed. The batch is what is packed, so batch_size "
-              "still counts rows, and resumes and ranks are as without it", False, is_bool, "True or False"),
+              "still counts rows, and resumes and ranks are as without it; shuffled, the rows of every 8 batches a "
+              "rank draws are dealt anew over them so the batches are about equally long", False, is_bool, "True or False"),
     ParamSpec("completion_only_loss", "a causal LM's loss over the response's tokens only (a chat's assistant "
               "turns), as TRL's SFTTrainer's default; False: over every token of the row, the prompt (the whole "
               "conversation) too. A text column with no label column learns every token either way (continued "

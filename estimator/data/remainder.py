@@ -182,17 +182,20 @@ def known_order(spec) -> bool:
     return spec.reader.kind == "arrow" and spec.data.local is None
 
 
-def replayable(spec, layout: list) -> bool:
-    """Whether the rows left under `layout` (a checkpoint's [batch_size, ranks, in memory, order known,
-    train_steps_per_epoch or 0]) can be known, and this run can train them."""
-    return len(layout) == 5 and bool(layout[3]) and known_order(spec)
+def replayable(spec, layout: list, step: int) -> bool:
+    """Whether the rows left after `step` batches under `layout` (a checkpoint's [batch_size, ranks, in memory,
+    order known, train_steps_per_epoch or 0, balanced window or 0]; older checkpoints end before the window) can
+    be known, and this run can train them. Inside a balanced window (estimator.data.balance) the rows done depend
+    on the rows' lengths, which the replay never reads: not known."""
+    window = int(layout[5]) if len(layout) == 6 else 0
+    return len(layout) in (5, 6) and bool(layout[3]) and known_order(spec) and (not window or step % window == 0)
 
 
 def remainder_for(spec, train: Shard, epoch: int, layout: list, rank: int, world_size: int,
                   step: int) -> Optional[Remainder]:
     """The rest of `epoch` for this rank when the checkpoint's layout (batch size, rank count, reader) differs
     from this run's and the done rows can be known; None: the epoch starts over."""
-    if not replayable(spec, layout):
+    if not replayable(spec, layout, step):
         return None
     return Remainder.plan(spec, train.total, epoch, layout, step, rank, world_size,
                           in_memory=not isinstance(train, StreamingShard))

@@ -63,8 +63,8 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
             log.info("Run %s: the checkpoint stands inside epoch %d with batch_size, ranks = %s; this launch has %s: %s",
                      run.run_id, done.epochs + 1, done.layout[:2], [batch_size, world],
                      "the rest of the epoch trains each row not yet trained on once, dealt to these ranks"
-                     if replayable(spec, done.layout) else "the epoch starts over (the rows done cannot be known with "
-                     "petastorm or data_mode='direct')")
+                     if replayable(spec, done.layout, done.step) else "the epoch starts over (the rows done cannot be known "
+                     "with petastorm, data_mode='direct' or inside a window of packed batches)")
         launch = replace(spec, attempt=attempt, launch_id=uuid.uuid4().hex[:12],
                          resume_from=spec.run.checkpoint if done.epochs or done.step else None,
                          batch_size=batch_size)

@@ -14,6 +14,7 @@ import torch
 
 from estimator.core.faults import Fault, inject
 from estimator.core.spec import WorkerResult
+from estimator.data.balance import WINDOW, balance
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
@@ -75,7 +76,7 @@ class Run:
                                            position.step)
             if self.remainder is None:
                 log.warning("rank %d: the checkpoint stands at batch %d of epoch %d with layout %s (batch_size, ranks, "
-                            "in memory, order known, train_steps_per_epoch); this run has %s and the rows done "
+                            "in memory, order known, train_steps_per_epoch, balanced window); this run has %s and the rows done "
                             "cannot be known, so the epoch starts over from its first batch", ctx.rank,
                             position.step, position.epochs + 1, position.layout, self.layout())
                 position = Position(position.epochs, global_step=position.global_step)
@@ -145,7 +146,7 @@ class Run:
             layout = self.objective.layout
             self.loop.steps_report.begin(remainder.steps if remainder else train.plan().steps,
                                          layout.restore(inside.sums)[ROWS] if inside.sums else 0.0)
-        feed = self.feed(remainder.batches(self.spec, train) if remainder else train.epoch(epoch, inside.step), True)
+        feed = self.feed(self.training_batches(epoch, train, remainder, inside.step), True)
         self.in_remainder = remainder is not None
         try:
             sums = self.loop.train_epoch(epoch, iter(feed), inside)
@@ -168,6 +169,22 @@ class Run:
                "data_wait": waited / max(looped, 1e-9)}  # of the ranks' training time, all ranks
         # rows/s: every rank's rows over the ranks' mean epoch time
         self.record(epoch, row, trained[ROWS] / max(looped / ctx.world_size, 1e-9), time.perf_counter() - began)
+
+    @property
+    def balanced(self) -> bool:
+        lm = self.spec.data.lm
+        return lm is not None and lm.packed and self.spec.shuffle
+
+    def training_batches(self, epoch: int, train: Shard, remainder: Optional[Remainder], skip: int) -> Iterator[Any]:
+        """The epoch's raw batches from batch `skip` on; packed and shuffled, in balanced windows
+        (estimator.data.balance), a resumed one read from its window's first batch."""
+        lm = self.spec.data.lm
+        if not self.balanced:
+            return remainder.batches(self.spec, train) if remainder else train.epoch(epoch, skip)
+        if remainder:
+            return balance(remainder.batches(self.spec, train), lm)
+        start = skip - skip % WINDOW
+        return balance(train.epoch(epoch, start), lm, drop=skip - start)
 
     def record(self, epoch: int, row: Dict[str, float], rows_per_second: float, seconds: float) -> None:
         """An epoch's history row (the same on every rank): NaN checks, TensorBoard, the learning-rate schedule,
@@ -223,11 +240,12 @@ class Run:
 
     def layout(self) -> List[int]:
         """What a position inside an epoch counts batches of: batch size, ranks, whether the ranks read in
-        memory or streamed (their orders differ), whether estimator.data.remainder can replay the order, and the
-        epoch's batches when train_steps_per_epoch sets them (0: whole passes)."""
+        memory or streamed (their orders differ), whether estimator.data.remainder can replay the order, the
+        epoch's batches when train_steps_per_epoch sets them (0: whole passes), and the window of balanced batches
+        (estimator.data.balance; 0: none)."""
         spec = self.spec
         return [spec.batch_size, self.ctx.world_size, int(self.cached), int(known_order(spec)),
-                spec.train_steps_per_epoch or 0]
+                spec.train_steps_per_epoch or 0, WINDOW if self.balanced else 0]
 
     def save(self, position: Position, at_epoch_end: bool = False) -> None:
         """The run's checkpoint, on the ranks that write it (the strategy says: rank 0, or every rank its shards
@@ -253,7 +271,8 @@ class Run:
 
 def same_layout(checkpoint: List[int], run: List[int]) -> bool:
     """A position inside an epoch counts this run's batches (a checkpoint that recorded less, [batch_size, ranks]
-    before the reader was recorded, is taken at its word)."""
+    before the reader was recorded, is taken at its word; one of 5 had no balanced window)."""
+    checkpoint = list(checkpoint) + [0] if len(checkpoint) == 5 else checkpoint
     return checkpoint[:2] == run[:2] and all(a == b for a, b in zip(checkpoint[2:], run[2:]))
 
 
