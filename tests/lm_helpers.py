@@ -41,8 +41,9 @@ def plain_causal_lm(path, peft_config=None, seed=3):
 
 
 def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2, run="r", chat=False,
-                  max_length=None, val_rows=(), packed=False, **fields):
-    """A TrainSpec over `rows` ((prompt, response) pairs, or chats: lists of messages) in the store's Parquet."""
+                  max_length=None, val_rows=(), packed=False, objective=None, **fields):
+    """A TrainSpec over `rows` ((prompt, response) pairs, or chats: lists of messages, or (prompt, chosen,
+    rejected) triples with a preference `objective`) in the store's Parquet."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from estimator.core.adapters import with_adapters
@@ -56,18 +57,24 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
         if chat:
             table = pa.table({"chat": pa.array(part, pa.list_(pa.struct([("role", pa.string()),
                                                                          ("content", pa.string())])))})
+        elif pairs:
+            table = pa.table({"prompt": [p for p, _, _ in part], "chosen": [c for _, c, _ in part],
+                              "rejected": [r for _, _, r in part]})
         else:
             table = pa.table({"prompt": [p for p, _ in part], "response": [r for _, r in part]})
         pq.write_table(table, store.path(name, "part.parquet"), row_group_size=16)
         return list_pieces(store, store.path(name))
 
+    pairs = objective is not None
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
-    lm = LMSpec("chat", packed=packed) if chat else LMSpec("prompt", "response", packed=packed)
-    data = DataSpec(store, train, val, (lm.column,), () if chat else ("response",), lm=lm, max_length=max_length)
+    lm = (LMSpec("chat", packed=packed) if chat else LMSpec("prompt", "chosen", rejected="rejected") if pairs
+          else LMSpec("prompt", "response", packed=packed))
+    labels = () if chat else ("chosen", "rejected") if pairs else ("response",)
+    data = DataSpec(store, train, val, (lm.column,), labels, lm=lm, max_length=max_length)
     factory = functools.partial(AutoModelForCausalLM.from_pretrained, path)
     objs = user_objects(with_adapters(factory(), peft_config), functools.partial(torch.optim.AdamW, lr=lr), [], [],
                         [], model_factory=factory, tokenizer=AutoTokenizer.from_pretrained(path),
-                        peft_config=peft_config, objective=TokenObjective)
+                        peft_config=peft_config, objective=objective or TokenObjective)
     fields = {"shuffle": False, **fields}
     return TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run(run), batch, batch, epochs, seed=3,
                      **fields)

@@ -40,6 +40,9 @@ class LMSpec:
     text: bool = False  # a text column and no label: every token in the loss (continued pretraining)
     every_token: bool = False  # completion_only_loss=False: the prompt (the whole conversation) in the loss too
     packed: bool = False  # packing=True: each batch's rows packed into sequences (estimator.data.lm.packed)
+    # preference pairs (estimator.train.objectives.preference): the rejected answer's column beside the chosen
+    # one's (`response`); a batch of b pairs is tokenized as 2b rows, the chosen answers first
+    rejected: Optional[str] = None
 
     @property
     def chat(self) -> bool:

@@ -115,7 +115,9 @@ class CausalLMTokenize:
     def __call__(self, batch: Arrays) -> Arrays:
         spec = self.spec
         rows = self.rows(batch)
-        out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response)}
+        if spec.rejected is not None:  # preference pairs: the chosen answers' rows, then the rejected ones'
+            rows += self.rows(batch, spec.rejected)
+        out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response, spec.rejected)}
         if spec.packed:
             return {**out, **packed(rows, pad_id(self.tokenizer), spec)}
         width = max((len(ids) for ids, _ in rows), default=0)
@@ -128,8 +130,10 @@ class CausalLMTokenize:
         out[spec.labels_key] = labels
         return out
 
-    def rows(self, batch: Arrays) -> List[Tuple[List[int], List[int]]]:
+    def rows(self, batch: Arrays, response: Optional[str] = None) -> List[Tuple[List[int], List[int]]]:
+        """Each row's tokens and labels; `response`: the answer's column (default: the spec's response)."""
         spec, tokenizer = self.spec, self.tokenizer
+        response = response or spec.response
         if spec.chat:
             rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column, spec.tools)
                     for m in batch[spec.column]]
@@ -140,7 +144,7 @@ class CausalLMTokenize:
         else:
             eos = eos_id(tokenizer)
             prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
-            responses = tokenizer([str(t) for t in batch[spec.response]], add_special_tokens=False)["input_ids"]
+            responses = tokenizer([str(t) for t in batch[response]], add_special_tokens=False)["input_ids"]
             rows = [(list(p) + list(r) + [eos], [IGNORE] * len(p) + list(r) + [eos])
                     for p, r in zip(prompts, responses)]
         if spec.every_token:  # completion_only_loss=False: the prompt's (a conversation's) tokens learned too

@@ -1,0 +1,127 @@
+"""Preference tuning of a causal LM from pairs of answers: DPO (Rafailov et al. 2023, arXiv 2305.18290) and its
+IPO variant (Azar et al. 2023, arXiv 2310.12036).
+
+A batch of b pairs is 2b rows (estimator.data.lm, LMSpec.rejected): each pair's prompt with its chosen answer,
+then with its rejected one, the prompt's tokens carrying no label, so both answers of a pair are scored by the
+same weights in one forward. An answer's score is its labelled tokens' log-probabilities summed (IPO: their mean,
+as TRL computes it), under the policy and under the reference model: the same model with its adapters off (peft's
+`disable_adapter()`), in eval mode and without gradients, so no second copy of the base is held.
+
+With h = (policy chosen - policy rejected) - (reference chosen - reference rejected), a pair's loss is
+-log sigmoid(beta h) (DPO) or (h - 1 / (2 beta))^2 (IPO). The loss for backward is the batch's sum over its pairs
+(`weighting = PerWeight`, the weight being the pairs): the gradients are divided by the pairs of the whole
+accumulation window over all ranks, so 2 ranks of 4 pairs train what one process of 8 pairs does. The history
+reports TRL's numbers, means over the pairs: the rewards beta x (policy - reference) of the chosen and rejected
+answers, how often the chosen one's is higher (`rewards/accuracies`) and their difference (`rewards/margins`).
+torch only, no pyspark."""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Mapping, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from estimator.core.outputs import forward, logits_of
+from estimator.data.lm import IGNORE
+from estimator.train.objectives.base import BuiltIn
+from estimator.train.sums import Sums
+from estimator.train.weighting import PerWeight
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+LOSS_TYPES = ("sigmoid", "ipo")
+
+
+class DPO(BuiltIn):
+    """Direct preference optimization over (prompt, chosen, rejected) rows; `loss_type` 'sigmoid' (DPO's) or 'ipo'.
+    `beta`: how far the policy may move from the reference (TRL's default 0.1)."""
+
+    weighting = PerWeight
+    layout = Sums.of_loss(METRICS)
+    transform_output = "generate"  # after preference tuning, transform writes text as after SFT
+    language_model = True
+    driver_forward = False
+
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid"):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
+            raise ValueError(f"DPO(beta={beta!r}): beta scales the log-probability ratios in the loss and must be a "
+                             "number > 0 (TRL's default is 0.1; larger keeps the model closer to the reference).")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"DPO(loss_type={loss_type!r}): one of {list(LOSS_TYPES)} ('sigmoid' is DPO's loss, "
+                             "'ipo' the squared loss of IPO over the answers' mean log-probabilities).")
+        self.beta, self.loss_type = float(beta), loss_type
+
+    def __repr__(self) -> str:
+        return f"DPO(beta={self.beta!r}, loss_type={self.loss_type!r})"
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and (self.beta, self.loss_type) == (other.beta, other.loss_type)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.beta, self.loss_type))
+
+    @classmethod
+    def applies(cls, p: Mapping[str, Any]) -> bool:
+        return isinstance(p.get("objective"), cls)
+
+    @classmethod
+    def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
+        return [m.key for m in cls.layout.means]
+
+    def for_rank(self, spec: Any, objs: Any, model: Any, trainer: Any) -> "DPO":  # the user's instance, as given
+        if not hasattr(unwrapped(model), "disable_adapter"):
+            raise ValueError(f"{self!r} takes its reference model as the trained model with its adapters off: set "
+                             "peft_config (e.g. LoraConfig(task_type='CAUSAL_LM')). A reference model beside a "
+                             "model trained whole is not built yet.")
+        return self
+
+    def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        features, labels, _ = tensors
+        labels = labels[0]
+        with torch.no_grad():
+            reference = self.scores(reference_forward(model, features), labels)
+        policy = self.scores(logits_of(forward(model, features)), labels)
+        pairs = labels.shape[0] // 2
+        chosen, rejected = policy[:pairs], policy[pairs:]
+        h = (chosen - rejected) - (reference[:pairs] - reference[pairs:])
+        losses = -F.logsigmoid(self.beta * h) if self.loss_type == "sigmoid" else (h - 1 / (2 * self.beta)) ** 2
+        chosen_rewards = self.beta * (chosen - reference[:pairs]).detach()
+        rejected_rewards = self.beta * (rejected - reference[pairs:]).detach()
+        loss = losses.sum()
+        count = torch.full((1,), float(pairs), dtype=torch.float64, device=loss.device)
+        sums = torch.cat([loss.detach().double().reshape(1), count, count,
+                          torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                                       (chosen_rewards > rejected_rewards).sum().to(chosen_rewards.dtype),
+                                       (chosen_rewards - rejected_rewards).sum()]).double()])
+        return loss, sums
+
+    def scores(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's answer scored: its labelled tokens' log-probabilities summed (IPO: averaged), in float32."""
+        target = labels[:, 1:]
+        kept = target != IGNORE
+        logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
+        total = (logps * kept).sum(dim=1)
+        return total / kept.sum(dim=1).clamp(min=1) if self.loss_type == "ipo" else total
+
+    def weight_of(self, tensors: Any) -> torch.Tensor:
+        """The pairs of a batch (what its loss is summed over)."""
+        labels = tensors[1][0]
+        return torch.tensor(labels.shape[0] // 2, device=labels.device)
+
+
+def unwrapped(model: Any) -> Any:
+    """The module a DDP wrapper holds (fsdp shards in place: the model itself)."""
+    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def reference_forward(model: Any, features: Any) -> torch.Tensor:
+    """The logits of the reference model: the trained model with its adapters off, in eval mode (no dropout), no
+    gradients; through the wrapped module (no DDP hooks for a forward without backward)."""
+    inner = unwrapped(model)
+    training = inner.training
+    inner.eval()
+    try:
+        with inner.disable_adapter():
+            return logits_of(forward(inner, features))
+    finally:
+        inner.train(training)

@@ -1,0 +1,172 @@
+"""Preference tuning (DPO, IPO: estimator.train.objectives.preference) on the ranks, against hand computations and
+a plain loop, with a tiny Llama built here."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from estimator.core.spec import LMSpec
+from estimator.data.lm import IGNORE, CausalLMTokenize
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import restore
+from lm_helpers import color_facts, lm_train_spec, plain_causal_lm, save_pretrained_llama
+from sft_example import COLORS
+
+peft = pytest.importorskip("peft")
+SPEC = LMSpec("prompt", "chosen", rejected="rejected")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    facts = color_facts()
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"), [p + r for p, r in facts] * 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama)
+
+
+def lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def pairs(count, seed=0):
+    """(prompt, chosen, rejected): each fact's colour, and another colour (answers of different lengths)."""
+    rng, facts = random.Random(seed), color_facts()
+    out = []
+    for i in range(count):
+        prompt, chosen = facts[i % len(facts)]
+        noun, colour = chosen[len(" The "):-1].split(" is ")
+        wrong = rng.choice([c for c in COLORS if c != colour])
+        out.append((prompt, chosen + " Really." * (i % 3), f" The {noun} is {wrong}."))
+    return out
+
+
+def batch_of(tokenizer, triples):
+    raw = {k: np.array([t[i] for t in triples], dtype=object) for i, k in enumerate(("prompt", "chosen", "rejected"))}
+    out = CausalLMTokenize(tokenizer, SPEC, None)(raw)
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def answer_logp(model, tokenizer, prompt, answer, mean=False):
+    """An answer's log-probability after its prompt, the row alone (no padding), token by token."""
+    ids = tokenizer(prompt)["input_ids"] + tokenizer(answer, add_special_tokens=False)["input_ids"]
+    ids.append(tokenizer.eos_token_id)
+    start = len(tokenizer(prompt)["input_ids"])
+    logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+    picked = [float(logps[t - 1, ids[t]]) for t in range(start, len(ids))]
+    return sum(picked) / len(picked) if mean else sum(picked)
+
+
+def trained_adapters(llama, seed=1):
+    """A LoRA model whose adapters are not zero (the policy differs from the reference)."""
+    model = plain_causal_lm(llama, lora())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_a_batch_loss_and_rewards_equal_a_hand_computation_with_the_frozen_base_as_reference(llama, tokenizer,
+                                                                                             loss_type):
+    """The reference is the trained model with its adapters off: the same scores as a separate copy of the base
+    (no adapters at all), each answer scored alone, unpadded, token by token."""
+    from estimator.train.objectives.preference import DPO
+
+    triples, beta = pairs(5), 0.3
+    policy, base = trained_adapters(llama), plain_causal_lm(llama).eval()
+    dpo = DPO(beta=beta, loss_type=loss_type)
+    b = batch_of(tokenizer, triples)
+    features = [{"input_ids": b["prompt.input_ids"], "attention_mask": b["prompt.attention_mask"]}]
+    with torch.no_grad():
+        loss, sums = dpo.on_batch(policy, (features, [b["chosen"]], None))
+    mean = loss_type == "ipo"
+    want_losses, rewards = [], []
+    with torch.no_grad():
+        for prompt, chosen, rejected in triples:
+            pc, pr = (answer_logp(policy, tokenizer, prompt, a, mean) for a in (chosen, rejected))
+            rc, rr = (answer_logp(base, tokenizer, prompt, a, mean) for a in (chosen, rejected))
+            h = (pc - pr) - (rc - rr)
+            want_losses.append(-np.log(1 / (1 + np.exp(-beta * h))) if loss_type == "sigmoid"
+                               else (h - 1 / (2 * beta)) ** 2)
+            rewards.append((beta * (pc - rc), beta * (pr - rr)))
+    chosen_r, rejected_r = np.array(rewards).T
+    assert float(loss) == pytest.approx(sum(want_losses), rel=1e-4)
+    named = dict(zip(DPO.layout.slots, sums.tolist()))
+    assert named["loss_weight"] == named["rows"] == 5
+    assert named["metric:rewards/chosen"] == pytest.approx(chosen_r.sum(), rel=1e-4, abs=1e-6)
+    assert named["metric:rewards/rejected"] == pytest.approx(rejected_r.sum(), rel=1e-4, abs=1e-6)
+    assert named["metric:rewards/accuracies"] == (chosen_r > rejected_r).sum()
+    assert 0 < named["metric:rewards/accuracies"] < 5  # both outcomes in the batch: the count is checked
+    assert named["metric:rewards/margins"] == pytest.approx((chosen_r - rejected_r).sum(), rel=1e-4, abs=1e-6)
+    assert policy.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.abs().sum() > 0
+
+
+def plain_dpo_loss(model, b, beta):
+    """DPO's loss, the mean over the batch's pairs, from one padded forward with the adapters and one without."""
+    def scores(logits):
+        target = b["chosen"][:, 1:]
+        logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        return (logps * (target != IGNORE)).sum(1)
+
+    inputs = dict(input_ids=b["prompt.input_ids"], attention_mask=b["prompt.attention_mask"])
+    with torch.no_grad(), model.disable_adapter():
+        model.eval()
+        reference = scores(model(**inputs).logits)
+        model.train()
+    policy = scores(model(**inputs).logits)
+    n = len(policy) // 2
+    h = (policy[:n] - policy[n:]) - (reference[:n] - reference[n:])
+    return -F.logsigmoid(beta * h).mean()
+
+
+def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store):
+    """2 ranks x 2 pairs = one process of 4 pairs: the loss is a mean over the step's pairs on all ranks; the
+    adapters trained and the history's loss are the plain loop's."""
+    from estimator.train.objectives.preference import DPO
+
+    ranks, batch, steps, epochs, lr, beta = 2, 2, 3, 2, 1e-2, 0.5
+    rows = pairs(ranks * batch * steps)
+    results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
+                                                lr=lr, objective=DPO(beta=beta)), ranks)
+    plain = plain_causal_lm(llama, lora())
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
+    half, losses = len(rows) // ranks, []
+    for _ in range(epochs):
+        total = 0.0
+        for step in range(steps):
+            part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
+            loss = plain_dpo_loss(plain, batch_of(tokenizer, part), beta)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total += float(loss.detach()) * len(part)
+        losses.append(total / len(rows))
+    history = results[0].history
+    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(history[-1])
+    assert history[0]["loss"] == pytest.approx(losses[0]) and losses[-1] < losses[0]  # it learned
+    trained = plain_causal_lm(llama, lora(), seed=0)
+    restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
+    state, expected = trained.state_dict(), plain.state_dict()
+    for name in (n for n, p in plain.named_parameters() if p.requires_grad):
+        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+
+
+def test_dpo_params_are_checked_by_name():
+    from estimator.train.objectives.preference import DPO
+
+    for bad in (0, -0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match=r"beta .* must be a number > 0"):
+            DPO(beta=bad)
+    with pytest.raises(ValueError, match=r"loss_type='hinge'\): one of \['sigmoid', 'ipo'\]"):
+        DPO(loss_type="hinge")
+    assert DPO(0.2) == DPO(beta=0.2, loss_type="sigmoid") != DPO(0.2, "ipo")
