@@ -110,8 +110,8 @@ class DPO(BuiltIn):
 
 
 def unwrapped(model: Any) -> Any:
-    """The module a DDP wrapper holds (fsdp shards in place: the model itself)."""
-    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    """The peft model: the model itself (fsdp shards in place), or the module a wrapper holds (DDP's `.module`)."""
+    return model if hasattr(model, "disable_adapter") else getattr(model, "module", model)
 
 
 def reference_forward(model: Any, features: Any) -> torch.Tensor:
