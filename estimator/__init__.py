@@ -6,7 +6,8 @@ The package imports its submodules lazily: Spark's Python workers import `estima
 from typing import Any as _Any
 
 __version__ = "0.3.0.dev0"  # the one place the version is written (setup.cfg reads it)
-__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "parameters_on_meta", "__version__"]
+__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "DPO", "parameters_on_meta",
+           "__version__"]
 
 
 def __getattr__(name: str) -> _Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> _Any:
         from estimator.train import steps
 
         return getattr(steps, name)
+    if name == "DPO":  # objective=DPO(beta=0.1): preference tuning of a causal LM
+        from estimator.train.objectives.preference import DPO
+
+        return DPO
     if name == "parameters_on_meta":  # for a model factory whose weights a weights_folder gives
         from estimator.core.meta import parameters_on_meta
 

@@ -409,7 +409,7 @@ class TextColumns:
     @classmethod
     def of(cls, p: Mapping[str, Any], objective: Any, schema: Any) -> "TextColumns":
         return cls(checks.text_columns(p, objective, schema),
-                   lm_spec(p, schema) if checks.language_model(objective) else None)
+                   lm_spec(p, schema, objective.preference) if checks.language_model(objective) else None)
 
 
 def columns_of(p: Mapping[str, Any]) -> List[str]:

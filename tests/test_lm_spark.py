@@ -388,3 +388,47 @@ def test_whole_texts_without_a_label_train_every_token_and_held_out_perplexity_f
     got = {r.text: r.output for r in fitted.transform(spark.createDataFrame([(t,) for t in starts],
                                                                             "text string")).collect()}
     assert [got[t] for t in starts] == generated_one_by_one(fitted.getModel().eval(), fitted.getTokenizer(), starts, 6)
+
+
+def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_generates(spark, store, llama,
+                                                                                          tmp_path):
+    """objective=DPO(...) over a (prompt, chosen, rejected) table on 2 ranks: the history holds the loss and the
+    rewards (TRL's names) for training and validation; the chosen answers' reward rises above the rejected ones';
+    transform writes text; and what DPO cannot take is refused by name before any job."""
+    import random
+
+    from estimator import DPO
+    from sft_example import COLORS
+
+    rng, rows = random.Random(0), []
+    for prompt, response in color_facts() * 2:
+        noun, colour = response[len(" The "):-1].split(" is ")
+        rows.append((prompt, response, f" The {noun} is {rng.choice([c for c in COLORS if c != colour])}."))
+    df = spark.createDataFrame(rows, "prompt string, chosen string, rejected string")
+    est = sft(llama, store, objective=DPO(beta=0.5), label_cols=["chosen", "rejected"], epochs=4,
+              validation=0.25, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    for change, message in (({est.peft_config: None}, r"objective=DPO\(beta=0.5, loss_type='sigmoid'\) with "
+                                                       r"peft_config=None: its reference model is the trained model "
+                                                       r"with its adapters off"),
+                            ({est.label_cols: ["chosen"]}, r"reads preference pairs: feature_cols=\['prompt'\] .* "
+                                                           r"got feature_cols=\['prompt'\], label_cols=\['chosen'\]"),
+                            ({est.loss: torch.nn.CrossEntropyLoss()}, r"objective=DPO.* and loss is set too: leave "
+                                                                      r"loss unset")):
+        def refused():
+            with pytest.raises(ValueError, match=message):
+                est.copy(change).fit(df)
+        assert jobs_run_by(spark, refused) == []
+    fitted = est.fit(df)
+    history = fitted.getHistory()
+    keys = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"}
+    assert keys | {"val_" + k for k in keys} <= set(history[-1])
+    assert history[-1]["loss"] < history[0]["loss"] < math.log(2) + 0.05  # DPO starts at log 2 (policy = reference)
+    assert history[-1]["rewards/margins"] > 0 and history[-1]["rewards/accuracies"] > 0.8
+    prompts = df.select("prompt").limit(4)
+    out = [r.prediction for r in fitted.transform(prompts).orderBy("prompt").collect()]
+    assert all(isinstance(text, str) for text in out) and len(out) == 4
+    fitted.write().save(str(tmp_path / "model"))
+    est.write().save(str(tmp_path / "estimator"))
+    assert [r.prediction for r in TorchModel.load(str(tmp_path / "model")).transform(prompts).orderBy(
+        "prompt").collect()] == out
+    assert TorchEstimator.load(str(tmp_path / "estimator")).getOrDefault("objective") == DPO(beta=0.5)

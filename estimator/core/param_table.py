@@ -220,6 +220,13 @@ ESTIMATOR_PARAMS = [
               "only the trainable parameters reach the optimizer, the gradient averaging, the checkpoints and the "
               "resume (docs/language-models.md)", None, lambda v: v is None or hasattr(v, "peft_type"),
               "a peft config such as peft.LoraConfig(...), or None", json=False),
+    ParamSpec("objective", "what a causal LM is trained to do, where it is not the next-token loss the other params "
+              "choose: DPO(beta=0.1) (from estimator) tunes it on preference pairs, the prompt the feature column "
+              "and label_cols=['chosen', 'rejected'] two string columns, with peft_config (the reference model is "
+              "the same model with its adapters off). None: chosen from the other params "
+              "(docs/language-models.md 'Tune on preference pairs (DPO)')", None,
+              lambda v: v is None or (hasattr(v, "applies") and hasattr(v, "for_rank")),
+              "an objective such as DPO(beta=0.1), or None", json=False),
     ParamSpec("gradient_checkpointing", "recompute activations in backward instead of keeping them (less memory, "
               "about a third more compute): a Hugging Face model through its own gradient_checkpointing_enable(), "
               "other models per unit (the items of every nn.ModuleList, or shard_units)", False, is_bool,
@@ -382,8 +389,8 @@ TOPICS = (
       "warmup_ratio", "lr_scheduler_fn", "gradient_clip_val", "backward_passes_per_step", "terminate_on_nan",
       "early_stopping_patience", "monitor", "monitor_mode", "min_delta", "restore_best", "callbacks")),
     ("Language models", "Fine-tuning and generation of causal LMs ([Language models](language-models.md)).",
-     ("peft_config", "packing", "completion_only_loss", "chat_tools", "max_new_tokens", "generate_kwargs",
-      "inference_batch_size")),
+     ("peft_config", "packing", "completion_only_loss", "chat_tools", "objective", "max_new_tokens",
+      "generate_kwargs", "inference_batch_size")),
     ("GPUs and large models", "Devices, precision, sharding and memory ([GPUs and clusters](gpus.md)).",
      ("use_gpu", "backend", "precision", "compile", "strategy", "shard_units", "reshard_after_forward",
       "weights_folder", "gradient_checkpointing", "gradient_compression", "shared_memory_allreduce")),

@@ -47,10 +47,12 @@ def string_label_error(column: str, p: Dict[str, Any]) -> str:
             "its tokenizer (docs/language-models.md).")
 
 
-def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
-    """The LMSpec of a causal LM's fine-tuning (its objective says it is one); a fit that half is one is refused by
-    name."""
+def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) -> LMSpec:
+    """The LMSpec of a causal LM's fine-tuning (its objective says it is one, and whether on preference pairs); a
+    fit that half is one is refused by name."""
     features, labels = list(p["feature_cols"]), list(p["label_cols"])
+    if preference:
+        return pairs_spec(p, schema)
     if len(features) != 1:
         raise ValueError(f"Fine-tuning a causal LM takes one feature column (the prompt, or a chat's messages); got "
                          f"feature_cols={features}. Join the prompt's parts into one string column first "
@@ -95,6 +97,33 @@ def lm_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                          "causal LM is fine-tuned to write after the prompt is a string column: cast it first "
                          f"(F.col({labels[0]!r}).cast('string')).")
     return LMSpec(column, labels[0], every_token=not p["completion_only_loss"], packed=packing(p))
+
+
+def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
+    """Preference pairs (objective=DPO(...)): a prompt string column and two string label columns, the chosen
+    answer's and the rejected one's, under adapters (the reference model is the model with them off)."""
+    objective, features, labels = p["objective"], list(p["feature_cols"]), list(p["label_cols"])
+    if len(features) != 1 or len(labels) != 2:
+        raise ValueError(f"objective={objective!r} reads preference pairs: feature_cols=['prompt'] (one string "
+                         "column) and label_cols=['chosen', 'rejected'] (two string columns: the preferred answer's, "
+                         f"then the other's); got feature_cols={features}, label_cols={labels}.")
+    for column in features + labels:
+        dtype = schema[column].dataType
+        if not isinstance(dtype, StringType):
+            raise ValueError(f"Column {column!r} has type {dtype.simpleString()}; objective={objective!r} reads the "
+                             "prompt and both answers as string columns" + (
+                                 " (message lists of a chat are not built yet: render them to strings with the "
+                                 "tokenizer's chat template first)" if is_chat(dtype) else
+                                 f": cast it first (F.col({column!r}).cast('string'))") + ".")
+    for name, value, why in (("peft_config", p["peft_config"] is None, "its reference model is the trained model "
+                              "with its adapters off: set peft_config (LoraConfig(task_type='CAUSAL_LM')); a "
+                              "reference beside a model trained whole is not built yet"),
+                             ("packing", p["packing"], "packed pairs are not built yet"),
+                             ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
+                              "their own tokens"), ("chat_tools", bool(p["chat_tools"]), "the rows are strings")):
+        if value:
+            raise ValueError(f"objective={objective!r} with {name}={p[name]!r}: {why}.")
+    return LMSpec(features[0], labels[0], rejected=labels[1])
 
 
 def packing(p: Mapping[str, Any]) -> bool:

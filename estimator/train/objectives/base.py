@@ -15,6 +15,7 @@ class BuiltIn:
     weighting: Any = PerBatch  # the loss is a mean over the batch's rows (or sample weights)
     transform_output: Optional[str] = None  # the fitted TorchModel's output_kind: the model's outputs
     language_model = False  # its rows are a causal LM's, tokenized with their labels (estimator.data.lm)
+    preference = False  # a causal LM's rows are pairs of answers to a prompt, the chosen and the rejected
     # the driver's dry run runs the model's forward on a few rows (its weights built there); False: the driver's
     # checks read the rows, the config and shapes only, and a rank's first batch checks the forward (a LoRA fit
     # of a factory then never builds the base's weights on the driver: estimator.core.handle)

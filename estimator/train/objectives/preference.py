@@ -22,9 +22,11 @@ from typing import Any, List, Mapping, Tuple
 import torch
 import torch.nn.functional as F
 
+from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
 from estimator.train.objectives.base import BuiltIn
+from estimator.train.objectives.tokens import OWN_LOOP
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -41,6 +43,7 @@ class DPO(BuiltIn):
     transform_output = "generate"  # after preference tuning, transform writes text as after SFT
     language_model = True
     driver_forward = False
+    preference = True  # its rows are pairs of answers: label_cols the chosen and the rejected (estimator.fit.language)
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid"):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
@@ -62,7 +65,10 @@ class DPO(BuiltIn):
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:
-        return isinstance(p.get("objective"), cls)
+        """objective=DPO(...), in the built-in loop (no loss, train_step or train_fn), over a model that generates
+        with a tokenizer."""
+        return (isinstance(p.get("objective"), cls) and all(p.get(n) is None for n in OWN_LOOP)
+                and p.get("tokenizer") is not None and can_generate(p.get("model")))
 
     @classmethod
     def history_keys(cls, p: Mapping[str, Any]) -> List[str]:

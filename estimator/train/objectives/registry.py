@@ -5,6 +5,7 @@ from typing import Any, Dict, Mapping
 
 from estimator.train.lightning import LightningObjective
 from estimator.train.losses import Objective
+from estimator.train.objectives.preference import DPO
 from estimator.train.objectives.tokens import TokenObjective
 from estimator.train.steps import StepObjective
 
@@ -12,6 +13,7 @@ from estimator.train.steps import StepObjective
 OBJECTIVES: Dict[str, Any] = {
     "train_step": StepObjective,  # the user's step returns the loss and its metrics
     "lightning": LightningObjective,  # a LightningModule's training_step and logged numbers
+    "preference": DPO,  # objective=DPO(...): a causal LM tuned on preference pairs
     "tokens": TokenObjective,  # a causal LM's next-token loss over its labelled tokens
     "losses": Objective,  # the loss param's losses and metrics, or the model's own loss from labels=
 }
@@ -25,7 +27,22 @@ def add_objective(name: str, cls: Any) -> None:
 
 
 def choose_objective(p: Mapping[str, Any]) -> Any:
-    """The fit's objective class; None for a train_fn (its own loop computes its loss)."""
+    """The fit's objective class (the `objective` param's instance where that is the one chosen); None for a
+    train_fn (its own loop computes its loss). An `objective` param that another objective would override is
+    refused by name."""
+    given = p.get("objective")
     if p.get("train_fn") is not None:
-        return None
-    return next(cls for cls in OBJECTIVES.values() if cls.applies(p))
+        chosen = None
+    else:
+        chosen = next(cls for cls in OBJECTIVES.values() if cls.applies(p))
+    if given is None:
+        return chosen
+    if chosen is None or not isinstance(given, chosen):
+        overriding = next((n for n in ("train_fn", "train_step", "loss", "loss_constructors") if p.get(n) is not None),
+                          None)
+        raise ValueError(f"objective={given!r} is what the built-in loop trains with, and "
+                         + (f"{overriding} is set too: leave {overriding} unset." if overriding else
+                            f"the {'model' if p.get('tokenizer') is not None else 'fit'} cannot take it: it "
+                            "tunes a causal LM that generates (AutoModelForCausalLM, or its factory) with its "
+                            "tokenizer."))
+    return given
