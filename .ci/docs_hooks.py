@@ -23,7 +23,7 @@ def tables():
 
 
 def linked(text: str) -> str:
-    """The param table's references, `docs/training.md 'Text columns'` (as help() and the errors print them),
+    """The param table's references, `docs/training.md 'Train on text columns'` (as help() and the errors print them),
     as links to the section (MkDocs' heading anchors: lower case, spaces as hyphens)."""
     def link(found: re.Match) -> str:
         page, section = found.group(1), found.group(2)

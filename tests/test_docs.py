@@ -143,7 +143,7 @@ def test_the_param_hook_puts_the_param_tables_under_their_markers_grouped_by_top
     page = hooks.render(read("docs/params.md"))
     assert hooks.tables() == param_reference.tables()
     assert hooks.linked(param_reference.tables()["TorchEstimator"]) in page
-    assert "[training.md 'Text columns'](training.md#text-columns)" in page  # a reference made a link
+    assert "[training.md 'Train on text columns'](training.md#train-on-text-columns)" in page  # a reference made a link
     assert [title for title, _, _ in TOPICS] == re.findall(r"^### (.+)$", page, re.M)[:len(TOPICS)]
     for spec in ESTIMATOR_PARAMS:
         shown = spec.name.replace("_", "_<wbr>")  # a long name may wrap after an underscore

@@ -45,8 +45,8 @@ def _generate_kwargs_hint(v: Any) -> str:
 TOKENIZER = ParamSpec("tokenizer", "a Hugging Face tokenizer, or a callable(list of str) -> dict of arrays: string "
                       "feature columns are tokenized with it on the ranks (the reader's workers) and in transform, "
                       "padded per batch, and reach forward by keyword (input_ids=..., attention_mask=...; "
-                      "docs/training.md 'Text columns')", None, optional(callable), "a tokenizer (a callable) or None",
-                      json=False)
+                      "docs/training.md 'Train on text columns')", None, optional(callable),
+                      "a tokenizer (a callable) or None", json=False)
 
 ESTIMATOR_PARAMS = [
     ParamSpec("num_proc", "number of training processes (Spark barrier tasks); default: every task slot, when the "
@@ -55,9 +55,9 @@ ESTIMATOR_PARAMS = [
     ParamSpec("store", "where materialized data, checkpoints and logs go; default: a local temporary folder",
               None, optional(is_instance(Store)), "a store.Store (Store.create(url)) or None", json=False),
     ParamSpec("model", "the torch.nn.Module to train (fit trains a copy), or a lightning.LightningModule (its hooks "
-              "run in the estimator's loop: docs/training.md 'LightningModule'), or a zero-argument callable that "
-              "builds it on every rank, so that pretrained weights load there from their path (docs/training.md "
-              "'Models built on the ranks')", None, callable,
+              "run in the estimator's loop: docs/training.md 'Train a LightningModule'), or a zero-argument "
+              "callable that builds it on every rank, so that pretrained weights load there from their path "
+              "(docs/training.md 'Build the model on the ranks')", None, callable,
               "a torch.nn.Module, or a callable() returning one", json=False),
     ParamSpec("optimizer", "a torch.optim.Optimizer over the model's parameters, rebuilt on every rank, or a "
               "callable(params) -> Optimizer called with each rank's parameters (functools.partial(torch.optim.AdamW, "
@@ -192,8 +192,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("strategy", "'ddp': every rank holds the whole model, its gradients and the optimizer's state, and "
               "DistributedDataParallel averages the gradients; 'fsdp': parameters, gradients and optimizer state "
               "sharded over the ranks (FSDP2's fully_shard), each rank writing its own shards of the checkpoints "
-              "(docs/gpus.md 'Large models'); 'auto': fsdp's checkpoints and limits, the model sharded only on GPU "
-              "ranks that could not hold its parameters, gradients and Adam's state in half their memory, else "
+              "(docs/gpus.md 'Shard a large model'); 'auto': fsdp's checkpoints and limits, the model sharded only "
+              "on GPU ranks that could not hold its parameters, gradients and Adam's state in half their memory, else "
               "trained whole as with ddp (said in the log)", "ddp", is_instance(str),
               "the name of a strategy ('ddp', 'fsdp' or 'auto': estimator.train.strategies.STRATEGIES)"),
     ParamSpec("shard_units", "with strategy='fsdp', the submodules sharded as units, each gathered whole only for "
@@ -213,7 +213,7 @@ ESTIMATOR_PARAMS = [
               "reads) the weights a `model` factory leaves on the meta device (estimator.parameters_on_meta()): "
               "each rank reads only its own shards of them with "
               "strategy='fsdp', the whole with 'ddp', and what the factory built with values is kept (docs/gpus.md "
-              "'Models built on the meta device'). None: the model has all its weights",
+              "'Build the model on the meta device'). None: the model has all its weights",
               None, optional(lambda v: isinstance(v, str) and v != ""), "a folder path, or None"),
     ParamSpec("peft_config", "a peft config (LoraConfig(r=16, lora_alpha=32, target_modules='all-linear', "
               "task_type='CAUSAL_LM')): its adapters are added to the model on every rank, the base is frozen, and "
@@ -247,7 +247,7 @@ ESTIMATOR_PARAMS = [
               "never", None, optional(is_bool), "True, False or None"),
     ParamSpec("data_mode", "'materialize': the rows are written to the store as Parquet once and reused by later fits "
               "on the same rows; 'direct': no copy, the ranks take their rows from the DataFrame's own Spark stage "
-              "and keep them on local disk for the fit (docs/data.md 'Materialized or direct')", "materialize",
+              "and keep them on local disk for the fit (docs/data.md 'Choose materialize or direct')", "materialize",
               lambda v: v in ("materialize", "direct"), "'materialize' or 'direct'"),
     ParamSpec("partitions_per_process", "Parquet files written per process when materializing; default: the "
               "DataFrame's partitions, at least one per process", None, optional(is_int(1)), "an int >= 1 or None"),

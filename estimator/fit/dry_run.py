@@ -146,7 +146,7 @@ def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has
     if skipped:
         warnings.warn(f"TorchEstimator runs {type(module).__name__}'s configure_optimizers, training_step, "
                       f"validation_step and forward (in transform), not these hooks it overrides: {', '.join(skipped)}"
-                      " (docs/training.md 'LightningModule').", UserWarning, stacklevel=5)
+                      " (docs/training.md 'Train a LightningModule').", UserWarning, stacklevel=5)
     if has_validation and not lightning.overrides(module, "validation_step"):
         warnings.warn(f"{type(module).__name__} has no validation_step: the validation rows are held out but give "
                       "no val_ keys. Define validation_step (self.log('val_loss', ...)), or set validation=None.",

@@ -31,7 +31,7 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
         if meta_tensors(value) or unloadable(value):
             raise ValueError(f"The 'model' parameter of {OWNER} is a module on the meta device (no weights): give "
                              "the callable that builds it instead, with weights_folder naming its weights, so that "
-                             "each rank reads only what it holds (docs/gpus.md 'Models built on the meta device').")
+                             "each rank reads only what it holds (docs/gpus.md 'Build the model on the meta device').")
         if weights_folder is not None:
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None

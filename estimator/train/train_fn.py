@@ -118,7 +118,7 @@ class TrainContext(Named):
             raise ValueError(f"ctx.val_batches() with strategy={self._run.strategy.name!r} on several ranks is not "
                              "served: a sharded forward is a collective, and ranks hold different numbers of "
                              "validation batches. Validate with the built-in loop or train_step, or without "
-                             "validation in train_fn (docs/gpus.md 'Large models').")
+                             "validation in train_fn (docs/gpus.md 'Shard a large model').")
         feed = self._run.feed(self._val.epoch(self.epoch), False)
         try:
             for tensors, _ in self._run.loop.on_device(feed):

@@ -24,7 +24,7 @@ from estimator.train.strategies.ddp import DDP
 
 log = logging.getLogger("estimator")
 OWNER = "TorchEstimator"
-PAGE = "docs/gpus.md 'Large models'"
+PAGE = "docs/gpus.md 'Shard a large model'"
 
 
 class FSDP(DDP):
