@@ -88,15 +88,17 @@ def test_a_batch_loss_and_rewards_equal_a_hand_computation_with_the_frozen_base_
     features = [{"input_ids": b["prompt.input_ids"], "attention_mask": b["prompt.attention_mask"]}]
     with torch.no_grad():
         loss, sums = dpo.on_batch(policy, (features, [b["chosen"]], None))
-    mean = loss_type == "ipo"
     want_losses, rewards = [], []
     with torch.no_grad():
         for prompt, chosen, rejected in triples:
-            pc, pr = (answer_logp(policy, tokenizer, prompt, a, mean) for a in (chosen, rejected))
-            rc, rr = (answer_logp(base, tokenizer, prompt, a, mean) for a in (chosen, rejected))
-            h = (pc - pr) - (rc - rr)
-            want_losses.append(-np.log(1 / (1 + np.exp(-beta * h))) if loss_type == "sigmoid"
-                               else (h - 1 / (2 * beta)) ** 2)
+            pc, pr = (answer_logp(policy, tokenizer, prompt, a) for a in (chosen, rejected))
+            rc, rr = (answer_logp(base, tokenizer, prompt, a) for a in (chosen, rejected))
+            if loss_type == "sigmoid":
+                want_losses.append(-np.log(1 / (1 + np.exp(-beta * ((pc - pr) - (rc - rr))))))
+            else:  # IPO over the mean token log-probabilities (TRL's); the rewards from the sums either way
+                (mc, mr), (nc, nr) = ([answer_logp(m, tokenizer, prompt, a, mean=True) for a in (chosen, rejected)]
+                                      for m in (policy, base))
+                want_losses.append(((mc - mr) - (nc - nr) - 1 / (2 * beta)) ** 2)
             rewards.append((beta * (pc - rc), beta * (pr - rr)))
     chosen_r, rejected_r = np.array(rewards).T
     assert float(loss) == pytest.approx(sum(want_losses), rel=1e-4)

@@ -3,12 +3,13 @@ IPO variant (Azar et al. 2023, arXiv 2310.12036).
 
 A batch of b pairs is 2b rows (estimator.data.lm, LMSpec.rejected): each pair's prompt with its chosen answer,
 then with its rejected one, the prompt's tokens carrying no label, so both answers of a pair are scored by the
-same weights in one forward. An answer's score is its labelled tokens' log-probabilities summed (IPO: their mean,
-as TRL computes it), under the policy and under the reference model: the same model with its adapters off (peft's
+same weights in one forward. An answer's score is its labelled tokens' log-probabilities summed, under the policy
+and under the reference model: the same model with its adapters off (peft's
 `disable_adapter()`), in eval mode and without gradients, so no second copy of the base is held.
 
 With h = (policy chosen - policy rejected) - (reference chosen - reference rejected), a pair's loss is
--log sigmoid(beta h) (DPO) or (h - 1 / (2 beta))^2 (IPO). The loss for backward is the batch's sum over its pairs
+-log sigmoid(beta h) (DPO) or (h - 1 / (2 beta))^2 (IPO, h over each answer's mean token log-probability instead
+of the sum, as TRL computes it). The loss for backward is the batch's sum over its pairs
 (`weighting = PerWeight`, the weight being the pairs): the gradients are divided by the pairs of the whole
 accumulation window over all ranks, so 2 ranks of 4 pairs train what one process of 8 pairs does. The history
 reports TRL's numbers, means over the pairs: the rewards beta x (policy - reference) of the chosen and rejected
@@ -84,15 +85,18 @@ class DPO(BuiltIn):
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         features, labels, _ = tensors
         labels = labels[0]
+        tokens = (labels[:, 1:] != IGNORE).sum(dim=1).clamp(min=1)
         with torch.no_grad():
-            reference = self.scores(reference_forward(model, features), labels)
-        policy = self.scores(logits_of(forward(model, features)), labels)
+            reference = answer_logps(reference_forward(model, features), labels)
+        policy = answer_logps(logits_of(forward(model, features)), labels)
         pairs = labels.shape[0] // 2
-        chosen, rejected = policy[:pairs], policy[pairs:]
-        h = (chosen - rejected) - (reference[:pairs] - reference[pairs:])
-        losses = -F.logsigmoid(self.beta * h) if self.loss_type == "sigmoid" else (h - 1 / (2 * self.beta)) ** 2
-        chosen_rewards = self.beta * (chosen - reference[:pairs]).detach()
-        rejected_rewards = self.beta * (rejected - reference[pairs:]).detach()
+        ratios = policy - reference  # per row: the answer's log-probability over the reference's
+        if self.loss_type == "ipo":  # over each answer's mean token log-probability, as TRL's
+            h = ratios[:pairs] / tokens[:pairs] - ratios[pairs:] / tokens[pairs:]
+            losses = (h - 1 / (2 * self.beta)) ** 2
+        else:
+            losses = -F.logsigmoid(self.beta * (ratios[:pairs] - ratios[pairs:]))
+        chosen_rewards, rejected_rewards = (self.beta * ratios.detach()).split(pairs)  # TRL's: summed, any loss
         loss = losses.sum()
         count = torch.full((1,), float(pairs), dtype=torch.float64, device=loss.device)
         sums = torch.cat([loss.detach().double().reshape(1), count, count,
@@ -101,18 +105,17 @@ class DPO(BuiltIn):
                                        (chosen_rewards - rejected_rewards).sum()]).double()])
         return loss, sums
 
-    def scores(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each row's answer scored: its labelled tokens' log-probabilities summed (IPO: averaged), in float32."""
-        target = labels[:, 1:]
-        kept = target != IGNORE
-        logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
-        total = (logps * kept).sum(dim=1)
-        return total / kept.sum(dim=1).clamp(min=1) if self.loss_type == "ipo" else total
-
     def weight_of(self, tensors: Any) -> torch.Tensor:
         """The pairs of a batch (what its loss is summed over)."""
         labels = tensors[1][0]
         return torch.tensor(labels.shape[0] // 2, device=labels.device)
+
+
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's answer scored: its labelled tokens' log-probabilities summed, in float32."""
+    target = labels[:, 1:]
+    logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
+    return (logps * (target != IGNORE)).sum(dim=1)
 
 
 def unwrapped(model: Any) -> Any:
