@@ -130,15 +130,17 @@ def plain_dpo_loss(model, b, beta):
     return -F.logsigmoid(beta * h).mean()
 
 
-def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store, strategy):
     """2 ranks x 2 pairs = one process of 4 pairs: the loss is a mean over the step's pairs on all ranks; the
-    adapters trained and the history's loss are the plain loop's."""
+    adapters trained and the history's loss are the plain loop's. Under fsdp too (the base sharded, the
+    reference its forward with the adapters off)."""
     from estimator.train.objectives.preference import DPO
 
     ranks, batch, steps, epochs, lr, beta = 2, 2, 3, 2, 1e-2, 0.5
     rows = pairs(ranks * batch * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
-                                                lr=lr, objective=DPO(beta=beta)), ranks)
+                                                lr=lr, objective=DPO(beta=beta), strategy=strategy), ranks)
     plain = plain_causal_lm(llama, lora())
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
     half, losses = len(rows) // ranks, []
