@@ -418,6 +418,11 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
             with pytest.raises(ValueError, match=message):
                 est.copy(change).fit(df)
         assert jobs_run_by(spark, refused) == []
+    blank = spark.createDataFrame(rows[:6] + [("What color is the kite?", " ", " The kite is red.")],
+                                  "prompt string, chosen string, rejected string")
+    with pytest.raises(ValueError, match=r"Preference pairs with an empty answer: 1 of [0-9]+ training rows in "
+                                         r"column 'chosen'\. Each pair compares two answers"):
+        est.copy({est.validation: None}).fit(blank)
     fitted = est.fit(df)
     history = fitted.getHistory()
     keys = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"}

@@ -164,12 +164,31 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     return rows, short, unanswered, longest
 
 
+def check_answers(data: DataSpec) -> None:
+    """Preference pairs: no empty answer (a pair whose answer is no text compares nothing the prompt asked), counted
+    over the table in the store, per column."""
+    columns, told = [data.lm.response, data.lm.rejected], []
+    for name, pieces in (("training", data.train), ("validation", data.val)):
+        rows, empty = 0, dict.fromkeys(columns, 0)
+        for piece in pieces:
+            for batch in read_span(data.store, Span(piece, 0, piece.num_rows), columns, CHUNK_ROWS):
+                rows += len(batch[columns[0]])
+                for column in columns:
+                    empty[column] += sum(1 for v in batch[column] if not str(v).strip())
+        told += [f"{n} of {rows} {name} rows in column {c!r}" for c, n in empty.items() if n]
+    if told:
+        raise ValueError(f"Preference pairs with an empty answer: {'; '.join(told)}. Each pair compares two "
+                         "answers to its prompt: drop those rows first (df.filter(F.trim('chosen') != '')).")
+
+
 def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
     """Every training and validation row keeps a response token after the cut at max_length (estimator.data.lm),
     counted over the whole table in the store before any rank starts: a row without one trains nothing, and a user
     who set max_length for the responses' sake would not know. Reads and tokenizes the prompt column only, on the
     driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer)."""
     limit, found = length_limit(tokenizer, data.max_length), []
+    if data.lm.rejected is not None:
+        check_answers(data)
     for name, pieces in (("training", data.train), ("validation", data.val)):
         rows, short, unanswered, longest = rows_without_room(data, pieces, tokenizer, limit)
         if short:
