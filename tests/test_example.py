@@ -67,6 +67,21 @@ def test_the_sft_example_teaches_a_causal_lm_the_facts_it_then_writes(tmp_path):
 
 
 @pytest.mark.spark
+def test_the_dpo_example_switches_the_answers_an_sft_model_learned(tmp_path):
+    """docs/language-models.md shows the example's lines between its dpo markers: these run here. The SFT model
+    writes the wrong colours; after DPO (with the chosen answers' own loss) it writes the right ones."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "notebooks", "dpo_example.py"), "--workdir",
+                             str(tmp_path / "work")], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def score(name):
+        return float(re.search(rf"^After {name}, [a-z ]+ written: ([0-9.]+)$", result.stdout, re.MULTILINE).group(1))
+
+    assert score("SFT") >= 0.8 and score("DPO") >= 0.9, result.stdout[-2000:]
+    assert re.search(r"rewards/accuracies 1\.00", result.stdout), result.stdout[-2000:]
+
+
+@pytest.mark.spark
 @pytest.mark.parametrize("session", ["classic", "connect"])
 def test_the_readme_use_snippet_runs_as_shown(tmp_path, session):
     """As shown, and with its session made by `builder.remote(url)` of a local Spark Connect server."""

@@ -74,16 +74,16 @@ def trained_adapters(llama, seed=1):
     return model.eval()
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type, sft_weight", [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.7)])
 def test_a_batch_loss_and_rewards_equal_a_hand_computation_with_the_frozen_base_as_reference(llama, tokenizer,
-                                                                                             loss_type):
+                                                                                             loss_type, sft_weight):
     """The reference is the trained model with its adapters off: the same scores as a separate copy of the base
     (no adapters at all), each answer scored alone, unpadded, token by token."""
     from estimator.train.objectives.preference import DPO
 
     triples, beta = pairs(5), 0.3
     policy, base = trained_adapters(llama), plain_causal_lm(llama).eval()
-    dpo = DPO(beta=beta, loss_type=loss_type)
+    dpo = DPO(beta=beta, loss_type=loss_type, sft_weight=sft_weight)
     b = batch_of(tokenizer, triples)
     features = [{"input_ids": b["prompt.input_ids"], "attention_mask": b["prompt.attention_mask"]}]
     with torch.no_grad():
@@ -99,6 +99,8 @@ def test_a_batch_loss_and_rewards_equal_a_hand_computation_with_the_frozen_base_
                 (mc, mr), (nc, nr) = ([answer_logp(m, tokenizer, prompt, a, mean=True) for a in (chosen, rejected)]
                                       for m in (policy, base))
                 want_losses.append(((mc - mr) - (nc - nr) - 1 / (2 * beta)) ** 2)
+            if sft_weight:  # the chosen answer's mean token NLL, weighted
+                want_losses[-1] -= sft_weight * answer_logp(policy, tokenizer, prompt, chosen, mean=True)
             rewards.append((beta * (pc - rc), beta * (pr - rr)))
     chosen_r, rejected_r = np.array(rewards).T
     assert float(loss) == pytest.approx(sum(want_losses), rel=1e-4)
@@ -173,4 +175,8 @@ def test_dpo_params_are_checked_by_name():
             DPO(beta=bad)
     with pytest.raises(ValueError, match=r"loss_type='hinge'\): one of \['sigmoid', 'ipo'\]"):
         DPO(loss_type="hinge")
-    assert DPO(0.2) == DPO(beta=0.2, loss_type="sigmoid") != DPO(0.2, "ipo")
+    for bad in (-1, float("inf"), None):
+        with pytest.raises(ValueError, match=r"sft_weight=.* must be a number >= 0"):
+            DPO(sft_weight=bad)
+    assert DPO(0.2) == DPO(beta=0.2, loss_type="sigmoid") != DPO(0.2, "ipo") != DPO(0.2, sft_weight=1)
+    assert repr(DPO(0.2, sft_weight=1)) == "DPO(beta=0.2, loss_type='sigmoid', sft_weight=1.0)"

@@ -37,7 +37,10 @@ LOSS_TYPES = ("sigmoid", "ipo")
 
 class DPO(BuiltIn):
     """Direct preference optimization over (prompt, chosen, rejected) rows; `loss_type` 'sigmoid' (DPO's) or 'ipo'.
-    `beta`: how far the policy may move from the reference (TRL's default 0.1)."""
+    `beta`: how far the policy may move from the reference (TRL's default 0.1). `sft_weight`: adds that many times
+    each chosen answer's mean token negative log-likelihood to its pair's loss (RPO, Pang et al. 2024; TRL's
+    loss_type=['sigmoid', 'sft'], which averages over the batch's chosen tokens instead): DPO alone may make the
+    chosen answers less likely too, and write worse text."""
 
     weighting = PerWeight
     layout = Sums.of_loss(METRICS)
@@ -46,23 +49,32 @@ class DPO(BuiltIn):
     driver_forward = False
     preference = True  # its rows are pairs of answers: label_cols the chosen and the rejected (estimator.fit.language)
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid"):
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", sft_weight: float = 0.0):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
             raise ValueError(f"DPO(beta={beta!r}): beta scales the log-probability ratios in the loss and must be a "
                              "number > 0 (TRL's default is 0.1; larger keeps the model closer to the reference).")
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"DPO(loss_type={loss_type!r}): one of {list(LOSS_TYPES)} ('sigmoid' is DPO's loss, "
                              "'ipo' the squared loss of IPO over the answers' mean log-probabilities).")
-        self.beta, self.loss_type = float(beta), loss_type
+        if isinstance(sft_weight, bool) or not isinstance(sft_weight, (int, float)) or not (
+                math.isfinite(sft_weight) and sft_weight >= 0):
+            raise ValueError(f"DPO(sft_weight={sft_weight!r}): the weight of the chosen answers' own loss (their "
+                             "mean token negative log-likelihood, RPO's term; TRL's loss_type=['sigmoid', 'sft']) "
+                             "must be a number >= 0; 0 leaves it out.")
+        self.beta, self.loss_type, self.sft_weight = float(beta), loss_type, float(sft_weight)
 
     def __repr__(self) -> str:
-        return f"DPO(beta={self.beta!r}, loss_type={self.loss_type!r})"
+        extra = f", sft_weight={self.sft_weight!r}" if self.sft_weight else ""
+        return f"DPO(beta={self.beta!r}, loss_type={self.loss_type!r}{extra})"
 
     def __eq__(self, other: Any) -> bool:
-        return type(other) is type(self) and (self.beta, self.loss_type) == (other.beta, other.loss_type)
+        return type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((type(self).__name__, self.beta, self.loss_type))
+        return hash((type(self).__name__, *self._key()))
+
+    def _key(self) -> Tuple[float, str, float]:
+        return self.beta, self.loss_type, self.sft_weight
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:
@@ -96,6 +108,8 @@ class DPO(BuiltIn):
             losses = (h - 1 / (2 * self.beta)) ** 2
         else:
             losses = -F.logsigmoid(self.beta * (ratios[:pairs] - ratios[pairs:]))
+        if self.sft_weight:  # the chosen answers kept likely: each one's mean token NLL, per pair
+            losses = losses - self.sft_weight * policy[:pairs] / tokens[:pairs]
         chosen_rewards, rejected_rewards = (self.beta * ratios.detach()).split(pairs)  # TRL's: summed, any loss
         loss = losses.sum()
         count = torch.full((1,), float(pairs), dtype=torch.float64, device=loss.device)
