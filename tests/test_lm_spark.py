@@ -437,3 +437,11 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     assert [r.prediction for r in TorchModel.load(str(tmp_path / "model")).transform(prompts).orderBy(
         "prompt").collect()] == out
     assert TorchEstimator.load(str(tmp_path / "estimator")).getOrDefault("objective") == DPO(beta=0.5)
+    # the same pairs as message lists (the chat template renders the prompt's messages, then each answer's)
+    chats = spark.createDataFrame(
+        [([("user", p)], [("assistant", c)], [("assistant", r)]) for p, c, r in rows],
+        "prompt array<struct<role:string,content:string>>, chosen array<struct<role:string,content:string>>, "
+        "rejected array<struct<role:string,content:string>>")
+    chat_fit = est.copy({est.epochs: 1, est.validation: None}).fit(chats)
+    assert set(keys) <= set(chat_fit.getHistory()[-1])
+    assert all(isinstance(r.prediction, str) for r in chat_fit.transform(chats.select("prompt").limit(2)).collect())

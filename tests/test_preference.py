@@ -180,3 +180,27 @@ def test_dpo_params_are_checked_by_name():
             DPO(sft_weight=bad)
     assert DPO(0.2) == DPO(beta=0.2, loss_type="sigmoid") != DPO(0.2, "ipo") != DPO(0.2, sft_weight=1)
     assert repr(DPO(0.2, sft_weight=1)) == "DPO(beta=0.2, loss_type='sigmoid', sft_weight=1.0)"
+
+
+def test_pairs_of_message_lists_label_only_the_answers_tokens_as_the_template_renders_them(tokenizer):
+    """The prompt's messages (an earlier assistant turn too) carry no label; each answer's rendered tokens do,
+    with their end; the ids are the template's rendering of the prompt and the answer."""
+    from estimator.data.lm import render
+
+    prompt = [{"role": "user", "content": "What color is the kettle?"},
+              {"role": "assistant", "content": " The kettle is red."},
+              {"role": "user", "content": "Are you sure?"}]
+    chosen, rejected = [{"role": "assistant", "content": " Yes, red."}], [{"role": "assistant", "content": " No."}]
+    spec = LMSpec("prompt", "chosen", rejected="rejected", messages=True)
+    raw = {"prompt": np.array([prompt], dtype=object), "chosen": np.array([chosen], dtype=object),
+           "rejected": np.array([rejected], dtype=object)}
+    out = CausalLMTokenize(tokenizer, spec, None)(raw)
+    ids, labels = out["prompt.input_ids"], out["chosen"]
+    assert ids.shape[0] == 2  # the chosen row, then the rejected one
+    before = render(tokenizer, prompt, True)
+    for row, answer in enumerate((chosen, rejected)):
+        full = render(tokenizer, prompt + answer, False)
+        assert ids[row, :len(full)].tolist() == full
+        kept = [int(t) for t in labels[row] if t != IGNORE]
+        assert kept == full[len(before):] and tokenizer.decode(kept) == answer[0]["content"] + "</s>"
+        assert (labels[row, :len(before)] == IGNORE).all()

@@ -43,6 +43,7 @@ class LMSpec:
     # preference pairs (estimator.train.objectives.preference): the rejected answer's column beside the chosen
     # one's (`response`); a batch of b pairs is tokenized as 2b rows, the chosen answers first
     rejected: Optional[str] = None
+    messages: bool = False  # preference pairs whose prompt and answers are message lists, rendered by the template
 
     @property
     def chat(self) -> bool:

@@ -84,6 +84,18 @@ def render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt
                                                    add_generation_prompt=generation_prompt, **extra))
 
 
+def answer_tokens(tokenizer: Any, prompt: Sequence[Dict[str, Any]], answer: Sequence[Dict[str, Any]], column: str,
+                  tools: Optional[Sequence[Any]] = None) -> Tuple[List[int], List[int]]:
+    """(ids, labels) of a conversation's prompt messages followed by an answer's (preference pairs of message
+    lists): the answer's tokens labelled, the prompt's (its earlier assistant turns too) not."""
+    before, ids = render(tokenizer, prompt, True, tools), render(tokenizer, [*prompt, *answer], False, tools)
+    if ids[:len(before)] != before:
+        raise ValueError(f"The chat template of {type(tokenizer).__name__} renders a conversation differently from "
+                         f"its beginning (column {column!r}): the answer's tokens cannot be told apart from the "
+                         "prompt's. Use a template whose rendering of the first turns is a prefix of the whole's.")
+    return ids, [IGNORE] * len(before) + ids[len(before):]
+
+
 def chat_tokens(tokenizer: Any, messages: Sequence[Dict[str, Any]], column: str,
                 tools: Optional[Sequence[Any]] = None) -> Tuple[List[int], List[int]]:
     """(ids, labels) of one conversation: each assistant turn's tokens labelled (its tool calls too), found as
@@ -134,7 +146,10 @@ class CausalLMTokenize:
         """Each row's tokens and labels; `response`: the answer's column (default: the spec's response)."""
         spec, tokenizer = self.spec, self.tokenizer
         response = response or spec.response
-        if spec.chat:
+        if spec.messages:  # preference pairs of message lists: the prompt's messages, then the answer's
+            rows = [answer_tokens(tokenizer, messages_of(p, spec.column), messages_of(a, response), response,
+                                  spec.tools) for p, a in zip(batch[spec.column], batch[response])]
+        elif spec.chat:
             rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column, spec.tools)
                     for m in batch[spec.column]]
         elif spec.text:  # every token, then the EOS: the model learns the texts and where they end
@@ -186,9 +201,9 @@ def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
     max_length only when 0 <= start < max_length."""
     if spec.text or spec.every_token:  # every token labelled (the first is context: the second is learned)
         return np.zeros(len(batch[spec.column]), dtype=np.int64)
-    if not spec.chat:  # what generation is given: the prompt's tokens
-        return np.array([len(p) for p in prompt_ids(tokenizer, False, batch[spec.column], spec.column)],
-                        dtype=np.int64)
+    if not spec.chat:  # what generation is given: the prompt's tokens (a conversation's, with its turn to answer)
+        return np.array([len(p) for p in prompt_ids(tokenizer, spec.messages, batch[spec.column], spec.column,
+                                                    spec.tools)], dtype=np.int64)
     starts = np.full(len(batch[spec.column]), -1, dtype=np.int64)
     for row, value in enumerate(batch[spec.column]):
         messages = messages_of(value, spec.column)

@@ -205,8 +205,8 @@ def check_schema(p: Mapping[str, Any], objective: Any, schema: StructType) -> No
             if not language_model(objective):
                 raise ValueError(string_label_error(column, p))
             continue
-        if param == "feature_cols" and language_model(objective):
-            continue  # a prompt or a chat: its type and fields, language.lm_spec
+        if language_model(objective) and (param == "feature_cols" or objective.preference):
+            continue  # a prompt or a chat (preference pairs: their answers too): types and fields, language.lm_spec
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only

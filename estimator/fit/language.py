@@ -107,23 +107,34 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
         raise ValueError(f"objective={objective!r} reads preference pairs: feature_cols=['prompt'] (one string "
                          "column) and label_cols=['chosen', 'rejected'] (two string columns: the preferred answer's, "
                          f"then the other's); got feature_cols={features}, label_cols={labels}.")
-    for column in features + labels:
+    chats = [is_chat(schema[c].dataType) for c in features + labels]
+    for column, chat in zip(features + labels, chats):
         dtype = schema[column].dataType
-        if not isinstance(dtype, StringType):
+        if any(chats) and not all(chats) or not any(chats) and not isinstance(dtype, StringType):
             raise ValueError(f"Column {column!r} has type {dtype.simpleString()}; objective={objective!r} reads the "
-                             "prompt and both answers as string columns" + (
-                                 " (message lists of a chat are not built yet: render them to strings with the "
-                                 "tokenizer's chat template first)" if is_chat(dtype) else
-                                 f": cast it first (F.col({column!r}).cast('string'))") + ".")
+                             "prompt and both answers as three string columns, or as three message lists "
+                             f"({CHAT_TYPE}: the prompt's messages, then each answer's); got "
+                             + ", ".join(f"{c!r} {schema[c].dataType.simpleString()}" for c in features + labels)
+                             + ".")
+        if chat:
+            names = dtype.elementType.names
+            missing = [f for f in CHAT_FIELDS if f not in names]
+            if missing:
+                raise ValueError(f"Column {column!r} is a list of structs with fields {names}, and a message list "
+                                 f"needs {list(CHAT_FIELDS)} (missing: {missing}).")
+            check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
     for name, value, why in (("peft_config", p["peft_config"] is None, "its reference model is the trained model "
                               "with its adapters off: set peft_config (LoraConfig(task_type='CAUSAL_LM')); a "
                               "reference beside a model trained whole is not built yet"),
                              ("packing", p["packing"], "packed pairs are not built yet"),
                              ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
-                              "their own tokens"), ("chat_tools", bool(p["chat_tools"]), "the rows are strings")):
+                              "their own tokens"),
+                             ("chat_tools", bool(p["chat_tools"]) and not all(chats), "the rows are strings, and "
+                              "tools are given to the chat template with message lists")):
         if value:
             raise ValueError(f"objective={objective!r} with {name}={p[name]!r}: {why}.")
-    return LMSpec(features[0], labels[0], rejected=labels[1])
+    return LMSpec(features[0], labels[0], rejected=labels[1], messages=all(chats),
+                  tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
 
 
 def packing(p: Mapping[str, Any]) -> bool:
@@ -164,6 +175,14 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     return rows, short, unanswered, longest
 
 
+def blank(answer: Any, messages: bool) -> bool:
+    """An answer with no text: an empty string, or no message (or only empty ones) in a message list."""
+    if not messages:
+        return not str(answer).strip()
+    return not any(str((m.get("content") if hasattr(m, "get") else "") or "").strip() or
+                   (hasattr(m, "get") and m.get("tool_calls") is not None) for m in list(answer))
+
+
 def check_answers(data: DataSpec) -> None:
     """Preference pairs: no empty answer (a pair whose answer is no text compares nothing the prompt asked), counted
     over the table in the store, per column."""
@@ -174,11 +193,11 @@ def check_answers(data: DataSpec) -> None:
             for batch in read_span(data.store, Span(piece, 0, piece.num_rows), columns, CHUNK_ROWS):
                 rows += len(batch[columns[0]])
                 for column in columns:
-                    empty[column] += sum(1 for v in batch[column] if not str(v).strip())
+                    empty[column] += sum(1 for v in batch[column] if blank(v, data.lm.messages))
         told += [f"{n} of {rows} {name} rows in column {c!r}" for c, n in empty.items() if n]
     if told:
         raise ValueError(f"Preference pairs with an empty answer: {'; '.join(told)}. Each pair compares two "
-                         "answers to its prompt: drop those rows first (df.filter(F.trim('chosen') != '')).")
+                         "answers to its prompt: drop those rows first.")
 
 
 def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
