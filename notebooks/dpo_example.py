@@ -94,7 +94,7 @@ def main(argv=None) -> float:
         objective=DPO(beta=0.1, sft_weight=1.0),
         gradient_clip_val=1.0,
         feature_cols=["prompt"], label_cols=["chosen", "rejected"],
-        batch_size=2, epochs=20, max_new_tokens=16,
+        batch_size=2, epochs=30, max_new_tokens=16,
     )
     tuned = est.fit(pairs_df)
     answers = tuned.transform(pairs_df.select("prompt", "chosen"))

@@ -77,7 +77,7 @@ def test_the_dpo_example_switches_the_answers_an_sft_model_learned(tmp_path):
     def score(name):
         return float(re.search(rf"^After {name}, [a-z ]+ written: ([0-9.]+)$", result.stdout, re.MULTILINE).group(1))
 
-    assert score("SFT") >= 0.8 and score("DPO") >= 0.9, result.stdout[-2000:]
+    assert score("SFT") >= 0.7 and score("DPO") >= 0.9, result.stdout[-2000:]
     assert re.search(r"rewards/accuracies 1\.00", result.stdout), result.stdout[-2000:]
 
 
