@@ -65,16 +65,10 @@ def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) 
                          "F.struct(m['role'].alias('role'), m['content'].alias('content'))), or give createDataFrame "
                          "the schema.")
     if is_chat(dtype):
-        names = dtype.elementType.names
-        missing = [f for f in CHAT_FIELDS if f not in names]
-        if missing:
-            raise ValueError(f"Column {column!r} (from feature_cols) is a list of structs with fields {names}, and a "
-                             f"chat column's messages need {list(CHAT_FIELDS)} (missing: {missing}): "
-                             "array<struct<role:string, content:string>>, as chat datasets hold them.")
+        message_fields(column, dtype, p)
         if labels:
             raise ValueError(f"Column {column!r} is a chat (its assistant turns are what the model learns to write), "
                              f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
-        check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
         return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
                       every_token=not p["completion_only_loss"], packed=packing(p))
     if p["chat_tools"]:
@@ -99,6 +93,18 @@ def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) 
     return LMSpec(column, labels[0], every_token=not p["completion_only_loss"], packed=packing(p))
 
 
+def message_fields(column: str, dtype: Any, p: Mapping[str, Any]) -> Any:
+    """A message-list column's struct fields, checked: role and content, and what the chat template reads."""
+    names = dtype.elementType.names
+    missing = [f for f in CHAT_FIELDS if f not in names]
+    if missing:
+        raise ValueError(f"Column {column!r} is a list of structs with fields {names}, and a chat column's messages "
+                         f"need {list(CHAT_FIELDS)} (missing: {missing}): array<struct<role:string, content:string>>, "
+                         "as chat datasets hold them.")
+    check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
+    return names
+
+
 def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
     """Preference pairs (objective=DPO(...)): a prompt string column and two string label columns, the chosen
     answer's and the rejected one's, under adapters (the reference model is the model with them off)."""
@@ -117,12 +123,7 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                              + ", ".join(f"{c!r} {schema[c].dataType.simpleString()}" for c in features + labels)
                              + ".")
         if chat:
-            names = dtype.elementType.names
-            missing = [f for f in CHAT_FIELDS if f not in names]
-            if missing:
-                raise ValueError(f"Column {column!r} is a list of structs with fields {names}, and a message list "
-                                 f"needs {list(CHAT_FIELDS)} (missing: {missing}).")
-            check_chat_fields(p["tokenizer"], column, names, p["chat_tools"])
+            message_fields(column, dtype, p)
     for name, value, why in (("peft_config", p["peft_config"] is None, "its reference model is the trained model "
                               "with its adapters off: set peft_config (LoraConfig(task_type='CAUSAL_LM')); a "
                               "reference beside a model trained whole is not built yet"),
@@ -162,17 +163,24 @@ def check_lm_params(p: Dict[str, Any]) -> None:
             raise ValueError(f"Fine-tuning a causal LM takes no {name} (got {p[name]!r}): {why}.")
 
 
-def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Optional[int]) -> Tuple[int, int, int, int]:
+def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Optional[int]
+                      ) -> Tuple[int, int, int, int, Dict[str, int]]:
     """(rows, rows with no response token left, of them chats with no assistant turn, the longest prompt's
-    tokens) over `pieces`: the prompt (or chat) column read from the store a chunk at a time."""
+    tokens, preference pairs' empty answers per answer column) over `pieces`: the prompt (or chat) column, and
+    the pairs' answer columns, read from the store a chunk at a time, once."""
+    lm = data.lm
+    answers = [lm.response, lm.rejected] if lm.rejected is not None else []
     rows = short = unanswered = longest = 0
+    empty = dict.fromkeys(answers, 0)
     for piece in pieces:
-        for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [data.lm.column], CHUNK_ROWS):
-            starts = response_starts(tokenizer, data.lm, batch)
+        for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [lm.column, *answers], CHUNK_ROWS):
+            starts = response_starts(tokenizer, lm, batch)
             rows, unanswered = rows + len(starts), unanswered + int((starts < 0).sum())
             short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
             longest = max(longest, int(starts.max(initial=0)))
-    return rows, short, unanswered, longest
+            for column in answers:
+                empty[column] += sum(1 for v in batch[column] if blank(v, lm.messages))
+    return rows, short, unanswered, longest, empty
 
 
 def blank(answer: Any, messages: bool) -> bool:
@@ -183,35 +191,20 @@ def blank(answer: Any, messages: bool) -> bool:
                    (hasattr(m, "get") and m.get("tool_calls") is not None) for m in list(answer))
 
 
-def check_answers(data: DataSpec) -> None:
-    """Preference pairs: no empty answer (a pair whose answer is no text compares nothing the prompt asked), counted
-    over the table in the store, per column."""
-    columns, told = [data.lm.response, data.lm.rejected], []
-    for name, pieces in (("training", data.train), ("validation", data.val)):
-        rows, empty = 0, dict.fromkeys(columns, 0)
-        for piece in pieces:
-            for batch in read_span(data.store, Span(piece, 0, piece.num_rows), columns, CHUNK_ROWS):
-                rows += len(batch[columns[0]])
-                for column in columns:
-                    empty[column] += sum(1 for v in batch[column] if blank(v, data.lm.messages))
-        told += [f"{n} of {rows} {name} rows in column {c!r}" for c, n in empty.items() if n]
-    if told:
-        raise ValueError(f"Preference pairs with an empty answer: {'; '.join(told)}. Each pair compares two "
-                         "answers to its prompt: drop those rows first.")
-
-
 def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
     """Every training and validation row keeps a response token after the cut at max_length (estimator.data.lm),
     counted over the whole table in the store before any rank starts: a row without one trains nothing, and a user
     who set max_length for the responses' sake would not know. Reads and tokenizes the prompt column only, on the
     driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer)."""
-    limit, found = length_limit(tokenizer, data.max_length), []
-    if data.lm.rejected is not None:
-        check_answers(data)
+    limit, found, blanks = length_limit(tokenizer, data.max_length), [], []
     for name, pieces in (("training", data.train), ("validation", data.val)):
-        rows, short, unanswered, longest = rows_without_room(data, pieces, tokenizer, limit)
+        rows, short, unanswered, longest, empty = rows_without_room(data, pieces, tokenizer, limit)
         if short:
             found.append((name, rows, short, unanswered, longest))
+        blanks += [f"{n} of {rows} {name} rows in column {c!r}" for c, n in empty.items() if n]
+    if blanks:  # preference pairs: an empty answer compares nothing the prompt asked
+        raise ValueError(f"Preference pairs with an empty answer: {'; '.join(blanks)}. Each pair compares two "
+                         "answers to its prompt: drop those rows first.")
     if not found:
         return
     told = "; ".join(f"{short} of {rows} {name} rows" + (f" ({unanswered} of them chats with no assistant turn)"
