@@ -11,28 +11,11 @@ from estimator.core.spec import LMSpec
 from estimator.data.lm import IGNORE, CausalLMTokenize
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import restore
-from lm_helpers import color_facts, lm_train_spec, plain_causal_lm, save_pretrained_llama
+from lm_helpers import color_facts, lm_train_spec, plain_causal_lm
 from sft_example import COLORS
+from test_lm import llama, lora, tokenizer  # noqa: F401 - the tiny Llama, its tokenizer, the LoRA config
 
-peft = pytest.importorskip("peft")
 SPEC = LMSpec("prompt", "chosen", rejected="rejected")
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    facts = color_facts()
-    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"), [p + r for p, r in facts] * 4)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(llama):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(llama)
-
-
-def lora():
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def pairs(count, seed=0):
