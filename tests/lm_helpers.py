@@ -41,9 +41,10 @@ def plain_causal_lm(path, peft_config=None, seed=3):
 
 
 def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2, run="r", chat=False,
-                  max_length=None, val_rows=(), packed=False, objective=None, **fields):
+                  max_length=None, val_rows=(), packed=False, objective=None, reference_key="pairs-ref", **fields):
     """A TrainSpec over `rows` ((prompt, response) pairs, or chats: lists of messages, or (prompt, chosen,
-    rejected) triples with a preference `objective`) in the store's Parquet."""
+    rejected) triples with a preference `objective`, whose precomputed reference table is named `reference_key`) in
+    the store's Parquet."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from estimator.core.adapters import with_adapters
@@ -67,7 +68,9 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
 
     pairs = objective is not None
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
-    lm = (LMSpec("chat", packed=packed) if chat else LMSpec("prompt", "chosen", rejected="rejected") if pairs
+    stored = pairs and objective.reference_for(peft_config is not None) == "precomputed"
+    lm = (LMSpec("chat", packed=packed) if chat else
+          LMSpec("prompt", "chosen", rejected="rejected", reference=reference_key if stored else None) if pairs
           else LMSpec("prompt", "response", packed=packed))
     labels = () if chat else ("chosen", "rejected") if pairs else ("response",)
     data = DataSpec(store, train, val, (lm.column,), labels, lm=lm, max_length=max_length)

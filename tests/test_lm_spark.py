@@ -407,9 +407,12 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     df = spark.createDataFrame(rows, "prompt string, chosen string, rejected string")
     est = sft(llama, store, objective=DPO(beta=0.5), label_cols=["chosen", "rejected"], epochs=4,
               validation=0.25, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
-    for change, message in (({est.peft_config: None}, r"objective=DPO\(beta=0.5, loss_type='sigmoid'\) with "
-                                                       r"peft_config=None: its reference model is the trained model "
-                                                       r"with its adapters off"),
+    for change, message in (({est.peft_config: None, est.data_mode: "direct"},
+                             r"objective=DPO\(beta=0.5, loss_type='sigmoid'\) with data_mode='direct': the "
+                             r"precomputed reference log-probabilities are kept beside the materialized rows"),
+                            ({est.objective: DPO(reference="adapters"), est.peft_config: None},
+                             r"with peft_config=None: reference='adapters' is the trained model with its adapters "
+                             r"off"),
                             ({est.label_cols: ["chosen"]}, r"reads preference pairs: feature_cols=\['prompt'\] .* "
                                                            r"got feature_cols=\['prompt'\], label_cols=\['chosen'\]"),
                             ({est.loss: torch.nn.CrossEntropyLoss()}, r"objective=DPO.* and loss is set too: leave "
@@ -445,3 +448,14 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     chat_fit = est.copy({est.epochs: 1, est.validation: None}).fit(chats)
     assert set(keys) <= set(chat_fit.getHistory()[-1])
     assert all(isinstance(r.prediction, str) for r in chat_fit.transform(chats.select("prompt").limit(2)).collect())
+    # the whole model trained (no adapters): the reference computed on the ranks before training, stored beside
+    # the rows, and read again by a second fit of them
+    whole = est.copy({est.peft_config: None, est.epochs: 1, est.validation: None,
+                      est.optimizer: functools.partial(torch.optim.AdamW, lr=1e-3)})
+    first = whole.fit(df).getHistory()
+    markers = list(store.find(store.path("data"), "/_COMPLETE.json"))
+    parts = {p: os.stat(p).st_mtime_ns for p in store.find(os.path.dirname(markers[0]), ".parquet")}
+    assert len(markers) == 1 and len(parts) == 2, (markers, parts)
+    second = whole.fit(df).getHistory()
+    assert {p: os.stat(p).st_mtime_ns for p in parts} == parts  # read, not computed again
+    assert second[0]["loss"] == pytest.approx(first[0]["loss"], rel=1e-3) and first[0]["loss"] < math.log(2) + 0.05

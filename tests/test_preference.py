@@ -1,5 +1,8 @@
 """Preference tuning (DPO, IPO: estimator.train.objectives.preference) on the ranks, against hand computations and
 a plain loop, with a tiny Llama built here."""
+import contextlib
+import copy
+import os
 import random
 
 import numpy as np
@@ -97,17 +100,18 @@ def test_a_batch_loss_and_rewards_equal_a_hand_computation_with_the_frozen_base_
     assert policy.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.abs().sum() > 0
 
 
-def plain_dpo_loss(model, b, beta):
-    """DPO's loss, the mean over the batch's pairs, from one padded forward with the adapters and one without."""
+def plain_dpo_loss(model, b, beta, frozen=None):
+    """DPO's loss, the mean over the batch's pairs, from one padded forward with the adapters and one without (or
+    one of a `frozen` copy of the base)."""
     def scores(logits):
         target = b["chosen"][:, 1:]
         logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
         return (logps * (target != IGNORE)).sum(1)
 
     inputs = dict(input_ids=b["prompt.input_ids"], attention_mask=b["prompt.attention_mask"])
-    with torch.no_grad(), model.disable_adapter():
-        model.eval()
-        reference = scores(model(**inputs).logits)
+    with torch.no_grad(), (contextlib.nullcontext() if frozen is not None else model.disable_adapter()):
+        (frozen or model).eval()
+        reference = scores((frozen or model)(**inputs).logits)
         model.train()
     policy = scores(model(**inputs).logits)
     n = len(policy) // 2
@@ -126,19 +130,7 @@ def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, t
     rows = pairs(ranks * batch * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
                                                 lr=lr, objective=DPO(beta=beta), strategy=strategy), ranks)
-    plain = plain_causal_lm(llama, lora())
-    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
-    half, losses = len(rows) // ranks, []
-    for _ in range(epochs):
-        total = 0.0
-        for step in range(steps):
-            part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
-            loss = plain_dpo_loss(plain, batch_of(tokenizer, part), beta)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total += float(loss.detach()) * len(part)
-        losses.append(total / len(rows))
+    losses, plain = plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, lora())
     history = results[0].history
     assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5)
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(history[-1])
@@ -148,6 +140,99 @@ def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, t
     state, expected = trained.state_dict(), plain.state_dict()
     for name in (n for n, p in plain.named_parameters() if p.requires_grad):
         assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+
+
+def plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, peft_config):
+    """The plain loop of what `ranks` ranks of `batch` pairs train (unshuffled), the reference a frozen base: the
+    per-epoch losses, and the model."""
+    plain = plain_causal_lm(llama, peft_config)
+    frozen = None if peft_config is not None else copy.deepcopy(plain).requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=lr)
+    half, steps, losses = len(rows) // ranks, len(rows) // (ranks * batch), []
+    for _ in range(epochs):
+        total = 0.0
+        for step in range(steps):
+            part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
+            loss = plain_dpo_loss(plain, batch_of(tokenizer, part), beta, frozen)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total += float(loss.detach()) * len(part)
+        losses.append(total / len(rows))
+    return losses, plain
+
+
+@pytest.mark.parametrize("strategy, adapters, reference", [("ddp", False, None), ("fsdp", False, None),
+                                                           ("ddp", True, "precomputed"), ("ddp", False, "copy")])
+def test_a_reference_computed_before_training_trains_as_a_frozen_base_beside_the_model(llama, tokenizer, store,
+                                                                                       strategy, adapters, reference):
+    """Without adapters the reference log-probabilities are computed once by the model as built, on the ranks, and
+    stored beside the rows: 2 ranks train as a plain loop of twice the pairs whose reference is a frozen copy of the
+    base (the whole model trained; under fsdp sharded, 7 pairs so that the ranks score different counts of
+    batches). The table holds every pair's log-probabilities as the base scores it alone; reference='copy' holds
+    that copy on the ranks instead."""
+    from estimator.data.reference import ReferenceTable, pair_keys
+    from estimator.train.objectives.preference import DPO
+
+    ranks, batch, epochs, lr, beta = 2, 2, 2, 1e-3, 0.5
+    rows = pairs(8 if strategy == "ddp" else 7)
+    val = pairs(1, seed=5)  # 5 batches of pairs to score: rank 1 joins the last forward with a spare one
+    config = lora() if adapters else None
+    spec = lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=config, lr=lr,
+                         objective=DPO(beta=beta, reference=reference), strategy=strategy, val_rows=val,
+                         reference_key=f"ref-{strategy}-{adapters}")
+    results = LocalLauncher().run(spec, ranks)
+    history = results[0].history
+    folder = os.path.join(store.root, "reference", f"ref-{strategy}-{adapters}")
+    if reference != "copy":  # every training and validation pair, as the base scores it alone
+        base = plain_causal_lm(llama).eval()
+        raw = {k: np.array([t[i] for t in rows + val], dtype=object) for i, k in enumerate(("prompt", "chosen",
+                                                                                             "rejected"))}
+        stored = ReferenceTable(store, folder).lookup(pair_keys(raw, SPEC)).reshape(2, -1)
+        with torch.no_grad():
+            want = [[answer_logp(base, tokenizer, p, c) for p, c, _ in rows + val],
+                    [answer_logp(base, tokenizer, p, r) for p, _, r in rows + val]]
+        assert stored == pytest.approx(np.array(want), rel=1e-4)
+    else:
+        assert not os.path.exists(folder)
+    if strategy == "fsdp":  # 7 pairs: rank 1 holds 3 and draws a last short batch; compared through the table above
+        assert len(history) == epochs and history[-1]["loss"] < history[0]["loss"]
+        return
+    losses, plain = plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, config)
+    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-4)
+    trained = plain_causal_lm(llama, config, seed=0)
+    restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
+    state, expected = trained.state_dict(), plain.state_dict()
+    for name in [n for n, p in plain.named_parameters() if p.requires_grad][:12]:
+        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+
+
+def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_changed(llama, tokenizer, store,
+                                                                                        tmp_path):
+    """A second fit of the same rows and reference reads the table (no part rewritten); a model folder changed
+    under the same key is found by the ranks' check against a forward, and refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from estimator.train.objectives.preference import DPO
+
+    rows = pairs(8)
+    make = dict(batch=2, epochs=1, lr=1e-3, objective=DPO(beta=0.5), reference_key="k")
+    LocalLauncher().run(lm_train_spec(store, llama, rows, run="first", **make), 2)
+    parts = sorted(store.find(os.path.join(store.root, "reference", "k"), ".parquet"))
+    written = [os.stat(p).st_mtime_ns for p in parts]
+    assert len(parts) == 2
+    LocalLauncher().run(lm_train_spec(store, llama, rows, run="second", **make), 2)
+    assert [os.stat(p).st_mtime_ns for p in parts] == written
+    other = tmp_path / "other"
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    with pytest.raises(Exception, match=r"reference log-probabilities stored in .* are not what this model computes"):
+        LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 2)
 
 
 def test_dpo_params_are_checked_by_name():

@@ -44,6 +44,9 @@ class LMSpec:
     # one's (`response`); a batch of b pairs is tokenized as 2b rows, the chosen answers first
     rejected: Optional[str] = None
     messages: bool = False  # preference pairs whose prompt and answers are message lists, rendered by the template
+    # preference pairs whose reference log-probabilities are computed once and stored (estimator.data.reference):
+    # the key of the model, tokenizer and settings that compute them; None: computed live in each step
+    reference: Optional[str] = None
 
     @property
     def chat(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from estimator.core.spec import DataSpec
 from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F401 - re-exported
+from estimator.data.lm import REFERENCE
 from estimator.data.text import encoded_keys
 
 Arrays = Dict[str, np.ndarray]
@@ -137,7 +138,7 @@ def to_tensors(batch: Arrays, data: DataSpec, device: torch.device = torch.devic
     lm = data.lm  # a causal LM's rows: the labels are the token labels (estimator.data.lm)
     features = [encoded(c) if c in data.text_cols or (lm is not None and c == lm.column)
                 else t(c, data.input_shapes[i] if data.input_shapes else None) for i, c in enumerate(data.feature_cols)]
-    labels = ([t(lm.labels_key, None)] if lm is not None else
+    labels = ([t(lm.labels_key, None)] + ([t(REFERENCE, None)] if REFERENCE in batch else []) if lm is not None else
               [t(c, data.label_shapes[i] if data.label_shapes else None) for i, c in enumerate(data.label_cols)])
     weights = t(data.sample_weight_col, None) if data.sample_weight_col else None
     return Tensors(features, labels, weights)

@@ -24,6 +24,7 @@ from estimator.data.text import SEP, Tokenize, length_limit
 
 Arrays = Dict[str, np.ndarray]
 IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, Hugging Face's convention)
+REFERENCE = "__reference_logps"  # preference pairs: each row's answer log-probability under the reference model
 
 
 def token_ids(encoded: Any) -> List[int]:
@@ -121,8 +122,9 @@ class CausalLMTokenize:
     """The batch with the prompt (or chat) column as `<column>.input_ids` / `.attention_mask` and the labels at
     `spec.labels_key` (int64, IGNORE where no loss), padded on the right to the batch's longest row."""
 
-    def __init__(self, tokenizer: Any, spec: LMSpec, max_length: Optional[int]):
+    def __init__(self, tokenizer: Any, spec: LMSpec, max_length: Optional[int], reference: Any = None):
         self.tokenizer, self.spec, self.max_length = tokenizer, spec, length_limit(tokenizer, max_length)
+        self.reference = reference  # preference pairs: their stored reference log-probabilities (data.reference)
 
     def __call__(self, batch: Arrays) -> Arrays:
         spec = self.spec
@@ -130,6 +132,8 @@ class CausalLMTokenize:
         if spec.rejected is not None:  # preference pairs: the chosen answers' rows, then the rejected ones'
             rows += self.rows(batch, spec.rejected)
         out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response, spec.rejected)}
+        if self.reference is not None:  # looked up by the pairs' content, before they are tokenized
+            out[REFERENCE] = self.reference(batch, spec)
         if spec.packed:
             return {**out, **packed(rows, pad_id(self.tokenizer), spec)}
         width = max((len(ids) for ids, _ in rows), default=0)
@@ -228,9 +232,9 @@ def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str,
     return out
 
 
-def batch_tokenizer(tokenizer: Any, data: Any) -> Any:
-    """What tokenizes a batch of `data` (a DataSpec): the causal LM's rows with their labels, the text columns, or
-    nothing (None)."""
+def batch_tokenizer(tokenizer: Any, data: Any, reference: Any = None) -> Any:
+    """What tokenizes a batch of `data` (a DataSpec): the causal LM's rows with their labels (preference pairs:
+    with `reference`, their stored reference log-probabilities), the text columns, or nothing (None)."""
     if data.lm is not None:
-        return CausalLMTokenize(tokenizer, data.lm, data.max_length)
+        return CausalLMTokenize(tokenizer, data.lm, data.max_length, reference)
     return Tokenize(tokenizer, data.text_cols, data.max_length) if data.text_cols else None

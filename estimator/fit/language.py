@@ -7,13 +7,17 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import cloudpickle
 import numpy as np
+import torch
 from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
+from estimator.fit.strategy import strategy_class
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
 from estimator.predict.language_checks import check_chat_fields, model_positions
@@ -23,6 +27,7 @@ from estimator.train.losses import loss_kind
 CHAT_FIELDS = ("role", "content")
 CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
+REFERENCE_FORMAT = 1  # of the precomputed reference's table (estimator.data.reference)
 
 
 def built_in_loop(p: Dict[str, Any]) -> bool:
@@ -124,9 +129,17 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                              + ".")
         if chat:
             message_fields(column, dtype, p)
-    for name, value, why in (("peft_config", p["peft_config"] is None, "its reference model is the trained model "
-                              "with its adapters off: set peft_config (LoraConfig(task_type='CAUSAL_LM')); a "
-                              "reference beside a model trained whole is not built yet"),
+    reference = objective.reference_for(p["peft_config"] is not None)
+    for name, value, why in (("peft_config", reference == "adapters" and p["peft_config"] is None,
+                              "reference='adapters' is the trained model with its adapters off: set peft_config "
+                              "(LoraConfig(task_type='CAUSAL_LM')), or leave reference unset (computed once before "
+                              "training, 'precomputed')"),
+                             ("data_mode", reference == "precomputed" and p["data_mode"] == "direct",
+                              "the precomputed reference log-probabilities are kept beside the materialized rows in "
+                              "the store: set data_mode='materialize', or reference='copy'"),
+                             ("strategy", reference == "copy" and strategy_class(p).shards_checkpoints, "a frozen "
+                              "copy of a sharded model is not built: leave reference unset (precomputed before "
+                              "training)"),
                              ("packing", p["packing"], "packed pairs are not built yet"),
                              ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
                               "their own tokens"),
@@ -135,7 +148,28 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
         if value:
             raise ValueError(f"objective={objective!r} with {name}={p[name]!r}: {why}.")
     return LMSpec(features[0], labels[0], rejected=labels[1], messages=all(chats),
-                  tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
+                  tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
+                  reference=reference_key(p) if reference == "precomputed" else None)
+
+
+def reference_key(p: Mapping[str, Any]) -> str:
+    """What names a precomputed reference's table (estimator.data.reference): the model's factory as pickled (or a
+    module's weights), the tokenizer, and what changes the log-probabilities (max_length, precision, a weights
+    folder). A model folder changed under the same name gives the same key: the ranks check the table against a
+    forward before using it."""
+    digest = hashlib.blake2b(digest_size=12)
+    if p["model_factory"] is not None:
+        digest.update(cloudpickle.dumps(p["model_factory"]))
+    else:
+        model = p["model"]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for name, tensor in base.state_dict().items():
+            if "lora_" not in name:  # the adapters are new in each fit, and off in the reference
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(cloudpickle.dumps(p["tokenizer"]))
+    digest.update(repr((p["max_length"], p["precision"], p["weights_folder"], REFERENCE_FORMAT)).encode())
+    return digest.hexdigest()
 
 
 def packing(p: Mapping[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.lm import batch_tokenizer
+from estimator.data.reference import stored_reference
 from estimator.train.checkpoint import CheckpointWriter, Position, checkpoint_file, describe, write_checkpoint
 from estimator.train.loop import TrainLoop, reduce_sums
 from estimator.train.rank import Rank
@@ -217,7 +218,7 @@ class Run:
 
     def open_decoders(self, training: bool) -> Decoders:
         reader, fn, data = self.spec.reader, self.objs.transformation_fn, self.spec.data
-        tokenize = batch_tokenizer(self.objs.tokenizer, data)
+        tokenize = batch_tokenizer(self.objs.tokenizer, data, stored_reference(data))
         gpu = self.device.type == "cuda"
         workers, pool = decoding(reader.train_workers if training else reader.val_workers,
                                  reader.pool_type if reader.kind == "arrow" else "thread",  # petastorm: its readers'

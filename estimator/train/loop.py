@@ -28,6 +28,7 @@ from estimator.train.steps import StepContext
 from estimator.train.sums import LOSS, ROWS, WEIGHT
 
 log = logging.getLogger("estimator")
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # precision -> the forwards' autocast dtype
 SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
 
 
@@ -50,7 +51,7 @@ class TrainLoop:
         if spec.precision == "16-mixed" and self.device.type not in SCALED_DEVICES:
             raise ValueError(f"precision='16-mixed' needs CUDA (float16 autocast with a GradScaler) but rank "
                              f"{ctx.rank} trains on {ctx.device}. Use precision='bf16-mixed' on CPUs, or GPUs.")
-        self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
+        self.autocast_dtype = AUTOCAST.get(spec.precision)
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "16-mixed" else None
         if self.scaler is not None and scaler_state:
             self.scaler.load_state_dict(scaler_state)
@@ -111,9 +112,7 @@ class TrainLoop:
         self.global_step += 1
 
     def autocast(self) -> Any:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return autocast(self.device, self.spec.precision)
 
     def step(self) -> None:
         """One optimizer step: gradients unscaled (16-mixed), the global norm clipped (gradient_clip_val; every
@@ -189,6 +188,12 @@ class StepReport:
             self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
         except Exception:  # noqa: BLE001 - progress only
             log.debug("could not write the step progress", exc_info=True)
+
+
+def autocast(device: torch.device, precision: str) -> Any:
+    """The forwards' autocast context of a precision ('bf16-mixed', '16-mixed'), else none."""
+    dtype = AUTOCAST.get(precision)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def reduce_sums(sums: torch.Tensor) -> List[float]:

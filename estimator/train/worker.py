@@ -49,6 +49,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                                                                    spec.epochs, run_optimizer_steps(spec, ctx.world_size))
                                    ) if objs.lightning else None
         optimizer, schedule = optimization(objs, model, spec, ctx.world_size)  # over the shards, with fsdp
+        if objs.objective is not None:  # e.g. DPO's reference log-probabilities, from the weights as built
+            objs.objective.before_training(spec, ctx, objs, model)
         # a retry or a refit of this run_id: continue where the checkpoint stands (the optimizer's state loaded
         # after the scheduler's constructor reset the lr)
         resumed = resume(spec, strategy, model, optimizer, schedule)

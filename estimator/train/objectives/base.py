@@ -35,6 +35,11 @@ class BuiltIn:
         return [m.key for m in layout.means] if isinstance(layout, Sums) else None
 
     @classmethod
+    def before_training(cls, spec: Any, ctx: Any, objs: Any, model: Any) -> None:
+        """What a rank does with the model as built and placed, before a checkpoint is restored into it and before
+        any step (estimator.train.worker): nothing, by default."""
+
+    @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "BuiltIn":
         """The objective a rank trains with (estimator.train.epochs.Run)."""
         raise NotImplementedError

@@ -17,8 +17,9 @@ answers, how often the chosen one's is higher (`rewards/accuracies`) and their d
 torch only, no pyspark."""
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from estimator.train.weighting import PerWeight
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 LOSS_TYPES = ("sigmoid", "ipo")
+# where the reference log-probabilities come from: the trained model with its adapters off, a table computed once
+# before training and kept in the store (estimator.train.objectives.reference), or a frozen copy held beside it
+REFERENCES = ("adapters", "precomputed", "copy")
 
 
 class DPO(BuiltIn):
@@ -40,7 +44,11 @@ class DPO(BuiltIn):
     `beta`: how far the policy may move from the reference (TRL's default 0.1). `sft_weight`: adds that many times
     each chosen answer's mean token negative log-likelihood to its pair's loss (RPO, Pang et al. 2024; TRL's
     loss_type=['sigmoid', 'sft'], which averages over the batch's chosen tokens instead): DPO alone may make the
-    chosen answers less likely too, and write worse text."""
+    chosen answers less likely too, and write worse text. `reference`: where the reference model's log-probabilities
+    come from: 'adapters' (the trained model with its LoRA adapters off; the default under peft_config),
+    'precomputed' (computed once before training by the model as built and kept in the store beside the rows,
+    reused by later fits of them and by retries; the default without adapters: one model in memory) or 'copy' (a
+    frozen copy of the model beside it: twice the memory)."""
 
     weighting = PerWeight
     layout = Sums.of_loss(METRICS)
@@ -49,7 +57,8 @@ class DPO(BuiltIn):
     driver_forward = False
     preference = True  # its rows are pairs of answers: label_cols the chosen and the rejected (estimator.fit.language)
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", sft_weight: float = 0.0):
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", sft_weight: float = 0.0,
+                 reference: Optional[str] = None):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
             raise ValueError(f"DPO(beta={beta!r}): beta scales the log-probability ratios in the loss and must be a "
                              "number > 0 (TRL's default is 0.1; larger keeps the model closer to the reference).")
@@ -61,11 +70,24 @@ class DPO(BuiltIn):
             raise ValueError(f"DPO(sft_weight={sft_weight!r}): the weight of the chosen answers' own loss (their "
                              "mean token negative log-likelihood, RPO's term; TRL's loss_type=['sigmoid', 'sft']) "
                              "must be a number >= 0; 0 leaves it out.")
+        if reference is not None and reference not in REFERENCES:
+            raise ValueError(f"DPO(reference={reference!r}): one of {list(REFERENCES)}, or None (the adapters under "
+                             "peft_config, else 'precomputed').")
         self.beta, self.loss_type, self.sft_weight = float(beta), loss_type, float(sft_weight)
+        self.reference = reference
+        self._copy: Any = None  # reference='copy': the frozen model, on the rank
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "_copy": None}
 
     def __repr__(self) -> str:
         extra = f", sft_weight={self.sft_weight!r}" if self.sft_weight else ""
+        extra += f", reference={self.reference!r}" if self.reference is not None else ""
         return f"DPO(beta={self.beta!r}, loss_type={self.loss_type!r}{extra})"
+
+    def reference_for(self, adapters: bool) -> str:
+        """Where this fit's reference log-probabilities come from (`adapters`: the fit trains LoRA adapters)."""
+        return self.reference or ("adapters" if adapters else "precomputed")
 
     def __eq__(self, other: Any) -> bool:
         return type(other) is type(self) and self._key() == other._key()
@@ -73,8 +95,8 @@ class DPO(BuiltIn):
     def __hash__(self) -> int:
         return hash((type(self).__name__, *self._key()))
 
-    def _key(self) -> Tuple[float, str, float]:
-        return self.beta, self.loss_type, self.sft_weight
+    def _key(self) -> Tuple[float, str, float, Optional[str]]:
+        return self.beta, self.loss_type, self.sft_weight, self.reference
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:
@@ -87,19 +109,36 @@ class DPO(BuiltIn):
     def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
         return [m.key for m in cls.layout.means]
 
+    def before_training(self, spec: Any, ctx: Any, objs: Any, model: Any) -> None:
+        """The reference, from the model as built (before any step or restored checkpoint): its log-probabilities
+        computed into the store ('precomputed'), or a frozen copy of it ('copy')."""
+        mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
+        if mode == "precomputed":
+            from estimator.train.objectives.reference import precompute
+
+            precompute(spec, ctx, objs, model, lambda m, features, labels: answer_logps(
+                logits_of(forward(reference_model(m), features)), labels))
+        elif mode == "copy":
+            self._copy = copy.deepcopy(model).eval().requires_grad_(False)
+
     def for_rank(self, spec: Any, objs: Any, model: Any, trainer: Any) -> "DPO":  # the user's instance, as given
-        if not hasattr(unwrapped(model), "disable_adapter"):
+        mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
+        if mode == "adapters" and not hasattr(unwrapped(model), "disable_adapter"):
             raise ValueError(f"{self!r} takes its reference model as the trained model with its adapters off: set "
-                             "peft_config (e.g. LoraConfig(task_type='CAUSAL_LM')). A reference model beside a "
-                             "model trained whole is not built yet.")
+                             "peft_config (e.g. LoraConfig(task_type='CAUSAL_LM')), or reference='precomputed'.")
         return self
 
     def on_batch(self, model: Any, tensors: Any, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         features, labels, _ = tensors
+        stored = labels[1] if len(labels) > 1 else None  # 'precomputed': read with the rows
         labels = labels[0]
         tokens = (labels[:, 1:] != IGNORE).sum(dim=1).clamp(min=1)
-        with torch.no_grad():
-            reference = answer_logps(reference_forward(model, features), labels)
+        if stored is not None:
+            reference = stored.to(torch.float32)
+        else:
+            with torch.no_grad():
+                reference = answer_logps(logits_of(forward(self._copy, features)) if self._copy is not None
+                                         else reference_forward(model, features), labels)
         policy = answer_logps(logits_of(forward(model, features)), labels)
         pairs = labels.shape[0] // 2
         ratios = policy - reference  # per row: the answer's log-probability over the reference's
@@ -135,6 +174,24 @@ def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def unwrapped(model: Any) -> Any:
     """The peft model: the model itself (fsdp shards in place), or the module a wrapper holds (DDP's `.module`)."""
     return model if hasattr(model, "disable_adapter") else getattr(model, "module", model)
+
+
+def reference_model(model: Any) -> Any:
+    """What computes the reference when the model is as built: the model itself (peft's adapters do nothing
+    yet, LoRA's B being zero; they are turned off all the same, so the reference is the base)."""
+    inner = unwrapped(model)
+    return model if not hasattr(inner, "disable_adapter") else _AdaptersOff(inner)
+
+
+class _AdaptersOff:
+    """A callable: the peft model's forward with its adapters off."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.inner.disable_adapter():
+            return self.inner(*args, **kwargs)
 
 
 def reference_forward(model: Any, features: Any) -> torch.Tensor:
