@@ -391,11 +391,14 @@ def test_whole_texts_without_a_label_train_every_token_and_held_out_perplexity_f
 
 
 def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_generates(spark, store, llama,
-                                                                                          tmp_path):
-    """objective=DPO(...) over a (prompt, chosen, rejected) table on 2 ranks: the history holds the loss and the
-    rewards (TRL's names) for training and validation; the chosen answers' reward rises above the rejected ones';
-    transform writes text; and what DPO cannot take is refused by name before any job."""
+                                                                                          tmp_path, monkeypatch):
+    """objective=DPO(...) over a (prompt, chosen, rejected) table on 2 ranks, in a Pipeline: the history holds the
+    loss and the rewards (TRL's names) for training and validation, and MLflow the same; the chosen answers'
+    reward rises above the rejected ones'; transform writes text, also from the saved pipeline; and what DPO cannot
+    take is refused by name before any job."""
     import random
+
+    from pyspark.ml import Pipeline, PipelineModel
 
     from estimator import DPO
     from sft_example import COLORS
@@ -426,8 +429,14 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     with pytest.raises(ValueError, match=r"Preference pairs with an empty answer: 1 of [0-9]+ training rows in "
                                          r"column 'chosen'\. Each pair compares two answers"):
         est.copy({est.validation: None}).fit(blank)
-    fitted = est.fit(df)
+    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
+    pipeline = Pipeline(stages=[est.copy({est.mlflow: True})]).fit(df)
+    fitted = pipeline.stages[-1]
     history = fitted.getHistory()
+    run = mlflow.search_runs(experiment_names=["lm"], order_by=["start_time DESC"], max_results=1).run_id.iloc[0]
+    for key in ("rewards/margins", "val_rewards/accuracies"):
+        logged = sorted(mlflow.MlflowClient().get_metric_history(run, key), key=lambda m: m.step)
+        assert [m.value for m in logged] == pytest.approx([row[key] for row in history]), key
     keys = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"}
     assert keys | {"val_" + k for k in keys} <= set(history[-1])
     assert history[-1]["loss"] < history[0]["loss"] < math.log(2) + 0.05  # DPO starts at log 2 (policy = reference)
@@ -435,9 +444,9 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     prompts = df.select("prompt").limit(4)
     out = [r.prediction for r in fitted.transform(prompts).orderBy("prompt").collect()]
     assert all(isinstance(text, str) for text in out) and len(out) == 4
-    fitted.write().save(str(tmp_path / "model"))
+    pipeline.write().save(str(tmp_path / "pipeline"))
     est.write().save(str(tmp_path / "estimator"))
-    assert [r.prediction for r in TorchModel.load(str(tmp_path / "model")).transform(prompts).orderBy(
+    assert [r.prediction for r in PipelineModel.load(str(tmp_path / "pipeline")).transform(prompts).orderBy(
         "prompt").collect()] == out
     assert TorchEstimator.load(str(tmp_path / "estimator")).getOrDefault("objective") == DPO(beta=0.5)
     # the same pairs as message lists (the chat template renders the prompt's messages, then each answer's)

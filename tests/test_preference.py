@@ -2,6 +2,7 @@
 a plain loop, with a tiny Llama built here."""
 import contextlib
 import copy
+import dataclasses
 import os
 import random
 
@@ -233,6 +234,28 @@ def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_
     tokenizer.save_pretrained(other)
     with pytest.raises(Exception, match=r"reference log-probabilities stored in .* are not what this model computes"):
         LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 2)
+
+
+def test_a_run_with_a_stored_reference_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_weights(llama, store):
+    """The whole model trained, its reference precomputed: cut after step 3 of 4 (a checkpoint every 2 steps) and
+    resumed, the ranks check the stored table against the model as built, before the checkpoint is restored into
+    it, and train on to the weights and loss of the run never cut."""
+    from estimator.core.faults import Fault
+    from estimator.failures import RankFailed
+    from estimator.train.checkpoint import load_checkpoint
+    from estimator.train.objectives.preference import DPO
+
+    rows, make = pairs(16), dict(batch=4, epochs=1, lr=1e-3, objective=DPO(beta=0.5))
+    LocalLauncher().run(lm_train_spec(store, llama, rows, run="whole", reference_key="whole", **make), 1)
+    cut = lm_train_spec(store, llama, rows, run="cut", reference_key="cut", checkpoint_steps=2, **make)
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=3),)).run(cut, 1)
+    assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 2
+    LocalLauncher().run(dataclasses.replace(cut, resume_from=cut.run.checkpoint, attempt=1, launch_id="again"), 1)
+    whole, again = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "cut"))
+    for name, value in whole["model"].items():
+        assert torch.allclose(value, again["model"][name], atol=1e-6), name
+    assert again["history"][-1]["loss"] == pytest.approx(whole["history"][-1]["loss"], rel=1e-6)
 
 
 def test_dpo_params_are_checked_by_name():
