@@ -325,6 +325,36 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
         assert {r.prompt: r.prediction for r in whole.transform(asked).collect()} == got
 
 
+def colour_pairs():
+    """(prompt, chosen, rejected): each fact twice, its colour chosen and another one rejected."""
+    import random
+
+    from sft_example import COLORS
+
+    rng, rows = random.Random(0), []
+    for prompt, response in color_facts() * 2:
+        noun, colour = response[len(" The "):-1].split(" is ")
+        rows.append((prompt, response, f" The {noun} is {rng.choice([c for c in COLORS if c != colour])}."))
+    return rows
+
+
+@pytest.mark.connect
+def test_dpo_on_pairs_of_message_lists_fits_and_generates(spark, store, llama):
+    """The pairs as message lists (the chat template renders the prompt's messages, then each answer's), also
+    through Spark Connect."""
+    from estimator import DPO
+
+    chats = spark.createDataFrame(
+        [([("user", p)], [("assistant", c)], [("assistant", r)]) for p, c, r in colour_pairs()],
+        "prompt array<struct<role:string,content:string>>, chosen array<struct<role:string,content:string>>, "
+        "rejected array<struct<role:string,content:string>>")
+    fitted = sft(llama, store, objective=DPO(beta=0.5), label_cols=["chosen", "rejected"], epochs=1,
+                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-2)).fit(chats)
+    assert {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(
+        fitted.getHistory()[-1])
+    assert all(isinstance(r.prediction, str) for r in fitted.transform(chats.select("prompt").limit(2)).collect())
+
+
 def logging_to_mlflow(tmp_path, monkeypatch):
     """mlflow, tracking to a local file store of the test's own, in an experiment of its own."""
     mlflow = pytest.importorskip("mlflow")
@@ -396,17 +426,11 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     loss and the rewards (TRL's names) for training and validation, and MLflow the same; the chosen answers'
     reward rises above the rejected ones'; transform writes text, also from the saved pipeline; and what DPO cannot
     take is refused by name before any job."""
-    import random
-
     from pyspark.ml import Pipeline, PipelineModel
 
     from estimator import DPO
-    from sft_example import COLORS
 
-    rng, rows = random.Random(0), []
-    for prompt, response in color_facts() * 2:
-        noun, colour = response[len(" The "):-1].split(" is ")
-        rows.append((prompt, response, f" The {noun} is {rng.choice([c for c in COLORS if c != colour])}."))
+    rows = colour_pairs()
     df = spark.createDataFrame(rows, "prompt string, chosen string, rejected string")
     est = sft(llama, store, objective=DPO(beta=0.5), label_cols=["chosen", "rejected"], epochs=4,
               validation=0.25, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
@@ -449,14 +473,6 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     assert [r.prediction for r in PipelineModel.load(str(tmp_path / "pipeline")).transform(prompts).orderBy(
         "prompt").collect()] == out
     assert TorchEstimator.load(str(tmp_path / "estimator")).getOrDefault("objective") == DPO(beta=0.5)
-    # the same pairs as message lists (the chat template renders the prompt's messages, then each answer's)
-    chats = spark.createDataFrame(
-        [([("user", p)], [("assistant", c)], [("assistant", r)]) for p, c, r in rows],
-        "prompt array<struct<role:string,content:string>>, chosen array<struct<role:string,content:string>>, "
-        "rejected array<struct<role:string,content:string>>")
-    chat_fit = est.copy({est.epochs: 1, est.validation: None}).fit(chats)
-    assert set(keys) <= set(chat_fit.getHistory()[-1])
-    assert all(isinstance(r.prediction, str) for r in chat_fit.transform(chats.select("prompt").limit(2)).collect())
     # the whole model trained (no adapters): the reference computed on the ranks before training, stored beside
     # the rows, and read again by a second fit of them
     whole = est.copy({est.peft_config: None, est.epochs: 1, est.validation: None,
