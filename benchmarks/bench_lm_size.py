@@ -9,7 +9,9 @@ a first fit costs whatever the model: imports, Spark's first jobs). Numbers, not
                                                                        [--full] [--strategy fsdp]
 
 `--full`: a full fine-tune (no peft_config: each checkpoint is the whole model and AdamW's state, left in the run
-and read where the model is built); `--strategy`: the fit's (fsdp: the checkpoint a folder of shards).
+and read where the model is built); `--strategy`: the fit's (fsdp: the checkpoint a folder of shards); `--dpo`:
+preference tuning (issue 56: objective=DPO(beta=0.1) on (prompt, chosen, rejected) rows, the chosen answer the
+fact, the rejected one another colour; the reference the adapters off, or with --full precomputed by the ranks).
 
 A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
 save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
@@ -39,6 +41,7 @@ class Peak:
 
         self.process, self.done = psutil.Process(), False
         self.start = self.peak = self.process.memory_info().rss
+        self.began = time.perf_counter()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
         return self
@@ -50,6 +53,7 @@ class Peak:
 
     def __exit__(self, *exc):
         self.done = True
+        self.seconds = time.perf_counter() - self.began
         self.thread.join()
 
     @property
@@ -57,7 +61,8 @@ class Peak:
         return (self.peak - self.start) / 2 ** 20
 
 
-def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp") -> dict:
+def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp", dpo: bool = False
+             ) -> dict:
     import torch
     import transformers
     from peft import LoraConfig
@@ -65,8 +70,8 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
     from pyspark.sql import SparkSession
 
     import estimator.model
-    from estimator import TorchEstimator
-    from sft_example import color_facts, save_pretrained_llama
+    from estimator import DPO, TorchEstimator
+    from sft_example import COLORS, color_facts, save_pretrained_llama
     from store import LocalStore
 
     texts = [p + r for p, r in color_facts()] * 4
@@ -77,7 +82,12 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
     spark.sparkContext.setLogLevel("ERROR")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     rows = [(p, r) for p, r in color_facts()[:16]]
-    df = spark.createDataFrame(rows, "prompt string, response string").cache()
+    if dpo:  # the rejected answer: the fact with the next colour
+        pairs = [(p, r, r.replace(c, COLORS[(COLORS.index(c) + 1) % len(COLORS)]))
+                 for p, r in rows for c in [next(c for c in COLORS if c in r)]]
+        df = spark.createDataFrame(pairs, "prompt string, chosen string, rejected string").cache()
+    else:
+        df = spark.createDataFrame(rows, "prompt string, response string").cache()
     asked = spark.createDataFrame([(p,) for p, _ in rows[:6]], "prompt string").repartition(2).cache()
     df.count(), asked.count()
 
@@ -88,7 +98,8 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
             model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder),
             peft_config=None if full else lora, strategy=strategy,
             optimizer=functools.partial(torch.optim.AdamW, lr=5e-4 if full else 5e-3), feature_cols=["prompt"],
-            label_cols=["response"], batch_size=4, epochs=1, max_new_tokens=6, random_seed=1, verbose=0).fit(df)
+            label_cols=["chosen", "rejected"] if dpo else ["response"], objective=DPO(beta=0.1) if dpo else None,
+            batch_size=4, epochs=1, max_new_tokens=6, random_seed=1, verbose=0).fit(df)
 
     fit(small, "warm").transform(asked).collect()
     with Peak() as fitting:
@@ -114,7 +125,8 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
             seconds.append(time.perf_counter() - started)
     handle = getattr(fitted, "getModelHandle", lambda: None)()  # None: a release before the handle
     spark.stop()
-    return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "weights_mb": weights / 2 ** 20,
+    return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "dpo": dpo,
+            "weights_mb": weights / 2 ** 20, "fit_s": fitting.seconds,
             "fit_driver_peak_mb": fitting.mb, "transform_driver_peak_mb": transforming.mb,
             "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20 if handle and handle.trained else None,
             "first_transform_s": seconds[0], "second_transform_s": seconds[1]}
@@ -126,17 +138,20 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--full", action="store_true", help="a full fine-tune: no peft_config")
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--dpo", action="store_true", help="preference tuning: objective=DPO(beta=0.1)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         hidden, layers = map(int, args.one.split(":"))
         with tempfile.TemporaryDirectory() as work:
-            print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy)), flush=True)
+            print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy, args.dpo)),
+                  flush=True)
         return
     results = []
     for size in args.sizes.split(","):
         out = subprocess.run([sys.executable, __file__, "--one", size, "--strategy", args.strategy,
-                              *(["--full"] if args.full else [])], capture_output=True, text=True, check=True,
+                              *(["--full"] if args.full else []), *(["--dpo"] if args.dpo else [])],
+                             capture_output=True, text=True, check=True,
                              cwd=tempfile.gettempdir())
         results.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
         print(json.dumps(results[-1]), flush=True)
