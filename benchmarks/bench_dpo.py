@@ -6,15 +6,18 @@ never the package's; run with `--trl-python` naming an interpreter that has trl)
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dpo.py [--pairs 512] [--seeds 3]
                                                          [--trl-python /work/venv-trl/bin/python] [--json F]
 
-Model: the 'small' Llama of bench_lm.py (hidden 256, 4 layers), LoRA r=16 on every linear layer, AdamW lr 5e-4,
-constant, gradients clipped at 1.0 (TRL's default), beta 0.1, one epoch. The task is a style preference any
-prompt shares, so that held-out prompts can show it: "What color is the kettle?" -> chosen " The kettle is
-teal." (the colour drawn per row), rejected " The kettle is teal!" (one token apart). Training
-pairs ask about 20 nouns, held-out pairs about the other 6. Ours: 2 ranks x batch 4 (global 8); TRL: one
-process, batch 8. pairs/s = the training pairs over the ranks' training-loop seconds (ours) or train_runtime
-(TRL). Held-out reward accuracy: the share of held-out pairs whose chosen answer's reward beta x (policy -
-reference log-probability) is above the rejected one's, and the mean margin between the two rewards, computed the
-same way for both trained models (the reference: the adapters off), one row at a time.
+Model: the 'small' Llama of bench_lm.py (hidden 256, 4 layers), first fine-tuned here (our SFT, LoRA, merged and
+saved) to answer "What color is the kettle?" with " The kettle is teal!" for all 26 nouns: the model DPO starts
+from prefers the wrong answer. The preference: chosen " The kettle is teal." (the colour drawn per row), rejected
+" The kettle is teal!" (one token apart), a style any prompt shares, so that held-out prompts can show it:
+training pairs ask about 20 nouns, held-out pairs about the other 6. DPO: LoRA r=16 on every linear layer, AdamW
+at LR, constant, gradients clipped at 1.0 (TRL's default), beta 0.1, one epoch. Ours: 2 ranks x batch 4 (global
+8), the reference the adapters off (the default) or precomputed before training (reference='precomputed': one
+forward per step); TRL: one process, batch 8. pairs/s = the training pairs over the ranks' training-loop seconds
+(ours; the precomputing pass counted in) or train_runtime (TRL). Held out, computed the same way for every trained
+model, one row at a time: the reward accuracy (the share of pairs whose chosen answer's reward beta x (policy -
+reference log-probability) is above the rejected one's, the reference the adapters off), the mean margin between
+the two rewards, and the share of the 6 held-out prompts whose greedy answer ends with '.' (the SFT model: '!').
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
-LR, BETA, BATCH, RANKS = 1e-4, 0.1, 4, 2
+LR, BETA, BATCH, RANKS = 5e-4, 0.1, 4, 2
 
 
 def pairs_of(count, nouns, seed):
@@ -60,11 +63,7 @@ def held_out_rewards(model, tokenizer, held):
     import torch
 
     def logp(prompt, answer):
-        ids = tokenizer(prompt)["input_ids"] + tokenizer(answer, add_special_tokens=False)["input_ids"]
-        ids.append(tokenizer.eos_token_id)
-        start = len(tokenizer(prompt)["input_ids"])
-        logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
-        return float(sum(logps[t - 1, ids[t]] for t in range(start, len(ids))))
+        return answer_logp(model, tokenizer, prompt, answer)
 
     model.eval()
     right, margins = 0, []
@@ -78,7 +77,66 @@ def held_out_rewards(model, tokenizer, held):
     return right / len(held), statistics.mean(margins)
 
 
-def ours(path, rows, held, seed, work):
+def answer_logp(model, tokenizer, prompt, answer):
+    """The answer's summed log-probability after its prompt, the row alone."""
+    import torch
+
+    ids = tokenizer(prompt)["input_ids"] + tokenizer(answer, add_special_tokens=False)["input_ids"]
+    ids.append(tokenizer.eos_token_id)
+    start = len(tokenizer(prompt)["input_ids"])
+    logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    return float(sum(logps[t - 1, ids[t]] for t in range(start, len(ids))))
+
+
+def prefers_chosen(model, tokenizer, held):
+    """The share of pairs whose chosen answer the model finds more likely than the rejected one."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return sum(answer_logp(model, tokenizer, p, c) > answer_logp(model, tokenizer, p, r)
+                   for p, c, r in held) / len(held)
+
+
+def held_out_style(model, tokenizer, held):
+    """The share of the held-out prompts whose greedy answer ends with '.' (the chosen style)."""
+    import torch
+
+    model.eval()
+    prompts, ends = sorted({p for p, _, _ in held}), []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer([prompt], return_tensors="pt")
+            out = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            ends.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return sum(text.endswith(".") for text in ends) / len(ends), ends
+
+
+def sft_first(path, work):
+    """The base fine-tuned (ours, LoRA, 2 epochs) on every noun's fact ending with '!', merged and saved."""
+    from transformers import AutoTokenizer
+
+    from bench_lm import lora
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.checkpoint import restore
+    from lm_helpers import lm_train_spec, plain_causal_lm
+    from sft_example import COLORS, NOUNS
+    from store import LocalStore
+
+    rows = [(f"What color is the {n}?", f" The {n} is {c}!") for n in NOUNS[:26] for c in COLORS] * 2
+    store = LocalStore(os.path.join(work, "sft-store"))
+    LocalLauncher().run(lm_train_spec(store, path, rows, batch=BATCH, epochs=2, peft_config=lora(), lr=1e-3,
+                                      run="sft", verbose=0, shuffle=True), RANKS)
+    model = plain_causal_lm(path, lora(), seed=0)
+    restore(store, store.run("sft"), store.run("sft").checkpoint, model, None)
+    folder = os.path.join(work, "sft")
+    model.merge_and_unload().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
+    return folder
+
+
+def ours(path, rows, held, seed, work, reference=None):
     import dataclasses
 
     from transformers import AutoTokenizer
@@ -90,16 +148,21 @@ def ours(path, rows, held, seed, work):
     from lm_helpers import lm_train_spec, plain_causal_lm
     from store import LocalStore
 
-    store = LocalStore(os.path.join(work, f"store-{seed}"))
+    store = LocalStore(os.path.join(work, f"store-{seed}-{reference}"))
     spec = lm_train_spec(store, path, rows, batch=BATCH, epochs=1, peft_config=lora(), lr=LR, run="r", verbose=0,
-                         objective=DPO(beta=BETA))
+                         objective=DPO(beta=BETA, reference=reference), reference_key=f"ref-{seed}")
     spec = dataclasses.replace(spec, seed=seed, shuffle=True, gradient_clip_val=1.0)
     results = LocalLauncher().run(spec, RANKS)
     model = plain_causal_lm(path, lora(), seed=0)
     restore(store, store.run("r"), store.run("r").checkpoint, model, None)
-    accuracy, margin = held_out_rewards(model, AutoTokenizer.from_pretrained(path), held)
-    return {"seconds": max(r.train_loop_seconds for r in results), "held_out_accuracy": accuracy,
-            "held_out_margin": margin, "train_accuracy": results[0].history[-1]["rewards/accuracies"]}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    accuracy, margin = held_out_rewards(model, tokenizer, held)
+    style, _ = held_out_style(model, tokenizer, held)
+    # the loop's seconds, and the pass that precomputed the reference (before the loop)
+    seconds = max(r.train_loop_seconds + r.objective_setup_seconds for r in results)
+    return {"seconds": seconds, "reference_pass_s": max(r.objective_setup_seconds for r in results),
+            "held_out_accuracy": accuracy, "held_out_margin": margin, "held_out_style": style,
+            "train_accuracy": results[0].history[-1]["rewards/accuracies"]}
 
 
 def trl_child(args):
@@ -125,8 +188,10 @@ def trl_child(args):
                          peft_config=lora())
     metrics = trainer.train().metrics
     accuracy, margin = held_out_rewards(trainer.model, tokenizer, held)
+    style, _ = held_out_style(trainer.model, tokenizer, held)
     print("RESULT " + json.dumps({"seconds": metrics["train_runtime"], "held_out_accuracy": accuracy,
-                                  "held_out_margin": margin, "threads": torch.get_num_threads()}), flush=True)
+                                  "held_out_margin": margin, "held_out_style": style,
+                                  "threads": torch.get_num_threads()}), flush=True)
 
 
 def main(argv=None):
@@ -148,10 +213,18 @@ def main(argv=None):
     results = {}
     train_nouns, held_nouns = split_nouns()
     with tempfile.TemporaryDirectory() as work:
-        path = build(os.path.join(work, "llama"), "small")
+        path = sft_first(build(os.path.join(work, "llama"), "small"), work)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        sft_model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        before, ends = held_out_style(sft_model, tokenizer, pairs_of(64, held_nouns, 1000))
+        preferred = prefers_chosen(sft_model, tokenizer, pairs_of(64, held_nouns, 1000))
+        print(f"the SFT model, held out: {before:.2f} of its answers end with '.' ({ends[:3]}); it finds the chosen "
+              f"answer more likely in {preferred:.2f} of the pairs", flush=True)
         for seed in range(args.seeds):
             rows, held = pairs_of(args.pairs, train_nouns, seed), pairs_of(64, held_nouns, 1000 + seed)
-            runs = {"ours": ours(path, rows, held, seed, work)}
+            runs = {"ours": ours(path, rows, held, seed, work),
+                    "ours, reference precomputed": ours(path, rows, held, seed, work, "precomputed")}
             if args.trl_python:
                 rows_file = os.path.join(work, f"rows-{seed}.json")
                 with open(rows_file, "w") as f:
@@ -168,15 +241,18 @@ def main(argv=None):
                 results.setdefault(name, []).append(run)
                 print(seed, name, run, flush=True)
     print(f"\n{os.cpu_count()} CPU cores, torch {torch.__version__}; {args.pairs} pairs, {args.seeds} seeds; medians")
-    print("| way | pairs/s | vs ours | held-out reward accuracy (min-max) | held-out reward margin (min-max) |")
-    print("|---|---|---|---|---|")
+    print("| way | pairs/s | vs ours | held-out reward accuracy (min-max) | held-out reward margin (min-max) | "
+          "held-out answers in the chosen style (min-max) |")
+    print("|---|---|---|---|---|---|")
     base = statistics.median(r["pairs_per_s"] for r in results["ours"])
     for name, runs in results.items():
         rate = statistics.median(r["pairs_per_s"] for r in runs)
         acc, margin = [r["held_out_accuracy"] for r in runs], [r["held_out_margin"] for r in runs]
+        style = [r["held_out_style"] for r in runs]
         print(f"| {name} | {rate:,.1f} | {rate / base:.2f}x | {statistics.median(acc):.2f} "
               f"({min(acc):.2f}-{max(acc):.2f}) | {statistics.median(margin):.3f} "
-              f"({min(margin):.3f}-{max(margin):.3f}) |")
+              f"({min(margin):.3f}-{max(margin):.3f}) | {statistics.median(style):.2f} "
+              f"({min(style):.2f}-{max(style):.2f}) |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": vars(args), "results": results}, handle, indent=1)

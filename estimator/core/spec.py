@@ -236,5 +236,6 @@ class WorkerResult:
     data_wait_seconds: float = 0.0  # of `seconds`, the time the loop waited for batches (all epochs)
     train_loop_seconds: float = 0.0  # of `seconds`, the time spent in training epochs (the wait included)
     checkpoint_wait_seconds: float = 0.0  # of `seconds`, rank 0's waits for checkpoint writes (train.checkpoint)
+    objective_setup_seconds: float = 0.0  # of `seconds`, the objective's before training (DPO's reference pass)
     state_bytes: int = 0  # the parameters and optimizer state this rank held at the end (fsdp: its shards only)
     spill_seconds: float = 0.0  # direct mode: receiving this rank's rows from Spark and writing them to local disk

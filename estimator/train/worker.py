@@ -5,6 +5,7 @@ stands); then the epochs (estimator.train.epochs), over objects built whole here
 barrier task and in a local process (tests, LocalLauncher). torch only, no pyspark."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import time
@@ -49,15 +50,17 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
                                                                    spec.epochs, run_optimizer_steps(spec, ctx.world_size))
                                    ) if objs.lightning else None
         optimizer, schedule = optimization(objs, model, spec, ctx.world_size)  # over the shards, with fsdp
+        preparing = time.perf_counter()
         if objs.objective is not None:  # e.g. DPO's reference log-probabilities, from the weights as built
             objs.objective.before_training(spec, ctx, objs, model)
+        prepared = time.perf_counter() - preparing
         # a retry or a refit of this run_id: continue where the checkpoint stands (the optimizer's state loaded
         # after the scheduler's constructor reset the lr)
         resumed = resume(spec, strategy, model, optimizer, schedule)
         # A LightningModule's training_step runs inside DDP's forward (LightningSteps), as a module's forward would.
         trained = strategy.wrap(model, lightning.LightningSteps(model) if objs.lightning else None)
         rank = Rank(spec, ctx, objs, strategy, model, trained, optimizer, schedule, resumed, trainer)
-        return Run(rank, faults, attempt).train(started, early)
+        return dataclasses.replace(Run(rank, faults, attempt).train(started, early), objective_setup_seconds=prepared)
 
 
 def resume(spec: TrainSpec, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
