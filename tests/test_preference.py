@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from estimator.core.spec import LMSpec
 from estimator.data.lm import IGNORE, CausalLMTokenize
 from estimator.launch.local import LocalLauncher
-from estimator.train.checkpoint import restore
+from estimator.train.checkpoint import load_checkpoint, restore
 from lm_helpers import color_facts, lm_train_spec, plain_causal_lm
 from sft_example import COLORS
 from test_lm import llama, lora, tokenizer  # noqa: F401 - the tiny Llama, its tokenizer, the LoRA config
@@ -123,14 +123,17 @@ def plain_dpo_loss(model, b, beta, frozen=None):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store, strategy):
     """2 ranks x 2 pairs = one process of 4 pairs: the loss is a mean over the step's pairs on all ranks; the
-    adapters trained and the history's loss are the plain loop's. Under fsdp too (the base sharded, the
-    reference its forward with the adapters off)."""
+    adapters trained and the history's loss are the plain loop's (ddp with gradient checkpointing, the
+    checkpoint holding the adapters only). Under fsdp too (the base sharded, the reference its forward with the
+    adapters off)."""
     from estimator.train.objectives.preference import DPO
 
     ranks, batch, steps, epochs, lr, beta = 2, 2, 3, 2, 1e-2, 0.5
     rows = pairs(ranks * batch * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
-                                                lr=lr, objective=DPO(beta=beta), strategy=strategy), ranks)
+                                                lr=lr, objective=DPO(beta=beta), strategy=strategy,
+                                                gradient_checkpointing=strategy == "ddp"), ranks)
+    assert load_checkpoint(store, store.run("r").checkpoint)["contents"] == "trainable"  # the adapters only
     losses, plain = plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, lora())
     history = results[0].history
     assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5)
@@ -242,7 +245,6 @@ def test_a_run_with_a_stored_reference_cut_inside_an_epoch_resumes_to_the_uninte
     it, and train on to the weights and loss of the run never cut."""
     from estimator.core.faults import Fault
     from estimator.failures import RankFailed
-    from estimator.train.checkpoint import load_checkpoint
     from estimator.train.objectives.preference import DPO
 
     rows, make = pairs(16), dict(batch=4, epochs=1, lr=1e-3, objective=DPO(beta=0.5))
