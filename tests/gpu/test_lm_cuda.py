@@ -1,6 +1,6 @@
 """A causal LM's fine-tuning and generation on CUDA (`bash .ci/gpu`): LoRA SFT on the GPU equals a plain PEFT loop
 there, bf16-mixed trains, and transform's generation (sorted, left-padded batches) writes what model.generate
-writes for each prompt alone. Skipped without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
+writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
 import pyarrow as pa
 import pytest
 import torch
@@ -168,3 +168,23 @@ def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store,
         (fit,) = LocalLauncher().run(lm_train_spec(store, llama, lm_rows(32), batch=8, epochs=3, peft_config=lora(),
                                                    use_gpu=True, precision="bf16-mixed", packed=True, run="packed"), 1)
         assert fit.history[-1]["loss"] < fit.history[0]["loss"]
+
+
+def test_dpo_on_the_gpu_with_its_reference_precomputed_trains_as_with_the_adapters_off(llama, store):
+    """bf16-mixed DPO under LoRA on the GPU: the reference read from the table the rank computed before training
+    (under the same autocast) trains as the reference computed live with the adapters off, to bf16's noise."""
+    from sft_example import COLORS
+
+    from estimator.train.objectives.preference import DPO
+
+    rows = [(p, r, r.replace(c, COLORS[(COLORS.index(c) + 1) % len(COLORS)]))
+            for p, r in lm_rows(16) for c in [next(c for c in COLORS if c in r)]]
+    histories = {}
+    for reference in ("adapters", "precomputed"):
+        (result,) = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=2, peft_config=lora(),
+                                                      objective=DPO(beta=0.5, reference=reference), use_gpu=True,
+                                                      precision="bf16-mixed", run=reference, reference_key="gpu"), 1)
+        assert result.device == "cuda:0"
+        histories[reference] = [row["loss"] for row in result.history]
+    assert histories["precomputed"] == pytest.approx(histories["adapters"], rel=2e-2)
+    assert histories["adapters"][-1] < histories["adapters"][0]
