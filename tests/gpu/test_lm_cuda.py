@@ -1,6 +1,7 @@
 """A causal LM's fine-tuning and generation on CUDA (`bash .ci/gpu`): LoRA SFT on the GPU equals a plain PEFT loop
 there, bf16-mixed trains, and transform's generation (sorted, left-padded batches) writes what model.generate
-writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
+writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped
+without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
 import pyarrow as pa
 import pytest
 import torch
