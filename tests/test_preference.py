@@ -124,7 +124,7 @@ def plain_dpo_loss(model, b, beta, frozen=None):
 def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store, strategy):
     """2 ranks x 2 pairs = one process of 4 pairs: the loss is a mean over the step's pairs on all ranks; the
     adapters trained and the history's loss are the plain loop's (ddp with gradient checkpointing, the
-    checkpoint holding the adapters only). Under fsdp too (the base sharded, the reference its forward with the
+    checkpoint holding the adapters only), TensorBoard's epoch scalars the history's. Under fsdp too (the base sharded, the reference its forward with the
     adapters off)."""
     from estimator.train.objectives.preference import DPO
 
@@ -132,12 +132,17 @@ def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, t
     rows = pairs(ranks * batch * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
                                                 lr=lr, objective=DPO(beta=beta), strategy=strategy,
-                                                gradient_checkpointing=strategy == "ddp"), ranks)
+                                                gradient_checkpointing=strategy == "ddp", tensorboard=True), ranks)
     assert load_checkpoint(store, store.run("r").checkpoint)["contents"] == "trainable"  # the adapters only
     losses, plain = plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, lora())
     history = results[0].history
     assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5)
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(history[-1])
+    events = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator").EventAccumulator(
+        store.run("r").logs)
+    events.Reload()
+    for key in ("loss", "rewards/margins", "rewards/accuracies"):  # TensorBoard's epoch scalars: the history's
+        assert [p.value for p in events.Scalars(f"epoch/{key}")] == pytest.approx([row[key] for row in history]), key
     assert history[0]["loss"] == pytest.approx(losses[0]) and losses[-1] < losses[0]  # it learned
     trained = plain_causal_lm(llama, lora(), seed=0)
     restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
