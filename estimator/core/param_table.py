@@ -222,9 +222,9 @@ ESTIMATOR_PARAMS = [
               "a peft config such as peft.LoraConfig(...), or None", json=False),
     ParamSpec("objective", "what a causal LM is trained to do, where it is not the next-token loss the other params "
               "choose: DPO(beta=0.1) (from estimator) tunes it on preference pairs, the prompt the feature column "
-              "and label_cols=['chosen', 'rejected'] two string columns (or all three message lists), with "
-              "peft_config (the reference model is the same model with its adapters off). None: chosen from the "
-              "other params "
+              "and label_cols=['chosen', 'rejected'] two string columns (or all three message lists); its "
+              "reference is the model with its adapters off under peft_config, else log-probabilities computed "
+              "once before training (DPO's reference). None: chosen from the other params "
               "(docs/language-models.md 'Tune on preference pairs (DPO)')", None,
               lambda v: v is None or (hasattr(v, "applies") and hasattr(v, "for_rank")),
               "an objective such as DPO(beta=0.1), or None", json=False),

@@ -40,15 +40,23 @@ REFERENCES = ("adapters", "precomputed", "copy")
 
 
 class DPO(BuiltIn):
-    """Direct preference optimization over (prompt, chosen, rejected) rows; `loss_type` 'sigmoid' (DPO's) or 'ipo'.
-    `beta`: how far the policy may move from the reference (TRL's default 0.1). `sft_weight`: adds that many times
-    each chosen answer's mean token negative log-likelihood to its pair's loss (RPO, Pang et al. 2024; TRL's
-    loss_type=['sigmoid', 'sft'], which averages over the batch's chosen tokens instead): DPO alone may make the
-    chosen answers less likely too, and write worse text. `reference`: where the reference model's log-probabilities
-    come from: 'adapters' (the trained model with its LoRA adapters off; the default under peft_config),
-    'precomputed' (computed once before training by the model as built and kept in the store beside the rows,
-    reused by later fits of them and by retries; the default without adapters: one model in memory) or 'copy' (a
-    frozen copy of the model beside it: twice the memory)."""
+    """Direct preference optimization: `objective=DPO(beta=0.1)` tunes a causal LM on a table of prompts with a
+    preferred and a rejected answer (`feature_cols=["prompt"]`, `label_cols=["chosen", "rejected"]`: three string
+    columns, or three message lists). docs/language-models.md 'Tune on preference pairs (DPO)'.
+
+    Args:
+        beta: How far the policy may move from the reference (TRL's default 0.1; larger keeps it closer).
+        loss_type: 'sigmoid' (DPO's loss) or 'ipo' (IPO's squared loss over each answer's mean token
+            log-probability, as TRL computes it).
+        sft_weight: Adds that many times each chosen answer's mean token negative log-likelihood to its pair's loss
+            (RPO; TRL's loss_type=['sigmoid', 'sft'] averages over the batch's chosen tokens instead). DPO alone
+            may make the chosen answers less likely too, and write worse text.
+        reference: Where the reference model's log-probabilities come from. 'adapters': the trained model with
+            its LoRA adapters off (the default under peft_config). 'precomputed': computed once before training
+            by the model as built, on the ranks, and kept in the store beside the rows, reused by later fits of
+            them and by retries (the default without adapters: one model in memory, one forward per step).
+            'copy': a frozen copy of the model beside it (twice the memory; not with fsdp).
+    """
 
     weighting = PerWeight
     layout = Sums.of_loss(METRICS)

@@ -33,7 +33,9 @@ CHECK_ATOL, CHECK_RTOL = 0.05, 1e-3  # a stored log-probability agrees with a fo
 
 
 class ReferenceMismatch(ValueError):
-    """The stored reference log-probabilities are not the model's: it changed under the same name."""
+    """A DPO fit's stored reference log-probabilities (`DPO(reference="precomputed")`, kept beside the rows in the
+    store) differ from what the model computes for the same batch: the model, or its folder, changed under the same
+    name. The fit is refused, not retried; remove the folder the message names to compute them again."""
 
 
 def precompute(spec: TrainSpec, ctx: Any, objs: Any, model: Any, logps: Any) -> None:
