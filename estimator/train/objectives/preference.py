@@ -4,8 +4,10 @@ IPO variant (Azar et al. 2023, arXiv 2310.12036).
 A batch of b pairs is 2b rows (estimator.data.lm, LMSpec.rejected): each pair's prompt with its chosen answer,
 then with its rejected one, the prompt's tokens carrying no label, so both answers of a pair are scored by the
 same weights in one forward. An answer's score is its labelled tokens' log-probabilities summed, under the policy
-and under the reference model: the same model with its adapters off (peft's
-`disable_adapter()`), in eval mode and without gradients, so no second copy of the base is held.
+and under the reference model, the model before tuning (`reference`): the same model with its adapters off (peft's
+`disable_adapter()`), in eval mode and without gradients, so no second copy of the base is held; or read with the
+rows from a table the ranks computed before training (estimator.train.objectives.reference: the model as built,
+one forward per step); or a frozen copy of the model.
 
 With h = (policy chosen - policy rejected) - (reference chosen - reference rejected), a pair's loss is
 -log sigmoid(beta h) (DPO) or (h - 1 / (2 beta))^2 (IPO, h over each answer's mean token log-probability instead
