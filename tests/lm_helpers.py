@@ -70,7 +70,8 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
     stored = pairs and objective.reference_for(peft_config is not None) == "precomputed"
     lm = (LMSpec("chat", packed=packed) if chat else
-          LMSpec("prompt", "chosen", rejected="rejected", reference=reference_key if stored else None) if pairs
+          LMSpec("prompt", "chosen", rejected="rejected", reference=reference_key if stored else None,
+                 packed=packed) if pairs
           else LMSpec("prompt", "response", packed=packed))
     labels = () if chat else ("chosen", "rejected") if pairs else ("response",)
     data = DataSpec(store, train, val, (lm.column,), labels, lm=lm, max_length=max_length)

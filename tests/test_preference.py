@@ -216,6 +216,29 @@ def test_a_reference_computed_before_training_trains_as_a_frozen_base_beside_the
         assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
 
 
+@pytest.mark.parametrize("adapters", [True, False], ids=["lora-adapters-off", "whole-precomputed"])
+def test_packed_pairs_train_as_padded_ones(llama, store, adapters):
+    """packing=True: a batch's chosen and rejected rows in one sequence, each attending to itself only, score and
+    train as the padded batch does (answers of different lengths): the loss, the rewards and the weights, the
+    reference live with the adapters off, or precomputed (its pass over packed batches too)."""
+    from estimator.train.objectives.preference import DPO
+
+    rows, config, runs = pairs(16), (lora() if adapters else None), {}
+    for packed in (False, True):
+        run = f"packed-{packed}"
+        runs[packed] = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=2, epochs=1, peft_config=config,
+                                                         lr=1e-3, objective=DPO(beta=0.5), run=run, packed=packed,
+                                                         reference_key=run), 1)[0].history
+    for key in ("loss", "rewards/margins", "rewards/chosen"):
+        assert runs[True][-1][key] == pytest.approx(runs[False][-1][key], rel=1e-4, abs=1e-6), key
+    padded, packed = (plain_causal_lm(llama, config, seed=0) for _ in range(2))
+    for model, run in ((padded, "packed-False"), (packed, "packed-True")):
+        restore(store, store.run(run), store.run(run).checkpoint, model, None)
+    want = padded.state_dict()
+    for name, value in packed.state_dict().items():
+        assert torch.allclose(value, want[name], atol=1e-5), (name, (value - want[name]).abs().max())
+
+
 def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_changed(llama, tokenizer, store,
                                                                                         tmp_path):
     """A second fit of the same rows and reference reads the table (no part rewritten); a model folder changed
@@ -226,11 +249,11 @@ def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_
 
     rows = pairs(8)
     make = dict(batch=2, epochs=1, lr=1e-3, objective=DPO(beta=0.5), reference_key="k")
-    LocalLauncher().run(lm_train_spec(store, llama, rows, run="first", **make), 2)
+    LocalLauncher().run(lm_train_spec(store, llama, rows, run="first", **make), 1)
     parts = sorted(store.find(os.path.join(store.root, "reference", "k"), ".parquet"))
     written = [os.stat(p).st_mtime_ns for p in parts]
-    assert len(parts) == 2
-    LocalLauncher().run(lm_train_spec(store, llama, rows, run="second", **make), 2)
+    assert len(parts) == 1
+    LocalLauncher().run(lm_train_spec(store, llama, rows, run="second", **make), 1)
     assert [os.stat(p).st_mtime_ns for p in parts] == written
     other = tmp_path / "other"
     model = AutoModelForCausalLM.from_pretrained(llama)
@@ -241,7 +264,7 @@ def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_
     model.save_pretrained(other)
     tokenizer.save_pretrained(other)
     with pytest.raises(Exception, match=r"reference log-probabilities stored in .* are not what this model computes"):
-        LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 2)
+        LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 1)
 
 
 def test_a_run_with_a_stored_reference_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_weights(llama, store):

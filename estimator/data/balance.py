@@ -23,14 +23,15 @@ Arrays = Dict[str, np.ndarray]
 
 
 def text_lengths(spec: LMSpec, batch: Arrays) -> np.ndarray:
-    """Per row of a raw batch, the characters of what is tokenized: prompt and response, the text, or a chat's
-    message contents."""
+    """Per row of a raw batch, the characters of what is tokenized: prompt and response (a preference pair's: and
+    the rejected answer), the text, or a chat's message contents."""
     if spec.chat:
         return np.array([sum(len(m["content"]) for m in messages_of(row, spec.column)) for row in batch[spec.column]],
                         dtype=np.int64)
     lengths = np.array([len(str(v)) for v in batch[spec.column]], dtype=np.int64)
-    if spec.response is not None:
-        lengths += np.array([len(str(v)) for v in batch[spec.response]], dtype=np.int64)
+    for answers in (spec.response, spec.rejected):  # preference pairs: both answers (a row each, same prompt)
+        if answers is not None:
+            lengths += np.array([len(str(v)) for v in batch[answers]], dtype=np.int64)
     return lengths
 
 

@@ -140,7 +140,6 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                              ("strategy", reference == "copy" and strategy_class(p).shards_checkpoints, "a frozen "
                               "copy of a sharded model is not built: leave reference unset (precomputed before "
                               "training)"),
-                             ("packing", p["packing"], "packed pairs are not built yet"),
                              ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
                               "their own tokens"),
                              ("chat_tools", bool(p["chat_tools"]) and not all(chats), "the rows are strings, and "
@@ -149,7 +148,7 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
             raise ValueError(f"objective={objective!r} with {name}={p[name]!r}: {why}.")
     return LMSpec(features[0], labels[0], rejected=labels[1], messages=all(chats),
                   tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
-                  reference=reference_key(p) if reference == "precomputed" else None)
+                  reference=reference_key(p) if reference == "precomputed" else None, packed=packing(p))
 
 
 def reference_key(p: Mapping[str, Any]) -> str:

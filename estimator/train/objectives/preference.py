@@ -30,7 +30,8 @@ from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
 from estimator.train.objectives.base import BuiltIn
-from estimator.train.objectives.tokens import OWN_LOOP
+from estimator.train.objectives.packed_attention import use_packed_attention
+from estimator.train.objectives.tokens import OWN_LOOP, check_packed
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -86,9 +87,10 @@ class DPO(BuiltIn):
         self.beta, self.loss_type, self.sft_weight = float(beta), loss_type, float(sft_weight)
         self.reference = reference
         self._copy: Any = None  # reference='copy': the frozen model, on the rank
+        self._checked = False  # packed pairs: the first batch checks that each row attends to itself only
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {**self.__dict__, "_copy": None}
+        return {**self.__dict__, "_copy": None, "_checked": False}
 
     def __repr__(self) -> str:
         extra = f", sft_weight={self.sft_weight!r}" if self.sft_weight else ""
@@ -123,11 +125,12 @@ class DPO(BuiltIn):
         """The reference, from the model as built (before any step or restored checkpoint): its log-probabilities
         computed into the store ('precomputed'), or a frozen copy of it ('copy')."""
         mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
+        if spec.data.lm is not None and spec.data.lm.packed:  # each packed row attends to itself only
+            use_packed_attention(model)
         if mode == "precomputed":
             from estimator.train.objectives.reference import precompute
 
-            precompute(spec, ctx, objs, model, lambda m, features, labels: answer_logps(
-                logits_of(forward(reference_model(m), features)), labels))
+            precompute(spec, ctx, objs, model, lambda m, features, labels: scores(reference_model(m), features, labels))
         elif mode == "copy":
             self._copy = copy.deepcopy(model).eval().requires_grad_(False)
 
@@ -142,15 +145,19 @@ class DPO(BuiltIn):
         features, labels, _ = tensors
         stored = labels[1] if len(labels) > 1 else None  # 'precomputed': read with the rows
         labels = labels[0]
-        tokens = (labels[:, 1:] != IGNORE).sum(dim=1).clamp(min=1)
+        rows = row_index(features[0])  # packed pairs: each position's row, and the rows
+        if rows is not None and not self._checked:
+            check_packed(model, features[0])
+            self._checked = True
+        tokens = answer_sums((labels[:, 1:] != IGNORE).to(torch.float32), rows).clamp(min=1)
         if stored is not None:
             reference = stored.to(torch.float32)
         else:
             with torch.no_grad():
-                reference = answer_logps(logits_of(forward(self._copy, features)) if self._copy is not None
-                                         else reference_forward(model, features), labels)
-        policy = answer_logps(logits_of(forward(model, features)), labels)
-        pairs = labels.shape[0] // 2
+                reference = (scores(self._copy, features, labels) if self._copy is not None
+                             else reference_scores(model, features, labels))
+        policy = scores(model, features, labels)
+        pairs = policy.shape[0] // 2
         ratios = policy - reference  # per row: the answer's log-probability over the reference's
         if self.loss_type == "ipo":  # over each answer's mean token log-probability, as TRL's
             h = ratios[:pairs] / tokens[:pairs] - ratios[pairs:] / tokens[pairs:]
@@ -170,15 +177,56 @@ class DPO(BuiltIn):
 
     def weight_of(self, tensors: Any) -> torch.Tensor:
         """The pairs of a batch (what its loss is summed over)."""
-        labels = tensors[1][0]
-        return torch.tensor(labels.shape[0] // 2, device=labels.device)
+        labels, rows = tensors[1][0], row_index(tensors[0][0])
+        return torch.tensor((labels.shape[0] if rows is None else rows[1]) // 2, device=labels.device)
 
 
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's answer scored: its labelled tokens' log-probabilities summed, in float32."""
+def scores(model: Any, features: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's answer scored by `model`: its labelled tokens' log-probabilities summed (rows packed in one
+    sequence: each row's own)."""
+    rows = row_index(features[0])
+    if rows is not None:  # no KV cache: transformers confines attention to each packed row only without one
+        features = [dict(features[0], use_cache=False), *features[1:]]
+    return answer_logps(logits_of(forward(model, features)), labels, rows)
+
+
+def reference_scores(model: Any, features: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The reference's scores: the trained model with its adapters off, in eval mode (no dropout), no gradients;
+    through the wrapped module (no DDP hooks for a forward without backward)."""
+    inner = unwrapped(model)
+    training = inner.training
+    inner.eval()
+    try:
+        with inner.disable_adapter():
+            return scores(inner, features, labels)
+    finally:
+        inner.train(training)
+
+
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor, rows: Any = None) -> torch.Tensor:
+    """Each row's answer scored: its labelled tokens' log-probabilities summed, in float32; `rows`: a packed
+    batch's row of each position and its row count (row_index)."""
     target = labels[:, 1:]
     logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
-    return (logps * (target != IGNORE)).sum(dim=1)
+    return answer_sums(logps * (target != IGNORE), rows)
+
+
+def answer_sums(values: torch.Tensor, rows: Any) -> torch.Tensor:
+    """Per row, the sum of `values` (rows x positions - 1, each position predicting the next token's label); a
+    packed batch's (1 x positions - 1) summed by the row of the token predicted."""
+    if rows is None:
+        return values.sum(dim=1)
+    index, count = rows
+    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(0, index[1:], values[0])
+
+
+def row_index(features: Any) -> Any:
+    """A packed batch's (row of each position, rows) (estimator.data.lm.packed: a row starts where its position is
+    0), with no read from the device; None for a batch not packed."""
+    positions = features.get("position_ids") if isinstance(features, dict) else None
+    if positions is None or features.get("cu_seq_lens_q") is None:
+        return None
+    return (positions[0] == 0).cumsum(0) - 1, features["cu_seq_lens_q"].shape[0] - 1
 
 
 def unwrapped(model: Any) -> Any:
@@ -202,16 +250,3 @@ class _AdaptersOff:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.inner.disable_adapter():
             return self.inner(*args, **kwargs)
-
-
-def reference_forward(model: Any, features: Any) -> torch.Tensor:
-    """The logits of the reference model: the trained model with its adapters off, in eval mode (no dropout), no
-    gradients; through the wrapped module (no DDP hooks for a forward without backward)."""
-    inner = unwrapped(model)
-    training = inner.training
-    inner.eval()
-    try:
-        with inner.disable_adapter():
-            return logits_of(forward(inner, features))
-    finally:
-        inner.train(training)

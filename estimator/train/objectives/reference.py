@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from estimator.core.outputs import forward, logits_of
 from estimator.core.spec import TrainSpec
 from estimator.data.arrays import prepare_arrays, to_tensors, tensors_to
 from estimator.data.frames import transform_batch
