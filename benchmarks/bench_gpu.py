@@ -258,7 +258,8 @@ def main(argv=None) -> None:
         text_pieces = write(store, "texts", {"text": [t for t, _ in texts], "label": np.array([y for _, y in texts])}, 1)
         results["bert"] = {"rows": len(texts), "layers": 2 if args.quick else 12}
         bert_fit(store, text_pieces, path, 32, args.device, "bert-warm-up")  # kernels, allocator, imports
-        for batch in (32, 128):
+        batches = (32,) if args.quick else (32, 128)  # --quick: one batch size (a smoke run)
+        for batch in batches:
             for name, fields in (("ddp", {}), ("fsdp", {"strategy": "fsdp"}),
                                  ("fsdp, shard_alone", {"strategy": "fsdp", "shard_alone": True})):
                 results["bert"][f"{name}, batch {batch}"] = bert_fit(store, text_pieces, path, batch, args.device,
@@ -281,7 +282,7 @@ def main(argv=None) -> None:
     b = results["bert"]
     print("| BERT, text tokenized on the rank | ours ddp | ours fsdp (whole) | ours fsdp sharded | plain | plain FSDP2 |")
     print("|---|---|---|---|---|---|")
-    for batch in (32, 128):
+    for batch in batches:
         print(f"| batch {batch} | " + " | ".join(cell(b[f"{name}, batch {batch}"]) for name in (
             "ddp", "fsdp", "fsdp, shard_alone", "plain", "plain FSDP2")) + " |")
     if args.json:
