@@ -17,9 +17,9 @@ from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
-from estimator.fit.strategy import strategy_class
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
+from estimator.fit.strategy import strategy_class
 from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
@@ -111,8 +111,9 @@ def message_fields(column: str, dtype: Any, p: Mapping[str, Any]) -> Any:
 
 
 def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
-    """Preference pairs (objective=DPO(...)): a prompt string column and two string label columns, the chosen
-    answer's and the rejected one's, under adapters (the reference model is the model with them off)."""
+    """Preference pairs (objective=DPO(...)): a prompt column and two label columns, the chosen answer's and the
+    rejected one's, three strings or three message lists; where the reference comes from (the adapters off, a
+    table computed before training and named by reference_key, a frozen copy) refused by name where it cannot."""
     objective, features, labels = p["objective"], list(p["feature_cols"]), list(p["label_cols"])
     if len(features) != 1 or len(labels) != 2:
         raise ValueError(f"objective={objective!r} reads preference pairs: feature_cols=['prompt'] (one string "

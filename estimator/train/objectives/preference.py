@@ -19,6 +19,7 @@ answers, how often the chosen one's is higher (`rewards/accuracies`) and their d
 torch only, no pyspark."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -130,7 +131,7 @@ class DPO(BuiltIn):
         if mode == "precomputed":
             from estimator.train.objectives.reference import precompute
 
-            precompute(spec, ctx, objs, model, lambda m, features, labels: scores(reference_model(m), features, labels))
+            precompute(spec, ctx, objs, model, reference_scores)
         elif mode == "copy":
             self._copy = copy.deepcopy(model).eval().requires_grad_(False)
 
@@ -191,13 +192,15 @@ def scores(model: Any, features: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def reference_scores(model: Any, features: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The reference's scores: the trained model with its adapters off, in eval mode (no dropout), no gradients;
-    through the wrapped module (no DDP hooks for a forward without backward)."""
+    """The reference's scores: the model with its adapters off (a model without adapters: as it is, which before
+    training is the reference), in eval mode (no dropout), no gradients; through the wrapped module (no DDP hooks
+    for a forward without backward)."""
     inner = unwrapped(model)
     training = inner.training
     inner.eval()
     try:
-        with inner.disable_adapter():
+        with torch.no_grad(), (inner.disable_adapter() if hasattr(inner, "disable_adapter")
+                               else contextlib.nullcontext()):
             return scores(inner, features, labels)
     finally:
         inner.train(training)
@@ -232,21 +235,3 @@ def row_index(features: Any) -> Any:
 def unwrapped(model: Any) -> Any:
     """The peft model: the model itself (fsdp shards in place), or the module a wrapper holds (DDP's `.module`)."""
     return model if hasattr(model, "disable_adapter") else getattr(model, "module", model)
-
-
-def reference_model(model: Any) -> Any:
-    """What computes the reference when the model is as built: the model itself (peft's adapters do nothing
-    yet, LoRA's B being zero; they are turned off all the same, so the reference is the base)."""
-    inner = unwrapped(model)
-    return model if not hasattr(inner, "disable_adapter") else _AdaptersOff(inner)
-
-
-class _AdaptersOff:
-    """A callable: the peft model's forward with its adapters off."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.inner.disable_adapter():
-            return self.inner(*args, **kwargs)

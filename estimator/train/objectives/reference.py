@@ -93,8 +93,8 @@ def spans(pieces: Any, rows: int) -> Iterator[Span]:
 
 
 class Scorer:
-    """A batch of stored pairs read, transformed and tokenized as the training steps will be, and scored by the
-    model in eval mode without gradients, under the fit's autocast."""
+    """A batch of stored pairs read, transformed and tokenized as the training steps will be, and scored by
+    `logps` (in eval mode: DPO's reference_scores) without gradients, under the fit's autocast."""
 
     def __init__(self, spec: TrainSpec, objs: Any, model: Any, logps: Any, device: torch.device):
         self.spec, self.objs, self.model, self.logps, self.device = spec, objs, model, logps, device
@@ -113,13 +113,8 @@ class Scorer:
 
     def scored(self, arrays: Any) -> np.ndarray:
         tensors = tensors_to(to_tensors(self.tokenize(arrays), self.spec.data), self.device)
-        training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), autocast(self.device, self.spec.precision):
-                out = self.logps(self.model, tensors.features, tensors.labels[0])
-        finally:
-            self.model.train(training)
+        with torch.no_grad(), autocast(self.device, self.spec.precision):
+            out = self.logps(self.model, tensors.features, tensors.labels[0])
         return out.double().cpu().numpy()
 
     def check(self, span: Span, table: ReferenceTable) -> bool:
