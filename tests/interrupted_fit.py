@@ -65,9 +65,9 @@ except KeyboardInterrupt:
             time.sleep(0.2)
         out["jobs_active_after_s"] = time.monotonic() - stop
         out["active_jobs"] = list(tracker.getActiveJobsIds())
-    time.sleep(3)  # the killed workers' last writes (none expected)
+    time.sleep(2)  # the killed workers' last writes (none expected)
     before = snapshot()
-    time.sleep(8)
+    time.sleep(5)  # a rank still training would write a checkpoint every 50 steps (a fraction of a second)
     after = snapshot()
     out["changed"] = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     with open(os.path.join(root, "runs", "long", "progress.json")) as f:

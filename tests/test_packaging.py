@@ -82,3 +82,28 @@ def test_the_zip_shipped_to_executors_holds_the_packages_without_the_driver_only
     names = zipfile.ZipFile(package_zip()).namelist()
     assert {"estimator/launch/spark.py", "estimator/launch/rank_setup.py", "estimator/data/feed.py", "store/store.py"} <= set(names)
     assert "estimator/cluster.py" not in names  # local Spark servers for examples and tests: the driver's only
+
+
+def test_the_files_a_driver_writes_to_ship_are_removed_when_it_exits_and_not_by_a_forked_child(tmp_path):
+    """The package zip and a transform's pickled model lie in the temp dir while the driver's sessions may read
+    them; they once stayed there for good (hundreds of MB per model). A forked child that exits normally (its
+    atexit handlers run) leaves its parent's files."""
+    script = (
+        "import os, sys\n"
+        "from estimator.launch.shipping import package_zip, temporary_file\n"
+        "paths = [package_zip(), temporary_file('spark-torch-estimator-models', 'torch-model-x.pkl', b'x' * 100)]\n"
+        "assert temporary_file('spark-torch-estimator-models', 'torch-model-x.pkl', b'') == paths[1]  # once\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "assert all(os.path.exists(p) for p in paths), 'removed by the child'\n"
+        "print('\\n'.join(paths))\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = result.stdout.split()
+    assert len(paths) == 2 and all(p.startswith(str(tmp_path)) for p in paths), paths
+    assert not [p for p in paths if os.path.exists(p)]  # gone with the driver
+    assert not [n for d in tmp_path.iterdir() for n in os.listdir(d)]

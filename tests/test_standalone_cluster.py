@@ -96,23 +96,15 @@ def test_a_fit_that_loses_a_worker_goes_on_with_the_slots_left(tmp_path):
     assert not _java_pids(str(tmp_path / "cluster"))
 
 
-BARE_PACKAGES = ["pyarrow", "numpy", "pandas"]  # after torch: exactly README 'On a cluster' lists
-
-
 @pytest.fixture(scope="module")
 def bare_executor_python():
     """A venv holding exactly what README 'On a cluster' says executors need (torch, then pyarrow, numpy, pandas,
-    pinned by constraints.txt, with what pip installs for them) and nothing of this project: made once in .cache/."""
+    pinned by constraints.txt, with what pip installs for them) and nothing of this project: `.ci/setup bare`
+    makes it once in .cache/ (.ci/test makes it beside the main stack's setup, before the suite)."""
     venv = os.path.join(ROOT, ".cache", "bare-executor-venv")
-    python, done = os.path.join(venv, "bin", "python"), os.path.join(venv, "installed")
-    if not os.path.exists(done):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
-        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c",
-               os.path.join(ROOT, "constraints.txt")]
-        index = ["--index-url", os.environ["TORCH_INDEX_URL"]] if os.environ.get("TORCH_INDEX_URL") else []
-        subprocess.run(pip + index + ["torch"], check=True, timeout=900)
-        subprocess.run(pip + BARE_PACKAGES, check=True, timeout=900)
-        open(done, "w").close()
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(os.path.join(venv, "installed")):
+        subprocess.run(["bash", os.path.join(ROOT, ".ci", "setup"), "bare"], check=True, timeout=1800)
     missing = subprocess.run([python, "-c", "import cloudpickle"], capture_output=True, text=True)
     assert "No module named 'cloudpickle'" in missing.stderr  # the premise: only the listed packages are there
     return python

@@ -8,6 +8,7 @@ and get nothing.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import logging
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import warnings
 import zipfile
-from typing import Any, Optional, Set
+from typing import Any, List, Optional, Set, Tuple
 
 import pyspark
 
@@ -65,15 +66,31 @@ def _build_zip() -> str:
 
 
 def temporary_file(folder: str, name: str, data: bytes) -> str:
-    """`data` in <temp dir>/<folder>/<name>, written once (atomically) for a name that says its content."""
-    path = os.path.join(tempfile.gettempdir(), folder, name)
+    """`data` in <temp dir>/<folder>/<pid>-<name>, written once (atomically) for a name that says its content, and
+    removed when this process exits: the sessions it ships the file to end with it (files of hundreds of MB, a model
+    for transform, were left behind for good)."""
+    path = os.path.join(tempfile.gettempdir(), folder, f"{os.getpid()}-{name}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if not os.path.exists(path):
-        temporary = f"{path}.{os.getpid()}.tmp"
+        temporary = f"{path}.{threading.get_ident()}.tmp"
         with open(temporary, "wb") as handle:
             handle.write(data)
         os.replace(temporary, path)
+        _written.append((os.getpid(), path))
     return path
+
+
+def _remove_written() -> None:
+    for pid, path in _written:
+        if pid == os.getpid():  # not in a forked child that exits normally: the files are its parent's
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+_written: List[Tuple[int, str]] = []
+atexit.register(_remove_written)
 
 
 def check_local_python(spark: Any) -> None:
