@@ -267,6 +267,35 @@ def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_
         LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 1)
 
 
+def test_a_model_saved_again_to_its_folder_names_a_table_of_its_own(llama, tokenizer, tmp_path):
+    """The driver names the precomputed table by the factory's folder's files too (the user's usual loop: SFT saved
+    to a folder, DPO from it, SFT run again into the same folder): the same folder gives the same name, a model
+    saved again there a new one, computed afresh rather than refused."""
+    import functools
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from estimator.core.handle import built_on_meta
+    from estimator.fit.language import reference_key
+
+    folder = str(tmp_path / "sft")
+    shutil.copytree(llama, folder)
+    factory = functools.partial(AutoModelForCausalLM.from_pretrained, folder)
+
+    def key():
+        return reference_key(dict(model_factory=factory, model=built_on_meta(factory), tokenizer=tokenizer,
+                                  max_length=64, precision=None, weights_folder=None))
+
+    first = key()
+    assert key() == first
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    model.save_pretrained(folder)
+    assert key() != first
+
+
 def test_a_run_with_a_stored_reference_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_weights(llama, store):
     """The whole model trained, its reference precomputed: cut after step 3 of 4 (a checkpoint every 2 steps) and
     resumed, the ranks check the stored table against the model as built, before the checkpoint is restored into

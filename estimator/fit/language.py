@@ -8,6 +8,7 @@ TorchModel uses them without importing fit."""
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import cloudpickle
@@ -155,11 +156,14 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
 def reference_key(p: Mapping[str, Any]) -> str:
     """What names a precomputed reference's table (estimator.data.reference): the model's factory as pickled (or a
     module's weights), the tokenizer, and what changes the log-probabilities (max_length, precision, a weights
-    folder). A model folder changed under the same name gives the same key: the ranks check the table against a
+    folder). A factory's model read from a local folder (its config's name_or_path) adds the folder's files, by
+    name, size and modification time: a model saved again under the same name gets a table of its own. A change
+    the key does not see (a hub model's new revision) is caught by the ranks, which check the table against a
     forward before using it."""
     digest = hashlib.blake2b(digest_size=12)
     if p["model_factory"] is not None:
         digest.update(cloudpickle.dumps(p["model_factory"]))
+        digest.update(repr(_folder_files(p["model"])).encode())
     else:
         model = p["model"]
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -170,6 +174,22 @@ def reference_key(p: Mapping[str, Any]) -> str:
     digest.update(cloudpickle.dumps(p["tokenizer"]))
     digest.update(repr((p["max_length"], p["precision"], p["weights_folder"], REFERENCE_FORMAT)).encode())
     return digest.hexdigest()
+
+
+def _folder_files(model: Any) -> list:
+    """(path, size, mtime) of each file of the local folder a Hugging Face model was read from; [] for none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    folder = getattr(getattr(base, "config", None), "name_or_path", None)
+    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
+        return []
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            found.append((os.path.relpath(path, folder), stat.st_size, stat.st_mtime_ns))
+    return found
 
 
 def packing(p: Mapping[str, Any]) -> bool:

@@ -33,8 +33,10 @@ CHECK_ATOL, CHECK_RTOL = 0.05, 1e-3  # a stored log-probability agrees with a fo
 
 class ReferenceMismatch(ValueError):
     """A DPO fit's stored reference log-probabilities (`DPO(reference="precomputed")`, kept beside the rows in the
-    store) differ from what the model computes for the same batch: the model, or its folder, changed under the same
-    name. The fit is refused, not retried; remove the folder the message names to compute them again."""
+    store) differ from what the model computes for the same batch: the model changed in a way its table's name does
+    not show (a model read from a local folder names its table by the folder's files too; a hub model's new
+    revision does not). The fit is refused, not retried; remove the folder the message names to compute them
+    again."""
 
 
 def precompute(spec: TrainSpec, ctx: Any, objs: Any, model: Any, logps: Any) -> None:
