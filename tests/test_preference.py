@@ -267,6 +267,32 @@ def test_a_stored_reference_is_reused_by_a_later_fit_and_refused_when_the_model_
         LocalLauncher().run(lm_train_spec(store, str(other), rows, run="third", **make), 1)
 
 
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_packed_runs_attention_is_the_packed_attention_whatever_the_objective(llama, store, monkeypatch, objective):
+    """The rank switches the model to the packed attention before any forward (DPO's precomputing pass included).
+    transformers' own attention keeps this tiny Llama's packed rows apart by their position_ids alone, so the
+    equality tests would pass without it: here its calls are counted (one rank runs in this process)."""
+    from transformers import AutoConfig
+
+    from estimator.train.objectives import packed_attention as module
+    from estimator.train.objectives.preference import DPO
+    from lm_helpers import lm_rows
+
+    calls = []
+    real = module.packed_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "packed_attention", counted)
+    rows, more = (pairs(4), dict(objective=DPO(beta=0.5), reference_key="attention")) if objective == "dpo" else (
+        lm_rows(4), {})
+    LocalLauncher().run(lm_train_spec(store, llama, rows, batch=2, epochs=1, packed=True, run=objective, **more), 1)
+    layers = AutoConfig.from_pretrained(llama).num_hidden_layers
+    assert len(calls) >= 2 * layers, (len(calls), layers)  # every layer of at least 2 forwards
+
+
 def test_a_model_saved_again_to_its_folder_names_a_table_of_its_own(llama, tokenizer, tmp_path):
     """The driver names the precomputed table by the factory's folder's files too (the user's usual loop: SFT saved
     to a folder, DPO from it, SFT run again into the same folder): the same folder gives the same name, a model

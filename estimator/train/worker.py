@@ -27,6 +27,7 @@ from estimator.train.epochs import Run
 from estimator.train.rank import Rank, Resumed, Schedule
 from estimator.train.schedules import built_in_schedule
 from estimator.train.memory import checkpoint_activations
+from estimator.train.objectives.packed_attention import use_packed_attention
 from estimator.train.strategies import STRATEGIES, Strategy
 
 log = logging.getLogger("estimator")
@@ -46,6 +47,8 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     strategy: Strategy = (objs.strategy or STRATEGIES[spec.strategy])(spec.strategy, spec, ctx, objs)
     with strategy.failing():
         model = strategy.place(model)  # on the device, or sharded (each rank reading its shards of the weights)
+        if spec.data.lm is not None and spec.data.lm.packed:  # batches of rows in one sequence: whatever the
+            use_packed_attention(model)  # objective, each row attends to itself only (before any forward)
         trainer = lightning.attach(model, lightning.StandInTrainer(ctx.rank, ctx.world_size, ctx.local_rank,
                                                                    spec.epochs, run_optimizer_steps(spec, ctx.world_size))
                                    ) if objs.lightning else None

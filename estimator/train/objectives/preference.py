@@ -31,7 +31,6 @@ from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
 from estimator.train.objectives.base import BuiltIn
-from estimator.train.objectives.packed_attention import use_packed_attention
 from estimator.train.objectives.tokens import OWN_LOOP, check_packed
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
@@ -126,8 +125,6 @@ class DPO(BuiltIn):
         """The reference, from the model as built (before any step or restored checkpoint): its log-probabilities
         computed into the store ('precomputed'), or a frozen copy of it ('copy')."""
         mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
-        if spec.data.lm is not None and spec.data.lm.packed:  # each packed row attends to itself only
-            use_packed_attention(model)
         if mode == "precomputed":
             from estimator.train.objectives.reference import precompute
 

@@ -24,7 +24,6 @@ from estimator.data.lm import IGNORE, packed_rows
 from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.base import BuiltIn, summarize_means
 from estimator.train.objectives.chunked_loss import chunked_token_loss, hidden_states, output_head
-from estimator.train.objectives.packed_attention import use_packed_attention
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -56,8 +55,6 @@ class TokenObjective(BuiltIn):
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "TokenObjective":
-        if spec.data.lm is not None and spec.data.lm.packed:  # each packed row attends to itself only
-            use_packed_attention(model)
         return cls()
 
     def __init__(self) -> None:
