@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
+from estimator.core.adapters import base_config
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
@@ -178,8 +179,7 @@ def reference_key(p: Mapping[str, Any]) -> str:
 
 def _folder_files(model: Any) -> list:
     """(path, size, mtime) of each file of the local folder a Hugging Face model was read from; [] for none."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    folder = getattr(getattr(base, "config", None), "name_or_path", None)
+    folder = getattr(base_config(model), "name_or_path", None)
     if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
         return []
     found = []
