@@ -305,6 +305,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                        monitor=run.monitor, tensorboard=tensorboard_on(p["verbose"]), step_metrics=step_metrics,
                        val_metrics=val_metrics,
                        compression=compression_name(p["gradient_compression"]),
+                       gradient_clip_val=checks.gradient_clip(p, run.objs.objective),
                        rendezvous_timeout=float(p["rendezvous_timeout"]),
                        collective_timeout=float(p["collective_timeout"]))
         spec = TrainSpec(**{**{f.name: p[f.name] for f in dataclasses.fields(TrainSpec) if f.name in p}, **derived})

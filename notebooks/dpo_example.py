@@ -67,7 +67,7 @@ def main(argv=None) -> float:
         model=functools.partial(AutoModelForCausalLM.from_pretrained, base),
         tokenizer=AutoTokenizer.from_pretrained(base), peft_config=lora,
         optimizer=functools.partial(torch.optim.AdamW, lr=5e-3),
-        lr_schedule="linear", gradient_clip_val=1.0,
+        lr_schedule="linear",
         feature_cols=["prompt"], label_cols=["response"],
         batch_size=2, epochs=20, max_new_tokens=16, verbose=0,
     ).fit(sft_df)
@@ -92,7 +92,6 @@ def main(argv=None) -> float:
         ),
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         objective=DPO(beta=0.1, sft_weight=1.0),
-        gradient_clip_val=1.0,
         feature_cols=["prompt"], label_cols=["chosen", "rejected"],
         batch_size=2, epochs=30, max_new_tokens=16,
     )

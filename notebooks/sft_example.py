@@ -105,7 +105,6 @@ def main(argv=None) -> float:
         # a string label on a causal LM: SFT
         feature_cols=["prompt"], label_cols=["response"],
         batch_size=2, epochs=args.epochs, max_new_tokens=16,
-        gradient_clip_val=1.0,  # as TRL's max_grad_norm
     )
     fitted = est.fit(train_df)
     # adds `prediction`: generated text

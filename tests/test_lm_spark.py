@@ -484,3 +484,41 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     second = whole.fit(df).getHistory()
     assert {p: os.stat(p).st_mtime_ns for p in parts} == parts  # read, not computed again
     assert second[0]["loss"] == pytest.approx(first[0]["loss"], rel=1e-3) and first[0]["loss"] < math.log(2) + 0.05
+
+
+def test_a_causal_lms_fit_clips_gradients_at_1_as_trls_trainers_do_unless_told_otherwise(spark, store, llama,
+                                                                                          digits, monkeypatch):
+    """gradient_clip_val='auto' (the default) reaches the ranks as 1.0 for SFT and DPO, as Hugging Face's Trainer
+    under TRL clips (max_grad_norm=1.0), and as no clipping for a classic fit; a value set wins, None turns it off.
+    (tests/test_worker.py checks that the ranks clip at what they get.)"""
+    from torch import nn
+
+    from estimator import DPO
+
+    class Launched(Exception):
+        pass
+
+    def launch(p, run, spec, *args, **kwargs):
+        raise Launched(spec.gradient_clip_val)
+
+    monkeypatch.setattr("estimator.estimator.launch_with_retries", launch)
+
+    def clipped_at(est, df):
+        with pytest.raises(Launched) as launched:
+            est.fit(df)
+        return launched.value.args[0]
+
+    texts = spark.createDataFrame(lm_rows(8), "prompt string, response string")
+    assert clipped_at(sft(llama, store), texts) == 1.0
+    assert clipped_at(sft(llama, store, gradient_clip_val=None), texts) is None
+    assert clipped_at(sft(llama, store, gradient_clip_val=0.25), texts) == 0.25
+    pairs = spark.createDataFrame(colour_pairs()[:8], "prompt string, chosen string, rejected string")
+    assert clipped_at(sft(llama, store, objective=DPO(), label_cols=["chosen", "rejected"]), pairs) == 1.0
+    x, y = digits
+    table = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x[:64], y[:64])],
+                                  "features array<float>, label long")
+    net = nn.Linear(64, 10)
+    classic = TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                             loss=nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"], verbose=0)
+    assert classic.getGradientClipVal() == "auto" and clipped_at(classic, table) is None
+    assert clipped_at(classic.copy({classic.gradient_clip_val: 2.0}), table) == 2.0

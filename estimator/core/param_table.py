@@ -32,6 +32,13 @@ GENERATE_OWN = {"input_ids": "the prompts' tokens", "attention_mask": "the promp
                 "max_new_tokens": "its own param: set max_new_tokens"}  # generate() keywords the transform sets
 
 
+def _clip_ok(v: Any) -> bool:
+    return (isinstance(v, str) and v == "auto") or optional(is_positive)(v)
+
+
+_clip_ok.number = float  # type: ignore[attr-defined]  # a number set is a float; 'auto' stays as given
+
+
 def _generate_kwargs_ok(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and all(isinstance(k, str) and k not in GENERATE_OWN for k in v))
 
@@ -240,7 +247,9 @@ ESTIMATOR_PARAMS = [
               _generate_kwargs_ok, "a dict of model.generate keyword arguments (not input_ids, attention_mask "
               "or max_new_tokens), or None", hint=_generate_kwargs_hint),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
-              "each optimizer step; None: no clipping", None, optional(is_positive), "a number > 0 or None"),
+              "each optimizer step; 'auto': 1.0 for a causal LM's fine-tuning (SFT, DPO), as Hugging Face's Trainer "
+              "under TRL clips by default (max_grad_norm=1.0), no clipping for other fits; None: no clipping",
+              "auto", _clip_ok, "a number > 0, 'auto' or None"),
     ParamSpec("log_every_n_steps", "the training loss goes to TensorBoard (when the tensorboard package is installed) "
               "every N optimizer steps; epoch figures go every epoch", 50, is_int(1), "an int >= 1"),
     ParamSpec("mlflow", "log params, every epoch's metrics, the best epoch and the trained model to MLflow: None when "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -154,6 +155,8 @@ def _converter(cls: type, spec: ParamSpec) -> Callable[[Any], Any]:
         value = plain(value)
         if number is None or value is None or isinstance(value, bool):
             return value
+        if isinstance(value, str) and spec.check is not None and spec.check(value):
+            return value  # a word the param allows besides numbers ('auto') stays as given
         if number is int and isinstance(value, float) and value.is_integer():
             return int(value)
         if not isinstance(value, numbers.Real):
@@ -248,6 +251,16 @@ def params_text(specs: Sequence[ParamSpec]) -> str:
     return "\n".join(lines)
 
 
+def breakable(text: str) -> str:
+    """`text` with a line-break opportunity (<wbr>) after each dot of a dotted name outside code spans: a name such
+    as estimator.train.strategies.STRATEGIES is one unbreakable word, which widened its table past the page's
+    box (tests/test_docs.py lays the built tables out in a browser)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # the even parts lie outside backticks
+        parts[i] = re.sub(r"\b(\w+(?:\.\w+){2,})\b", lambda m: m.group(1).replace(".", ".<wbr>"), parts[i])
+    return "`".join(parts)
+
+
 def markdown_table(specs: Sequence[ParamSpec], anchor: str = "") -> str:
     """The params as a Markdown table: the param reference's tables (docs/params.md) are this text, inserted by
     .ci/docs_hooks.py when the site is built. `anchor`: each row's name gets the anchor `<anchor><name>` (the
@@ -259,6 +272,6 @@ def markdown_table(specs: Sequence[ParamSpec], anchor: str = "") -> str:
         # the name may wrap after an underscore (<wbr>): a long one no longer widens its column past the screen
         shown = "<code>" + spec.name.replace("_", "_<wbr>") + "</code>"
         name = f'<a id="{anchor}{spec.name}"></a>{shown}' if anchor else shown
-        cells = [name, default, spec.allowed, spec.doc]
+        cells = [name, default, breakable(spec.allowed), breakable(spec.doc)]
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"

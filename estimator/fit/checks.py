@@ -26,6 +26,15 @@ def language_model(objective: Any) -> bool:
     return objective is not None and objective.language_model
 
 
+def gradient_clip(p: Mapping[str, Any], objective: Any) -> Optional[float]:
+    """The global gradient norm the fit clips at: gradient_clip_val's, its 'auto' the objective's own (1.0 for a
+    causal LM's, as TRL's trainers clip by default; none for a classic fit or a train_fn's own loop)."""
+    value = p["gradient_clip_val"]
+    if isinstance(value, str):  # 'auto'
+        return getattr(objective, "gradient_clip_val", None)
+    return None if value is None else float(value)
+
+
 def built_in_schedule(p: Mapping[str, Any]) -> bool:
     """Whether the fit asks for the built-in per-step schedule (lr_schedule, or a warmup alone)."""
     return p["lr_schedule"] is not None or bool(p["warmup_steps"]) or bool(p["warmup_ratio"])

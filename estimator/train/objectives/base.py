@@ -16,6 +16,9 @@ class BuiltIn:
     transform_output: Optional[str] = None  # the fitted TorchModel's output_kind: the model's outputs
     language_model = False  # its rows are a causal LM's, tokenized with their labels (estimator.data.lm)
     preference = False  # a causal LM's rows are pairs of answers to a prompt, the chosen and the rejected
+    # the global gradient norm gradient_clip_val='auto' (its default) clips at: none for a classic fit; a causal LM's
+    # objectives clip at 1.0, as Hugging Face's Trainer does by default under TRL (max_grad_norm=1.0)
+    gradient_clip_val: Optional[float] = None
     # the driver's dry run runs the model's forward on a few rows (its weights built there); False: the driver's
     # checks read the rows, the config and shapes only, and a rank's first batch checks the forward (a LoRA fit
     # of a factory then never builds the base's weights on the driver: estimator.core.handle)

@@ -65,6 +65,7 @@ class DPO(BuiltIn):
     layout = Sums.of_loss(METRICS)
     transform_output = "generate"  # after preference tuning, transform writes text as after SFT
     language_model = True
+    gradient_clip_val = 1.0  # 'auto' clips as TRL's DPOTrainer does (max_grad_norm=1.0)
     driver_forward = False
     preference = True  # its rows are pairs of answers: label_cols the chosen and the rejected (estimator.fit.language)
 

@@ -40,6 +40,7 @@ class TokenObjective(BuiltIn):
     layout = Sums.of_loss()
     transform_output = "generate"  # a fitted causal LM's transform writes text (estimator.predict)
     language_model = True  # its rows are prompts and responses, or chats, tokenized with their labels
+    gradient_clip_val = 1.0  # 'auto' clips as TRL's SFTTrainer does (max_grad_norm=1.0)
     driver_forward = False  # the driver counts the labelled tokens; the ranks' first batch checks the forward
 
     @classmethod
