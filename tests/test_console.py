@@ -44,8 +44,13 @@ def test_a_failing_rank_is_told_once_in_a_few_lines(tmp_path):
             "exploded at step 3. Another launch would fail again: giving up (2 of max_retries=3 unused)") in said, said
 
 
-def test_verbose_0_prints_nothing_of_its_own_and_a_missing_optional_package_is_no_noise(tmp_path):
-    result = run_job("quiet", tmp_path)
+@pytest.fixture(scope="module")
+def quiet_job(tmp_path_factory):
+    return run_job("quiet", tmp_path_factory.mktemp("quiet"))
+
+
+def test_verbose_0_prints_nothing_of_its_own_and_a_missing_optional_package_is_no_noise(quiet_job):
+    result = quiet_job
     for i in (0, 1):
         lines, end = between(result.stderr, f"fit {i} verbose=0")
         assert end == "returned" and lines == [], "\n".join(lines)
@@ -54,3 +59,16 @@ def test_verbose_0_prints_nothing_of_its_own_and_a_missing_optional_package_is_n
     notice = "TensorBoard logs are off: the tensorboard package is not installed"
     assert not any(notice in line for line in first + second), "\n".join(first)  # optional: logged at DEBUG only
     assert sum(bool(re.match(r"run \S+ epoch [12]: loss=", line)) for line in first) == 2, "\n".join(first)
+
+
+def test_a_classic_fit_and_transform_import_no_language_model_package(quiet_job):
+    """peft imports transformers (and bitsandbytes where installed: 4.5 s, and its warnings in every executor's
+    log). The job's model fails its forward where one is imported: on the driver (the dry run), the ranks and the
+    executors; the driver's own modules are printed at the end. They are installed here, so this can fail."""
+    import importlib.util
+
+    assert all(importlib.util.find_spec(name) for name in ("peft", "transformers"))
+    for i in range(4):
+        assert between(quiet_job.stderr, f"fit {i} verbose={i // 2}")[1] == "returned", quiet_job.stdout[-2000:]
+    assert "transform: 64 rows" in quiet_job.stdout, quiet_job.stdout[-2000:]
+    assert "driver imported: []" in quiet_job.stdout, quiet_job.stdout[-2000:]

@@ -6,6 +6,7 @@ optimizer state, not the frozen base. torch only (peft imported when a config is
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -40,11 +41,12 @@ def with_adapters(model: nn.Module, config: Any) -> nn.Module:
 
 
 def is_adapted(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """Whether `model` is peft's model around a base. It can only be one where peft is imported already: asked of
+    every model (checkpoints, pickling, transform), this never imports peft (which imports transformers, and
+    bitsandbytes where installed: seconds, and their warnings in a classic fit's logs)."""
+    peft = sys.modules.get("peft")
+    model_class = getattr(peft, "PeftModel", None)
+    return model_class is not None and isinstance(model, model_class)
 
 
 def trainable_parameters(model: nn.Module) -> List[nn.Parameter]:

@@ -2,7 +2,10 @@
 `python console_job.py fail|quiet STORE`. Writes `=== <name>` markers to stderr around each fit.
   fail:  rank 1 raises at its 4th step, on every launch (max_retries=3: the second failure, the same as the first,
          ends the fit); the fit's RankFailed is caught and its first line printed to stdout.
-  quiet: tensorboard made unimportable; fits with verbose=0, 0, 1, 1 (nothing said about TensorBoard: optional)."""
+  quiet: tensorboard made unimportable; fits with verbose=0, 0, 1, 1 (nothing said about TensorBoard: optional),
+         then a transform of the last; prints `transform: N rows` and `driver imported: [...]`.
+The model's forward raises where a language-model package (peft, transformers, bitsandbytes) is imported: a
+classic fit and transform must not import them, on the driver (its dry run), the ranks or the executors."""
 import os
 import sys
 
@@ -32,25 +35,46 @@ def flaky(output, target):
     return nn.functional.cross_entropy(output, target)
 
 
+LM_PACKAGES = ("peft", "transformers", "bitsandbytes")
+
+
+class Guarded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        imported = [name for name in LM_PACKAGES if name in sys.modules]
+        if imported:
+            raise RuntimeError(f"a classic model's process imported {imported}")
+        return self.net(x)
+
+
 def fit(name, **kw):
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    model = Guarded()
     params = dict(num_proc=2, store=Store.create(store_path), model=model, epochs=2, batch_size=32,
                   optimizer=optim.SGD(model.parameters(), lr=0.1), loss=nn.CrossEntropyLoss(),
                   feature_cols=["features"], label_cols=["label"])
     params.update(kw)
     print(f"=== {name} begins", file=sys.stderr, flush=True)
     try:
-        TorchEstimator(**params).fit(df)
+        fitted = TorchEstimator(**params).fit(df)
     except Exception as exc:  # noqa: BLE001 - what the user sees
         print(f"=== {name} raised", file=sys.stderr, flush=True)
         print(f"{type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
-    else:
-        print(f"=== {name} returned", file=sys.stderr, flush=True)
+        return None
+    print(f"=== {name} returned", file=sys.stderr, flush=True)
+    return fitted
 
 
 if mode == "fail":
     fit("failing fit", loss=flaky, max_retries=3)
 else:
     for i, verbose in enumerate([0, 0, 1, 1]):
-        fit(f"fit {i} verbose={verbose}", verbose=verbose)
+        fitted = fit(f"fit {i} verbose={verbose}", verbose=verbose)
+    try:
+        print(f"transform: {len(fitted.transform(df.limit(64)).collect())} rows", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        print(f"transform raised {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+    print(f"driver imported: {[name for name in LM_PACKAGES if name in sys.modules]}", flush=True)
 spark.stop()
