@@ -38,13 +38,20 @@ def python_blocks(text):
     return blocks
 
 
-def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp_path):
-    """mkdocs build --strict, as .ci/docs runs it: a broken link, anchor, include or reference fails here."""
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site, built once for the tests that read it: mkdocs build --strict, as .ci/docs runs it."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
                              str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
+    return site
+
+
+def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(built_site):
+    """A broken link, anchor, include or reference fails the build (built_site)."""
+    site = built_site
     built = {os.path.basename(p) for p in glob.glob(str(site / "*.html"))}
     assert {os.path.basename(p)[:-3] + ".html" for p in pages()} <= built
     from estimator.core.param_table import ESTIMATOR_PARAMS, MODEL_PARAMS
@@ -97,6 +104,22 @@ def test_the_site_builds_strictly_with_the_param_table_and_the_api_reference(tmp
             wide += [f"{os.path.basename(page)}: {len(line)}: {line.strip()[:60]}"
                      for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines() if len(line) > CODE_WIDTH]
     assert not wide, f"code lines wider than {CODE_WIDTH} columns on the built site:\n" + "\n".join(wide)
+
+
+def test_no_table_or_code_block_needs_sideways_scrolling_on_a_desktop_nor_any_page_on_a_phone(built_site):
+    """Every page of the built site, served over http, laid out by headless Chromium: at 1280 px (a desktop) no
+    table and no code block is wider than its box (Material's content column is about 720 px there: a long
+    unbreakable word in a table's cell widened one to 799 px once, its last column cut); at 390 px (a phone)
+    boxes may scroll inside, but no page is wider than the screen."""
+    from browser import boxes_cut
+
+    names = sorted(os.path.basename(p) for p in glob.glob(str(built_site / "*.html")) if not p.endswith("404.html"))
+    assert len(names) == len(pages())
+    desktop = {page: cut for page, cut in boxes_cut(str(built_site), names, 1280).items() if cut}
+    assert not desktop, "at 1280 px:\n" + "\n".join(f"{page}: {c}" for page, cut in desktop.items() for c in cut)
+    phone = {page: [c for c in cut if c.startswith("the page")]
+             for page, cut in boxes_cut(str(built_site), names, 390).items()}
+    assert not any(phone.values()), "at 390 px:\n" + "\n".join(f"{p}: {c}" for p, cut in phone.items() for c in cut)
 
 
 def test_a_site_published_under_a_path_has_a_sitemap_a_working_404_page_and_a_repository_link(tmp_path):
