@@ -49,26 +49,16 @@ def topic_texts(rows, seed=0):
 
 def save_pretrained_bert(folder, texts, hidden=32, layers=2, dropout=0.1, heads=2, intermediate=None,
                          vocabulary=200):
-    """A WordPiece tokenizer of `texts`' words and a BertForSequenceClassification (2 labels, seeded weights), both
-    saved to `folder` with save_pretrained (BERT-base: hidden=768, layers=12, heads=12, intermediate=3072). The
-    vocabulary is the special tokens, the characters (alone and as ##continuations), then the most frequent words
-    up to `vocabulary` entries (ties in alphabetical order): the same folder on every run. (The tokenizers
-    package's WordPieceTrainer breaks ties in an order that changes from process to process: the model and what
-    it learned changed with it.)"""
-    from collections import Counter
-
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    """A WordPiece tokenizer trained on `texts` and a BertForSequenceClassification (2 labels, seeded weights),
+    both saved to `folder` with save_pretrained (BERT-base: hidden=768, layers=12, heads=12, intermediate=3072)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    normalizer, splitter = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
-    counts = Counter(word for text in texts for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text)))
-    characters = sorted({c for word in counts for c in word})
-    pieces = special + characters + [f"##{c}" for c in characters]
-    words = [w for w, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])) if w not in pieces]
-    tokens = pieces + words[:max(0, vocabulary - len(pieces))]
-    tok = Tokenizer(models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
-    tok.normalizer, tok.pre_tokenizer = normalizer, splitter
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocabulary, special_tokens=special))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
