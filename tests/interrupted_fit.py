@@ -19,7 +19,7 @@ if kind == "connect":  # a local Spark Connect server started in this process (p
 else:
     spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
 rng = np.random.default_rng(0)
-x = rng.standard_normal((20000, 16)).astype("float32")
+x = rng.standard_normal((5000, 16)).astype("float32")  # an epoch of 157 steps a rank: a second or two
 y = (x[:, 0] > 0).astype("int64")
 df = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)], ["features", "label"])
 df = df.repartition(2).cache()

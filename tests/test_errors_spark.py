@@ -11,7 +11,7 @@ from estimator import TorchEstimator
 from helpers import MLP, seeded
 from spark_helpers import digits_frame, jobs_run_by
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def _est(store, **kw):
      "when sample_weight_col is set"),
     (dict(loss=nn.MSELoss(), metrics=["accuracy"]), "metrics=['accuracy'] means nothing for label with the regression loss MSELoss"),
 ])
+@pytest.mark.connect
 def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
     errors = []
 
@@ -57,16 +58,19 @@ def test_bad_input_fails_before_any_job(spark, store, df, kw, message):
     assert not store.exists(store.path("data"))  # nothing written
 
 
+@pytest.mark.connect
 def test_forward_that_does_not_fit_the_columns_fails_on_the_driver(spark, store, df):
     with pytest.raises(ValueError, match=r"The model's forward\(\) failed on 16 training rows.*features: \(16, 1, 8, 8\)"):
         _est(store, input_shapes=[[-1, 1, 8, 8]]).fit(df)  # an MLP cannot take images
 
 
+@pytest.mark.connect
 def test_input_shape_that_does_not_fit_the_data(spark, store, df):
     with pytest.raises(ValueError, match=r"Column 'features' has 64 values per row, but its shape \[-1, 1, 28, 28\]"):
         _est(store, input_shapes=[[-1, 1, 28, 28]]).fit(df)
 
 
+@pytest.mark.connect
 def test_unpicklable_loss_is_named(spark, store, df):
     import threading
 
@@ -80,6 +84,7 @@ def test_unpicklable_loss_is_named(spark, store, df):
         _est(store, loss=loss).fit(df)
 
 
+@pytest.mark.connect
 def test_a_model_holding_a_lock_is_named_with_the_attribute(spark, store, df):
     import threading
 
@@ -90,12 +95,14 @@ def test_a_model_holding_a_lock_is_named_with_the_attribute(spark, store, df):
         _est(store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(df)
 
 
+@pytest.mark.connect
 def test_more_processes_than_training_rows(spark, store):
     tiny = spark.createDataFrame([([0.0] * 64, 1)], "features array<float>, label long")
     with pytest.raises(ValueError, match="The training split has 1 rows, fewer than num_proc=2"):
         _est(store).fit(tiny)
 
 
+@pytest.mark.connect
 def test_more_processes_than_task_slots_fails_fast(spark, store, df):
     errors = []
 
@@ -138,6 +145,7 @@ def _frame(spark, rows, schema="features array<float>, label long"):
     return spark.createDataFrame(rows, schema)
 
 
+@pytest.mark.connect
 def test_null_features_and_labels_are_named_with_their_count(spark, store):
     good = [([0.1] * 64, i % 10) for i in range(40)]
     with pytest.raises(ValueError, match=r"Column 'features' has 2 rows with null values \(of 43 rows\)\. Fill or drop "
@@ -148,6 +156,7 @@ def test_null_features_and_labels_are_named_with_their_count(spark, store):
     assert not list(store.find(store.path("data"), suffix=".parquet"))  # nothing committed or left behind
 
 
+@pytest.mark.connect
 def test_drop_nulls_skips_those_rows(spark, store):
     import json
 
@@ -169,6 +178,7 @@ def test_drop_nulls_skips_those_rows(spark, store):
     np.testing.assert_array_equal(np.sort(features[:, 0]), np.sort(want[:, 0]))
 
 
+@pytest.mark.connect
 def test_arrays_of_different_lengths_are_named(spark, store):
     rows = [([0.1] * 64, i % 10) for i in range(30)] + [([0.1] * 60, 1)]
     with pytest.raises(ValueError, match=r"Column 'features' holds arrays of different lengths \(60 to 64 values per "
@@ -176,6 +186,7 @@ def test_arrays_of_different_lengths_are_named(spark, store):
         _est(store).fit(_frame(spark, rows))
 
 
+@pytest.mark.connect
 def test_empty_dataframe_and_empty_training_split(spark, store):
     with pytest.raises(ValueError, match=r"The DataFrame given to fit has no rows: nothing to train on"):
         _est(store).fit(_frame(spark, []))
@@ -186,6 +197,7 @@ def test_empty_dataframe_and_empty_training_split(spark, store):
         _est(store, validation="v").fit(_frame(spark, rows, "features array<float>, label long, v boolean"))
 
 
+@pytest.mark.connect
 def test_unknown_store_scheme_is_named(spark, store, df):
     from store import Store
 
@@ -224,6 +236,7 @@ def test_terminate_on_nan_false_trains_on_and_warns_for_each_epoch(spark, store,
     assert all(not math.isfinite(row["loss"]) for row in fitted.getHistory())
 
 
+@pytest.mark.connect
 def test_transform_of_rows_unlike_the_training_rows_names_the_column_and_both_lengths(spark, store, df):
     """The model keeps each feature column's values per row from fit; transform checks every batch against them,
     and any failure of its UDF reaches the user with its cause first, not under torch's frames."""

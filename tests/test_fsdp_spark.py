@@ -1,6 +1,6 @@
 """strategy='fsdp' through Spark: the small BERT of the text example fine-tuned sharded on 2 ranks, a rank killed
 inside an epoch and the run retried from every rank's shards, trains what DDP trains uninterrupted; the
-TorchModel is a plain module that transforms, saves and loads in a Pipeline (Spark Connect too); accumulation,
+TorchModel is a plain module that transforms, saves and loads in a Pipeline; accumulation,
 validation in lockstep, bf16-mixed, a train_step, a train_fn and a LightningModule; what sharding cannot serve is
 refused before any job."""
 import functools
@@ -34,7 +34,6 @@ def bert_on_meta(path):
         return AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path))
 
 
-@pytest.mark.connect
 def test_a_bert_fine_tuned_sharded_and_retried_after_a_killed_rank_trains_what_ddp_trains(spark, store, tmp_path,
                                                                                            monkeypatch, caplog):
     """The sharded fit's model is built on the meta device, each rank reading its shards of the saved weights

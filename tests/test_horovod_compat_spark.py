@@ -18,7 +18,7 @@ from helpers import MLP, TwoOutputs, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by
 from store import Store
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """model= a LightningModule: its configure_optimizers, training_step, validation_step (self.log) run in the
-estimator's loop on 2 ranks. It trains digits, transforms, saves and loads in a Pipeline (on a Spark Connect
-session too); a module whose steps compute what the built-in loop computes trains its exact weights and history
-(the same loop); what the estimator cannot honour is refused on the driver."""
+estimator's loop on 2 ranks. It trains digits, transforms, saves and loads in a Pipeline; a module whose steps
+compute what the built-in loop computes trains its exact weights and history (the same loop); what the estimator
+cannot honour is refused on the driver."""
 import json
 
 import pytest
@@ -73,7 +73,6 @@ def _est(store, model=None, **kw):
     return TorchEstimator(**params)
 
 
-@pytest.mark.connect
 def test_a_lightning_module_trains_digits_transforms_and_saves_and_loads_in_a_pipeline(spark, store, digits,
                                                                                        tmp_path):
     train, test = digits_frame(spark, digits).randomSplit([0.8, 0.2], seed=3)

@@ -10,7 +10,7 @@ from torch import nn
 from estimator import TorchEstimator
 from helpers import MLP, seeded
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 def _frame(spark, X, y, label_type="double"):
@@ -63,6 +63,7 @@ def test_binary_logits_get_accuracy_at_zero_and_spark_ml_classifier_columns(spar
     assert 0 < log_loss < 5
 
 
+@pytest.mark.connect
 def test_class_scores_get_softmax_probabilities_and_evaluators_work(spark, store, digits):
     X, y = digits
     df = _frame(spark, X, y, "long")

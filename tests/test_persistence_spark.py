@@ -11,7 +11,7 @@ from estimator import TorchEstimator, TorchModel
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,7 @@ def _scores(model, df):
     return np.array([r[0] for r in model.transform(df).orderBy("features").select("label__output").collect()])
 
 
+@pytest.mark.connect
 def test_pipeline_with_vector_assembler_fits_saves_and_loads(spark, store, pixel_frame, tmp_path):
     assembler = VectorAssembler(inputCols=[f"p{i}" for i in range(64)], outputCol="features")
     pipeline = Pipeline(stages=[assembler, _est(store, epochs=5)])
@@ -70,6 +71,7 @@ def test_pipeline_with_vector_assembler_fits_saves_and_loads(spark, store, pixel
     assert isinstance(stages[-1], TorchEstimator) and stages[-1].getEpochs() == 5
 
 
+@pytest.mark.connect
 def test_estimator_save_load_keeps_params_and_objects_without_credentials(spark, tmp_path):
     from store import Store
 

@@ -17,7 +17,7 @@ from estimator.failures import FailureKind, RankFailed
 from helpers import MLP, metrics, seeded
 from spark_helpers import digits_frame, jobs_run_by
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 class DropoutMLP(nn.Module):  # dropout: the resumed epochs must draw the same random numbers
@@ -74,6 +74,7 @@ def test_a_killed_worker_is_relaunched_from_the_last_checkpoint(spark, store, df
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.connect
 def test_a_worker_killed_inside_an_epoch_resumes_at_its_last_step_checkpoint(spark, store, df, monkeypatch,
                                                                             caplog):
     """checkpoint_steps=4 with the streaming reader: rank 1 dies before optimizer step 19 (epoch 2 has steps
@@ -100,6 +101,7 @@ def test_retries_are_bounded_and_the_error_is_the_ranks(spark, store, df, monkey
     assert "Run doomed failed on attempt 3 of 3; giving up" in caplog.text
 
 
+@pytest.mark.connect
 def test_a_crash_without_retries_names_the_rank(spark, store, df, monkeypatch):
     _faults(monkeypatch, {"point": "epoch", "rank": 1, "action": "exit", "epoch": 1})
     with pytest.raises(RankFailed, match=r"^rank 1: its Python worker exited unexpectedly "
@@ -124,6 +126,7 @@ def test_a_failed_shard_read_fails_its_rank_after_the_rendezvous_and_is_retried(
     assert [row["epoch"] for row in model.getHistory()] == [1, 2]
 
 
+@pytest.mark.connect
 def test_a_failed_checkpoint_write_fails_the_run_and_the_retry_resumes_from_the_last_written(spark, store, df,
                                                                                              monkeypatch, caplog):
     """Rank 0 writes checkpoints in the background (checkpoint_async): epoch 2's write fails while epoch 3 trains;
@@ -141,6 +144,7 @@ def test_a_failed_checkpoint_write_fails_the_run_and_the_retry_resumes_from_the_
     assert [row["epoch"] for row in model.getHistory()] == [1, 2, 3]
 
 
+@pytest.mark.connect
 def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, store, df, capsys):
     first = _est(store, run_id="grow", epochs=2, random_seed=None).fit(df)
     capsys.readouterr()
@@ -156,6 +160,7 @@ def test_refit_with_the_same_run_id_continues_and_does_not_repeat_epochs(spark, 
     _same_history(again[0].getHistory(), longer.getHistory())
 
 
+@pytest.mark.connect
 def test_a_run_id_holding_another_models_checkpoint_is_refused(spark, store, df):
     _est(store, run_id="taken", epochs=1).fit(df)
     with pytest.raises(ValueError, match=r"run_id 'taken' already has a checkpoint .* of a different model.*"
@@ -163,6 +168,7 @@ def test_a_run_id_holding_another_models_checkpoint_is_refused(spark, store, df)
         _est(store, model_cls=MLP, run_id="taken", epochs=2).fit(df)
 
 
+@pytest.mark.connect
 def test_two_fits_at_once_against_one_store_do_not_interfere(spark, store, df):
     import threading
 
@@ -218,6 +224,7 @@ def test_an_interrupted_materialization_is_never_reused(spark, store, df, tmp_pa
     assert marker["train_rows"] + marker["val_rows"] == df.count() and len(fitted.getHistory()) == 1
 
 
+@pytest.mark.connect
 def test_a_rank_that_does_not_fail_with_its_peer_is_stopped_by_cancelling_the_job(spark, store, df, monkeypatch):
     """Rank 1 raises at step 3 while rank 0 sleeps there (in no collective, so it never learns of the failure):
     the driver waits its grace, then cancels the job by its tag. The fit fails with rank 1's error in seconds,

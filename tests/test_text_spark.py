@@ -162,10 +162,9 @@ spark.stop()
     np.testing.assert_allclose(torch.softmax(logits, -1).numpy(), probabilities, atol=1e-5)
 
 
-@pytest.mark.connect
 def test_a_rank_killed_inside_an_epoch_resumes_the_fine_tuning_as_if_nothing_happened(spark, store, tmp_path,
                                                                                     monkeypatch, caplog):
-    """Classic and Spark Connect: rank 1 dies before optimizer step 13 (epoch 2 holds steps 10-18), the retry
+    """Rank 1 dies before optimizer step 13 (epoch 2 holds steps 10-18), the retry
     rebuilds the model from its factory, resumes after the step-12 checkpoint with the same rows (dropout on: the
     same random numbers too), and ends with the weights and predictions of an uninterrupted fit."""
     rows = topic_texts(320, seed=7)

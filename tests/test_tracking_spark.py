@@ -16,7 +16,7 @@ from estimator.core.faults import ENV
 from helpers import MLP, seeded
 from spark_helpers import digits_frame
 
-pytestmark = [pytest.mark.spark, pytest.mark.connect]
+pytestmark = pytest.mark.spark
 
 
 def _estimator(store, **kw):
@@ -28,6 +28,7 @@ def _estimator(store, **kw):
     return TorchEstimator(**params)
 
 
+@pytest.mark.connect
 def test_tensorboard_event_files_hold_every_epoch_key_and_the_step_loss(spark, store, digits):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     fitted = _estimator(store, log_every_n_steps=5).fit(digits_frame(spark, digits))
@@ -96,6 +97,7 @@ def test_mlflow_run_holds_params_metric_histories_best_epoch_and_the_model(spark
     assert len(client.search_runs([run.info.experiment_id])) == runs_before
 
 
+@pytest.mark.connect
 def test_a_tracking_store_that_cannot_be_used_is_named_before_training(spark, store, tmp_path, monkeypatch):
     """MLflow's defaults with mlflow-skinny (a sqlite URI it cannot open), a file store refused without its
     variable, and a server that is down: each refused before any Spark job, with the setting and the fix."""
@@ -119,6 +121,7 @@ def test_a_tracking_store_that_cannot_be_used_is_named_before_training(spark, st
     mlflow.set_tracking_uri(None)
 
 
+@pytest.mark.connect
 def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, store, digits, tmp_path,
                                                                       monkeypatch):
     mlflow = pytest.importorskip("mlflow")

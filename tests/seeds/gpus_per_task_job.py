@@ -40,7 +40,7 @@ def fit(part, retries=0, faults=None):
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     estimator = TorchEstimator(num_proc=4 if amount == "2" else 2, store=Store.create(store_path), model=model,
                                optimizer=torch.optim.Adam(model.parameters(), lr=0.01), loss=nn.CrossEntropyLoss(),
-                               feature_cols=["features"], label_cols=["label"], epochs=5, batch_size=32,
+                               feature_cols=["features"], label_cols=["label"], epochs=3, batch_size=32,
                                validation=0.2, metrics=["accuracy"], random_seed=1, max_retries=retries)
     out = {}
     try:
