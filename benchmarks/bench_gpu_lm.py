@@ -1,0 +1,589 @@
+"""Issue 65: language models at the size people fine-tune, on one GPU, in one prepared device call. A Llama of
+Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, a 128,256-token vocabulary tied to
+the embedding: 1.24B parameters), random weights drawn on the GPU and saved in bf16 (no hub), a word-level
+tokenizer (one token a word) built here. No Spark: our ranks through LocalLauncher (one rank, in this process),
+transform's per-batch function called directly, as bench_lm.py does. Numbers, not assertions (RESULTS.md by hand).
+
+    python benchmarks/bench_gpu_lm.py [--device cuda|cpu] [--shape 1b|tiny] [--budget SECONDS] [--json F]
+
+Every row is tried on its own: a row that fails prints its traceback and records the error; the JSON is written
+after each row; rows are skipped once --budget seconds have passed (they are in the order of what matters most).
+
+Fine-tuning (--sft-rows rows of 64-1,500 tokens, log-uniform, a quarter of each the prompt; one epoch, batches of
+--batch rows in the table's order, AdamW lr 1e-4, the global gradient norm clipped at 1.0 as TRL's default does;
+tokens/s = the rows' tokens (prompt, response, BOS and EOS) over the training loop's seconds):
+  LoRA (r=16, alpha 32, every linear layer) on a bf16 base, and a full fine-tune (float32 weights), each by
+  - ours:        TrainSpec -> LocalLauncher, one rank, precision 'bf16-mixed', packed rows (padding-free: torch's
+                 variable-length flash attention on the GPU), the model from the folder (the factory's dtype);
+  - plain:       the same model by hand: HF + PEFT, right-padded batches (tokenized before the clock), autocast
+                 bf16, model(...).loss, backward, clip, AdamW;
+  - TRL:         SFTTrainer (in a child process), prompt/completion rows, padding_free=True (sdpa reads the rows'
+                 boundaries from position_ids), bf16, gradient checkpointing off as ours, no saving or logging;
+  - TRL + Liger: the same with use_liger_kernel=True (CUDA only: Liger's kernels are Triton's).
+  MFU: FLOPs over seconds over --peak-tflops (the H100's 989 dense bf16). FLOPs as torchtitan counts them: 6 N a
+  token for a full fine-tune, 4 N for LoRA (the frozen weights get no gradient), N the parameters that multiply
+  (every linear layer, the tied head once; not the embedding's lookup), plus 12 x layers x hidden x length for
+  each token's attention (not halved for the causal mask). Peak memory: torch.cuda's peak allocated.
+Generation (--prompts prompts of 32-512 tokens, up to --new-tokens new tokens, greedy; a row stops at EOS or at
+  one of a fixed 1/--stop-every of the words: the random model's tokens spread over the vocabulary, so outputs run
+  from 1 token to --new-tokens, about --stop-every on average):
+  - ours:           transform's Generate predictor (sorted, left-padded batches by a token budget);
+  - generate @ b:   model.generate over left-padded batches of b prompts sorted by length (b = 32, 64, 128);
+  - generate_batch: transformers' continuous batching (paged KV cache; rows leave and join at every step).
+  tokens/s = the tokens each way generated (its texts tokenized again, the same count for every way) over its
+  seconds; each way warmed up on a few prompts first; texts compared with generate's.
+Embeddings (--texts texts of 16-512 tokens, mean pooling over the mask, bf16 base model): ours (transform's
+  Embedding predictor) against a hand loop over batches of 64 texts sorted by length; the vectors compared.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128_256),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4096),
+}
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+LR, CLIP, MAX_LENGTH = 1e-4, 1.0, 2048
+
+
+# ---------------------------------------------------------------- the model, its tokenizer, the rows
+def vocabulary(count):
+    """`count` made-up words, the same on every machine."""
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]
+    rng = random.Random(7)
+    found, seen = [], set()
+    while len(found) < count:
+        word = "".join(rng.choice(syllables) for _ in range(rng.randint(1, 3)))
+        if word not in seen:
+            seen.add(word)
+            found.append(word)
+    return found
+
+
+def words_of(shape):
+    """A word for every id of the model's vocabulary but the specials: every id the model emits decodes."""
+    return vocabulary(SHAPES[shape]["vocab_size"] - len(SPECIALS))
+
+
+def build(folder, shape, device):
+    """The model folder: config, bf16 weights (drawn on `device`), a word-level tokenizer of SHAPES' words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = words_of(shape)
+    vocab = {w: i for i, w in enumerate(SPECIALS + words)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500_000.0,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    del model
+    free(device)
+    return folder, words
+
+
+def rows_of(words, count, low, high, seed):
+    """(prompt, response) pairs whose word counts total low..high (log-uniform), a quarter the prompt."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        total = int(math.exp(rng.uniform(math.log(low), math.log(high))))
+        prompt = max(4, total // 4)
+        text = [rng.choice(words) for _ in range(total)]
+        rows.append((" ".join(text[:prompt]), " ".join(text[prompt:])))
+    return rows
+
+
+def texts_of(words, count, low, high, seed):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(low, high))) for _ in range(count)]
+
+
+def free(device):
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def counted(path):
+    """(N: parameters that multiply, layers, hidden) of the folder's config, for the FLOPs."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    d, f, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f
+    return per_layer * c.num_hidden_layers + d * c.vocab_size, c.num_hidden_layers, d
+
+
+def train_flops(path, lengths, full):
+    n, layers, hidden = counted(path)
+    return (6 if full else 4) * n * sum(lengths) + 12 * layers * hidden * sum(x * x for x in lengths)
+
+
+# ---------------------------------------------------------------- fine-tuning: the ways
+def tokenized(tokenizer, rows):
+    """Our rank's own tokenization of the rows: {prompt.input_ids, prompt.attention_mask, response (labels)}."""
+    from estimator.core.spec import LMSpec
+    from estimator.data.lm import CausalLMTokenize
+
+    return CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), MAX_LENGTH)(
+        {"prompt": np.array([p for p, _ in rows], dtype=object),
+         "response": np.array([r for _, r in rows], dtype=object)})
+
+
+def ours_sft(args, path, rows, full, dtype):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from estimator.core.adapters import with_adapters
+    from estimator.core.pickling import dumps, user_objects
+    from estimator.core.spec import DataSpec, LMSpec, TrainSpec
+    from estimator.data.parquet import list_pieces
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.objectives.tokens import TokenObjective
+    from store import Store
+
+    store = Store.create(tempfile.mkdtemp(prefix="store-", dir=args.work))
+    store.makedirs(store.path("train"))
+    table = pa.table({"prompt": [p for p, _ in rows], "response": [r for _, r in rows]})
+    pq.write_table(table, store.path("train", "part.parquet"), row_group_size=args.batch)
+    packed = args.device == "cuda"
+    lm = LMSpec("prompt", "response", packed=packed)
+    data = DataSpec(store, list_pieces(store, store.path("train")), (), ("prompt",), ("response",), lm=lm,
+                    max_length=MAX_LENGTH)
+    peft = None if full else lora()
+    factory = functools.partial(AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
+    objs = user_objects(with_adapters(factory(), peft), functools.partial(torch.optim.AdamW, lr=LR), [], [], [],
+                        model_factory=factory, tokenizer=AutoTokenizer.from_pretrained(path), peft_config=peft,
+                        objective=TokenObjective)
+    precision = "bf16-mixed" if args.device == "cuda" else "32"
+    spec = TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run("sft"), args.batch, args.batch, 1,
+                     seed=3, shuffle=False, use_gpu=args.device == "cuda", precision=precision, verbose=0,
+                     gradient_clip_val=CLIP, checkpoint_async=True)
+    del objs
+    free(args.device)
+    result = LocalLauncher().run(spec, 1)[0]
+    return {"seconds": result.train_loop_seconds, "data_wait": result.data_wait_seconds / result.train_loop_seconds,
+            "packed": packed}
+
+
+def plain_sft(args, path, rows, full, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+    if not full:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora())
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    ready = []
+    for start in range(0, len(rows), args.batch):
+        b = tokenized(tokenizer, rows[start:start + args.batch])
+        ready.append([torch.from_numpy(b[k]).to(args.device) for k in ("prompt.input_ids", "prompt.attention_mask",
+                                                                        "response")])
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
+    synchronize(args.device)
+    started = time.perf_counter()
+    for ids, mask, labels in ready:
+        with autocast:
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    synchronize(args.device)
+    seconds = time.perf_counter() - started
+    padded = sum(int(ids.numel()) for ids, _, _ in ready)
+    del model, optimizer, ready
+    return {"seconds": seconds, "padded_positions": padded}
+
+
+def trl_sft(args, path, full, liger):
+    """TRL's SFTTrainer in a child process (Liger patches transformers' Llama classes for the whole process)."""
+    command = [sys.executable, os.path.abspath(__file__), "--trl-child", "--path", path, "--work", args.work,
+               "--device", args.device, "--shape", args.shape, "--sft-rows", str(args.sft_rows), "--batch",
+               str(args.batch)] + (["--full"] if full else []) + (["--liger"] if liger else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=max(90, args.deadline - time.time()))
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"TRL's child exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+
+
+def trl_child(args):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    import trl
+
+    words = words_of(args.shape)
+    rows = rows_of(words, args.sft_rows, 64, 1500, seed=1)
+    gpu = args.device == "cuda"
+    dtype = torch.float32 if args.full else (torch.bfloat16 if gpu else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.path)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(args.path, dtype=dtype)
+    data = Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [" " + r for _, r in rows]})
+    config = SFTConfig(output_dir=os.path.join(args.work, "trl"), per_device_train_batch_size=args.batch,
+                       num_train_epochs=1, learning_rate=LR, max_grad_norm=CLIP, bf16=gpu, padding_free=True,
+                       max_length=None, gradient_checkpointing=False, use_liger_kernel=args.liger,
+                       logging_steps=10 ** 6, save_strategy="no", report_to="none", lr_scheduler_type="constant",
+                       warmup_steps=0, use_cpu=not gpu, dataloader_num_workers=0, seed=3)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                         peft_config=None if args.full else lora())
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    out = trainer.train()
+    result = {"seconds": out.metrics["train_runtime"], "trl": trl.__version__}
+    if gpu:
+        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- generation and embeddings
+def generated_count(row, stops):
+    """The tokens a row generated: up to and with its first stop, else all (the rest is padding)."""
+    for n, t in enumerate(row):
+        if t in stops:
+            return n + 1
+    return len(row)
+
+
+def generation_rows(args, bench, path, words):
+    import pyarrow as pa
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from estimator.data.text import Tokenize
+    from estimator.predict import inference
+    from estimator.predict.kinds.generate import Generate
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if args.device == "cuda"
+                                                 else torch.float32).to(args.device).eval()
+    prompts = texts_of(words, args.prompts, 32, 512, seed=2)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    # the stop: one word id in --stop-every ends a row (the random model's greedy tokens spread over the whole
+    # vocabulary): outputs of mixed lengths, about --stop-every tokens on average, some reaching --new-tokens
+    stops = sorted(random.Random(3).sample(range(len(SPECIALS), len(SPECIALS) + len(words)),
+                                           max(1, len(words) // args.stop_every))) + [eos]
+    texts = {}
+
+    def counted_tokens(found):
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in found]
+        return sum(lengths), {"min": min(lengths), "median": float(np.median(lengths)), "max": max(lengths)}
+
+    def ours():
+        layout = Generate(feature_cols=("prompt",), batch_size=None, use_gpu=args.device == "cuda",
+                          tokenize=Tokenize(tokenizer, ()), max_new_tokens=args.new_tokens,
+                          generate_kwargs={"eos_token_id": stops})
+        key = f"bench-{id(model)}"
+        inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
+        column = pa.array(prompts, pa.string())
+        inference.predict_arrow(key, b"", layout, column.slice(0, 8))  # warm
+        synchronize(args.device)
+        started = time.perf_counter()
+        out = inference.predict_arrow(key, b"", layout, column)
+        synchronize(args.device)
+        seconds = time.perf_counter() - started
+        texts["ours"] = out.field(0).to_pylist()
+        tokens, spread = counted_tokens(texts["ours"])
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "lengths": spread}
+
+    def padded(batch):
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+
+        def run(rows):
+            width = max(len(ids[i]) for i in rows)
+            x = torch.full((len(rows), width), pad, dtype=torch.long)
+            m = torch.zeros_like(x)
+            for j, i in enumerate(rows):
+                x[j, width - len(ids[i]):] = torch.tensor(ids[i])
+                m[j, width - len(ids[i]):] = 1
+            out = model.generate(input_ids=x.to(args.device), attention_mask=m.to(args.device),
+                                 max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad,
+                                 eos_token_id=stops)
+            return out[:, width:].cpu()
+
+        with torch.inference_mode():
+            run(order[:min(batch, 8)])
+            synchronize(args.device)
+            started = time.perf_counter()
+            outs = [(order[s:s + batch], run(order[s:s + batch])) for s in range(0, len(order), batch)]
+            synchronize(args.device)
+        seconds = time.perf_counter() - started
+        found = [""] * len(ids)
+        for rows, out in outs:
+            for j, i in enumerate(rows):
+                found[i] = tokenizer.decode(out[j, :generated_count(out[j].tolist(), set(stops))],
+                                            skip_special_tokens=True)
+        texts[f"generate@{batch}"] = found
+        tokens, spread = counted_tokens(found)
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "lengths": spread}
+
+    def continuous():
+        config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=stops,
+                                  pad_token_id=pad)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model.generate_batch(inputs=ids[:8], generation_config=config, progress_bar=False)
+            synchronize(args.device)
+            warm = time.perf_counter() - started
+            started = time.perf_counter()
+            out = model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
+            synchronize(args.device)
+        seconds = time.perf_counter() - started
+        found = [""] * len(ids)
+        for i, request in enumerate(sorted(out, key=lambda r: int(str(r).split("_")[-1]))):
+            found[i] = tokenizer.decode(out[request].generated_tokens, skip_special_tokens=True)
+        texts["generate_batch"] = found
+        tokens, spread = counted_tokens(found)
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "lengths": spread,
+                "warmup_seconds": warm, "request_ids": [str(r) for r in list(out)[:3]]}
+
+    bench.row("generation", "ours", ours)
+    bench.row("generation", "generate@64", lambda: padded(64))
+    bench.row("generation", "generate_batch", continuous)
+    bench.row("generation", "generate@128", lambda: padded(128))
+    bench.row("generation", "generate@32", lambda: padded(32))
+    base = next((k for k in ("generate@64", "generate@128", "generate@32") if k in texts), None)
+    if base:
+        bench.results["generation_same_text_as_" + base] = {
+            k: sum(a == b for a, b in zip(v, texts[base])) for k, v in texts.items()}
+        bench.results["generation_prompts"] = len(prompts)
+    del model
+    inference._CACHE.clear()
+    free(args.device)
+
+
+def embedding_rows(args, bench, path, words):
+    import pyarrow as pa
+    from transformers import AutoModel, AutoTokenizer
+
+    from estimator.data.text import Tokenize
+    from estimator.predict import inference
+    from estimator.predict.kinds.embedding import Embedding
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if args.device == "cuda"
+                                      else torch.float32).to(args.device).eval()
+    texts = texts_of(words, args.texts, 16, 512, seed=4)
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    vectors = {}
+
+    def ours():
+        layout = Embedding(feature_cols=("text",), batch_size=1024, use_gpu=args.device == "cuda",
+                           tokenize=Tokenize(tokenizer, ()))
+        key = f"bench-{id(model)}"
+        inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
+        column = pa.array(texts, pa.string())
+        inference.predict_arrow(key, b"", layout, column.slice(0, 8))
+        synchronize(args.device)
+        started = time.perf_counter()
+        out = inference.predict_arrow(key, b"", layout, column)
+        synchronize(args.device)
+        seconds = time.perf_counter() - started
+        vectors["ours"] = np.array(out.field(0).to_pylist(), dtype=np.float32)
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
+
+    def hand():
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        found = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
+
+        def run(rows):
+            batch = tokenizer([texts[i] for i in rows], padding=True, return_tensors="pt").to(args.device)
+            hidden = model(**batch).last_hidden_state.float()
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            return ((hidden * mask).sum(1) / mask.sum(1)).cpu().numpy()
+
+        with torch.inference_mode():
+            run(order[:8])
+            synchronize(args.device)
+            started = time.perf_counter()
+            for s in range(0, len(order), 64):
+                found[order[s:s + 64]] = run(order[s:s + 64])
+            synchronize(args.device)
+        seconds = time.perf_counter() - started
+        vectors["hand"] = found
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
+
+    bench.row("embeddings", "ours", ours)
+    bench.row("embeddings", "hand, sorted batches of 64", hand)
+    if len(vectors) == 2:
+        bench.results["embeddings_max_abs_difference"] = float(np.abs(vectors["ours"] - vectors["hand"]).max())
+    bench.results["embedding_texts"], bench.results["embedding_tokens"] = len(texts), tokens
+    del model
+    inference._CACHE.clear()
+    free(args.device)
+
+
+# ---------------------------------------------------------------- the run
+class Bench:
+    """Rows tried one by one, each recorded (or its error), the JSON rewritten after each."""
+
+    def __init__(self, args, results):
+        self.args, self.results = args, results
+
+    def row(self, section, name, fn, flops=None, tokens=None):
+        found = self.results.setdefault(section, {})
+        if time.time() > self.args.deadline:
+            found[name] = {"skipped": "the budget's seconds had passed"}
+            print(f"{section} / {name}: skipped (budget)", flush=True)
+            return
+        gpu = self.args.device == "cuda"
+        free(self.args.device)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        started = time.time()
+        try:
+            out = fn()
+        except Exception as error:  # a row's failure is recorded; the others still run
+            traceback.print_exc()
+            out = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
+        out["wall_seconds"] = time.time() - started
+        if gpu and "peak_gb" not in out and "error" not in out:
+            out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        if "seconds" in out and tokens:
+            out["tokens_per_s"] = tokens / out["seconds"]
+        if "seconds" in out and flops:
+            out["tflops"] = flops / out["seconds"] / 1e12
+            out["mfu"] = flops / out["seconds"] / (self.args.peak_tflops * 1e12)
+        found[name] = out
+        print(f"{section} / {name}: {json.dumps(out)}", flush=True)
+        self.save()
+
+    def save(self):
+        if self.args.json:
+            with open(self.args.json, "w") as handle:
+                json.dump(self.results, handle, indent=1)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--shape", default=None, choices=tuple(SHAPES))
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds after which rows are skipped")
+    parser.add_argument("--sft-rows", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--texts", type=int, default=None)
+    parser.add_argument("--stop-every", type=int, default=64, help="one word in this many stops a generated row")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out: lora,generation,full,"
+                                                   "embeddings")
+    parser.add_argument("--json")
+    parser.add_argument("--work")
+    parser.add_argument("--trl-child", action="store_true")
+    parser.add_argument("--path")
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--liger", action="store_true")
+    args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.shape = args.shape or ("1b" if gpu else "tiny")
+    args.sft_rows = args.sft_rows or (512 if gpu else 64)
+    if args.trl_child:
+        return trl_child(args)
+    args.prompts = args.prompts or (512 if gpu else 48)
+    args.new_tokens = args.new_tokens or (128 if gpu else 24)
+    args.texts = args.texts or (4000 if gpu else 200)
+    args.deadline = time.time() + args.budget
+    args.work = args.work or tempfile.mkdtemp(prefix="bench-gpu-lm-")
+    skip = set(filter(None, args.skip.split(",")))
+    import transformers
+
+    results = {"device": torch.cuda.get_device_name(0) if gpu else f"{os.cpu_count()} CPU cores",
+               "torch": torch.__version__, "transformers": transformers.__version__, "shape": args.shape,
+               "batch_rows": args.batch, "sft_rows": args.sft_rows}
+    for name in ("peft", "trl", "liger_kernel"):
+        try:
+            results[name] = __import__(name).__version__
+        except Exception as error:  # noqa: BLE001 - recorded, the rows that need it fail on their own
+            results[name] = f"not importable: {type(error).__name__}"
+    bench = Bench(args, results)
+    started = time.time()
+    path, words = build(os.path.join(args.work, "llama"), args.shape, args.device)
+    n, layers, hidden = counted(path)
+    results.update(parameters_that_multiply=n, build_seconds=time.time() - started)
+    print(f"built {args.shape}: {n / 1e9:.3f}B multiplying parameters in {time.time() - started:.1f} s", flush=True)
+    bench.save()
+    rows = rows_of(words, args.sft_rows, 64, 1500, seed=1)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    masks = tokenized(tokenizer, rows)["prompt.attention_mask"]
+    lengths = [int(x) for x in masks.sum(axis=1)]
+    tokens = sum(lengths)
+    results.update(sft_tokens=tokens, sft_mean_row_tokens=tokens / len(rows), sft_longest_row=max(lengths))
+    base_dtype = torch.bfloat16 if gpu else torch.float32
+    for section in ("lora", "generation", "full"):
+        if section in skip:
+            continue
+        if section == "generation":
+            generation_rows(args, bench, path, words)
+            continue
+        full = section == "full"
+        flops = train_flops(path, lengths, full)
+        dtype = torch.float32 if full else base_dtype
+        bench.row(section, "ours", lambda: ours_sft(args, path, rows, full, dtype), flops, tokens)
+        bench.row(section, "plain HF, padded" if full else "plain HF+PEFT, padded",
+                  lambda: plain_sft(args, path, rows, full, dtype), flops, tokens)
+        bench.row(section, "TRL SFTTrainer, padding-free", lambda: trl_sft(args, path, full, False), flops, tokens)
+        if gpu:
+            bench.row(section, "TRL + Liger", lambda: trl_sft(args, path, full, True), flops, tokens)
+    if "embeddings" not in skip:
+        embedding_rows(args, bench, path, words)
+    if "lora" not in skip and gpu:
+        bench.row("lora", "ours, float32 base", lambda: ours_sft(args, path, rows, False, torch.float32),
+                  train_flops(path, lengths, False), tokens)
+    results["total_seconds"] = time.time() - started
+    bench.save()
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
