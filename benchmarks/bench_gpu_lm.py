@@ -16,7 +16,9 @@ tokens/s = the rows' tokens (prompt, response, BOS and EOS) over the training lo
   - ours:        TrainSpec -> LocalLauncher, one rank, precision 'bf16-mixed', packed rows (padding-free: torch's
                  variable-length flash attention on the GPU), the model from the folder (the factory's dtype);
   - plain:       the same model by hand: HF + PEFT, right-padded batches (tokenized before the clock), autocast
-                 bf16, model(...).loss, backward, clip, AdamW;
+                 bf16, the logits' cross-entropy over the step's labelled tokens, backward, clip, AdamW; on a GPU
+                 each step's 16 rows go through in micro-batches of 4 (--plain-micro: 16 padded rows of up to
+                 1,500 tokens ran out of an H100's 80 GB, the logits alone 12 GB in float32);
   - TRL:         SFTTrainer (in a child process), prompt/completion rows, padding_free=True (sdpa reads the rows'
                  boundaries from position_ids), bf16, gradient checkpointing off as ours, no saving or logging;
   - TRL + Liger: the same with use_liger_kernel=True (CUDA only: Liger's kernels are Triton's).
@@ -28,7 +30,8 @@ Generation (--prompts prompts of 32-512 tokens, up to --new-tokens new tokens, g
   one of a fixed 1/--stop-every of the words: the random model's tokens spread over the vocabulary, so outputs run
   from 1 token to --new-tokens, about --stop-every on average):
   - ours:           transform's Generate predictor (sorted, left-padded batches by a token budget);
-  - generate @ b:   model.generate over left-padded batches of b prompts sorted by length (b = 32, 64, 128);
+  - generate @ b:   model.generate over left-padded batches of b prompts sorted by length (b = 64, 128; 32 on
+                    the CPU only: the slowest on the GPU);
   - generate_batch: transformers' continuous batching (paged KV cache; rows leave and join at every step).
   tokens/s = the tokens each way generated (its texts tokenized again, the same count for every way) over its
   seconds; each way warmed up on a few prompts first; texts compared with generate's.
@@ -219,26 +222,34 @@ def plain_sft(args, path, rows, full, dtype):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
-    ready = []
+    steps = []  # per optimizer step of --batch rows: its micro-batches of --plain-micro rows, padded each
     for start in range(0, len(rows), args.batch):
-        b = tokenized(tokenizer, rows[start:start + args.batch])
-        ready.append([torch.from_numpy(b[k]).to(args.device) for k in ("prompt.input_ids", "prompt.attention_mask",
-                                                                        "response")])
+        step = rows[start:start + args.batch]
+        micro = []
+        for m in range(0, len(step), args.plain_micro):
+            b = tokenized(tokenizer, step[m:m + args.plain_micro])
+            micro.append([torch.from_numpy(b[k]).to(args.device)
+                          for k in ("prompt.input_ids", "prompt.attention_mask", "response")])
+        labelled = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in micro)
+        steps.append((micro, labelled))
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda")
     synchronize(args.device)
     started = time.perf_counter()
-    for ids, mask, labels in ready:
-        with autocast:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
+    for micro, labelled in steps:
+        for ids, mask, labels in micro:  # the step's mean over its labelled tokens, as one batch would give
+            with autocast:
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                     ignore_index=-100, reduction="sum") / labelled
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     synchronize(args.device)
     seconds = time.perf_counter() - started
-    padded = sum(int(ids.numel()) for ids, _, _ in ready)
-    del model, optimizer, ready
-    return {"seconds": seconds, "padded_positions": padded}
+    padded = sum(int(ids.numel()) for micro, _ in steps for ids, _, _ in micro)
+    del model, optimizer, steps
+    return {"seconds": seconds, "padded_positions": padded, "micro_batch_rows": args.plain_micro}
 
 
 def trl_sft(args, path, full, liger):
@@ -368,15 +379,18 @@ def generation_rows(args, bench, path, words):
     def continuous():
         config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=stops,
                                   pad_token_id=pad)
-        with torch.inference_mode():
-            started = time.perf_counter()
-            model.generate_batch(inputs=ids[:8], generation_config=config, progress_bar=False)
-            synchronize(args.device)
-            warm = time.perf_counter() - started
-            started = time.perf_counter()
-            out = model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
-            synchronize(args.device)
+        # not under inference_mode: the manager's thread updates its own tensors in place (transformers 5.17 on a
+        # GPU: "Inplace update to inference tensor outside InferenceMode", every request dropped)
+        started = time.perf_counter()
+        model.generate_batch(inputs=ids[:8], generation_config=config, progress_bar=False)
+        synchronize(args.device)
+        warm = time.perf_counter() - started
+        started = time.perf_counter()
+        out = model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
+        synchronize(args.device)
         seconds = time.perf_counter() - started
+        if len(out) != len(ids):
+            raise RuntimeError(f"generate_batch returned {len(out)} of {len(ids)} requests (see its log above)")
         found = [""] * len(ids)
         for i, request in enumerate(sorted(out, key=lambda r: int(str(r).split("_")[-1]))):
             found[i] = tokenizer.decode(out[request].generated_tokens, skip_special_tokens=True)
@@ -389,7 +403,8 @@ def generation_rows(args, bench, path, words):
     bench.row("generation", "generate@64", lambda: padded(64))
     bench.row("generation", "generate_batch", continuous)
     bench.row("generation", "generate@128", lambda: padded(128))
-    bench.row("generation", "generate@32", lambda: padded(32))
+    if args.device != "cuda":  # on an H100 at 1B: 459 tokens/s against 694 at 64 and 901 at 128 (RESULTS.md)
+        bench.row("generation", "generate@32", lambda: padded(32))
     base = next((k for k in ("generate@64", "generate@128", "generate@32") if k in texts), None)
     if base:
         bench.results["generation_same_text_as_" + base] = {
@@ -509,6 +524,9 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=330.0, help="seconds after which rows are skipped")
     parser.add_argument("--sft-rows", type=int, default=None)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--plain-micro", type=int, default=None, help="the plain loop's rows a forward (the "
+                        "step's --batch rows in micro-batches; default 4 on a GPU, where 16 padded rows of a 1B "
+                        "model ran out of an H100's memory, else --batch)")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--texts", type=int, default=None)
@@ -526,9 +544,10 @@ def main(argv=None):
     gpu = args.device == "cuda"
     args.shape = args.shape or ("1b" if gpu else "tiny")
     args.sft_rows = args.sft_rows or (512 if gpu else 64)
+    args.plain_micro = args.plain_micro or (4 if gpu else args.batch)
     if args.trl_child:
         return trl_child(args)
-    args.prompts = args.prompts or (512 if gpu else 48)
+    args.prompts = args.prompts or (256 if gpu else 48)
     args.new_tokens = args.new_tokens or (128 if gpu else 24)
     args.texts = args.texts or (4000 if gpu else 200)
     args.deadline = time.time() + args.budget
@@ -539,9 +558,11 @@ def main(argv=None):
     results = {"device": torch.cuda.get_device_name(0) if gpu else f"{os.cpu_count()} CPU cores",
                "torch": torch.__version__, "transformers": transformers.__version__, "shape": args.shape,
                "batch_rows": args.batch, "sft_rows": args.sft_rows}
-    for name in ("peft", "trl", "liger_kernel"):
+    from importlib import metadata
+
+    for name in ("peft", "trl", "liger-kernel", "datasets"):
         try:
-            results[name] = __import__(name).__version__
+            results[name] = metadata.version(name)
         except Exception as error:  # noqa: BLE001 - recorded, the rows that need it fail on their own
             results[name] = f"not importable: {type(error).__name__}"
     bench = Bench(args, results)
