@@ -1,4 +1,4 @@
-"""Issue 53: the causal LM's loss chunk by chunk (estimator.train.objectives.chunked_loss) against a plain PEFT loop
+"""Issue 53: the causal LM's loss chunk by chunk (estimator.lm.chunked_loss) against a plain PEFT loop
 whose loss is the model's own (the float32 logits of every position): each step's memory above the built model, and
 tokens/s. Numbers, not assertions (RESULTS.md by hand). No Spark, no tokenizer: token ids drawn at random.
 
@@ -78,7 +78,7 @@ def checkpointed(hidden, head, labels, positions=None):
     from torch.utils.checkpoint import checkpoint
 
     from estimator.data.lm import IGNORE
-    from estimator.train.objectives.chunked_loss import positions_per_chunk, vocabulary_of
+    from estimator.lm.chunked_loss import positions_per_chunk, vocabulary_of
 
     def piece_loss(piece, targets):
         return F.cross_entropy(head(piece).float(), targets, reduction="sum")
@@ -96,7 +96,8 @@ def checkpointed(hidden, head, labels, positions=None):
 
 def step_of(path, model, ids, mask, labels):
     """One training step's loss for backward, for `path`."""
-    from estimator.train.objectives import chunked_loss, tokens
+    from estimator.lm import chunked_loss
+    from estimator.train.objectives import tokens
 
     if path.startswith("chunked@"):
         chunked_loss.CHUNK_BYTES = int(path.split("@")[1]) * 2 ** 20

@@ -62,7 +62,7 @@ def make_spec(store, width, blocks, strategy, ranks, rows):
 
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
     from estimator.data.parquet import list_pieces
 
     folder = store.path("train")

@@ -92,7 +92,7 @@ def fit(store, pieces, model, batch, epochs, device, run, transformation_fn=None
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, ReaderSpec, TrainSpec
     from estimator.launch.local import LocalLauncher
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
 
     data = DataSpec(store, pieces, (), ("image",) if transformation_fn else ("features",), ("label",))
     objs = user_objects(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), [nn.CrossEntropyLoss()],
@@ -142,7 +142,7 @@ def bert_fit(store, pieces, path, batch, device, run, **fields):
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
     from estimator.launch.local import LocalLauncher
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
 
     data = DataSpec(store, pieces, (), ("text",), ("label",), text_cols=("text",), max_length=64)
     factory = functools.partial(AutoModelForSequenceClassification.from_pretrained, path)

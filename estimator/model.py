@@ -33,7 +33,7 @@ from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
 from estimator.predict.schema import added_fields, is_chat, spark_type
 from estimator.predict.weights import save_pretrained_to
-from estimator.train.lightning import for_inference
+from estimator.core.lightning_module import for_inference
 
 log = logging.getLogger("estimator")
 

@@ -117,7 +117,7 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, TrainSpec
     from estimator.data.parquet import list_pieces
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
 
     X, y = digits
     store.makedirs(store.path("train"))

@@ -4,7 +4,7 @@ Modules: no import circle among those of estimator/ and store/; store/ imports n
 on the executors (a rank, from estimator.launch.rank_setup; transform's batches, from
 estimator.predict.inference, and the output kinds unpickled there, estimator.predict.kinds) never imports
 pyspark's driver API (pyspark.sql, pyspark.ml).
-Folders, from the ground up: core -> data -> train -> launch -> predict -> fit (a folder imports only those
+Folders, from the ground up: core -> data -> lm -> train -> launch -> predict -> fit (a folder imports only those
 below it), with the user-facing modules at the top of estimator/ (at most 10); transform's side (predict/ and
 model.py) imports nothing of fit/. A package's face (its __init__, which only hands names on) is no edge:
 `import estimator` for its __file__ ties a module to no other.
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("estimator", "store")
 EXECUTOR_ENTRIES = ("estimator.launch.rank_setup", "estimator.predict.inference", "estimator.predict.kinds")
 DRIVER_API = ("pyspark.sql", "pyspark.ml")
-FLOORS = ("core", "data", "train", "launch", "predict", "fit")  # each folder imports only those before it
+FLOORS = ("core", "data", "lm", "train", "launch", "predict", "fit")  # each folder imports only those before it
 TRANSFORM_SIDE = ("estimator.model", "estimator.predict")  # TorchModel and what its transform runs
 KINDS = "estimator.predict.kinds"  # the output kinds' package: their names are used there only
 
@@ -132,6 +132,62 @@ def test_each_folder_imports_only_the_folders_below_it():
                     and FLOORS.index(_folder(i)) > FLOORS.index(_folder(m)))
     assert upward == []
     assert {_folder(m) for m in MODULES} - {None} == set(FLOORS)  # a new folder takes its place in FLOORS
+
+
+LM = "estimator.lm"  # what training and transform both do with a causal LM's tokens
+LM_FUNCTIONS = ("generate_texts", "embeddings", "answer_logps", "answer_sums", "row_index", "chunked_token_loss",
+                "packed_attention")
+
+
+def _defined(path):
+    with open(path) as handle:
+        return {n.name for n in ast.walk(ast.parse(handle.read())) if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_language_model_module_is_torch_and_transformers_and_the_only_home_of_its_functions():
+    """estimator/lm stands below train/ and predict/ (FLOORS): both import it. It imports the standard library,
+    numpy, torch and transformers only, besides the folders below it; generation, the answers' log-probabilities,
+    the chunked loss and the packed attention are defined there and nowhere else."""
+    import sys
+
+    modules = [m for m in MODULES if _in(m, LM)]
+    assert len(modules) >= 5 and f"{LM}.generation" in modules
+    outside = {m: sorted(i for i in IMPORTS[m] if i.split(".")[0] not in sys.stdlib_module_names
+                         and i.split(".")[0] not in ("numpy", "torch", "transformers", "estimator"))
+               for m in modules}
+    assert {m: names for m, names in outside.items() if names} == {}
+    homes = {name: sorted(m for m, path in MODULES.items() if name in _defined(path)) for name in LM_FUNCTIONS}
+    assert {name: [m for m in found if not _in(m, LM)] for name, found in homes.items()} == {
+        name: [] for name in LM_FUNCTIONS}
+    assert all(homes.values()), homes
+
+
+OBJECTIVES = "estimator.train.objectives"  # the built-in loop's objectives: one module each, and the registry
+
+
+def _objective_classes(path):
+    """The classes a file defines on BuiltIn (an objective's base) or on a class named ...Objective."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    return sorted(n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and any(
+        (getattr(b, "id", None) or getattr(b, "attr", "")) in ("BuiltIn",)
+        or (getattr(b, "id", None) or getattr(b, "attr", "")).endswith("Objective") for b in n.bases))
+
+
+def test_every_objective_lives_in_the_objectives_folder():
+    found = {m: _objective_classes(path) for m, path in MODULES.items()}
+    homes = {m: names for m, names in found.items() if names}
+    assert {"TokenObjective", "DPO", "Objective", "StepObjective", "LightningObjective"} <= {
+        n for names in homes.values() for n in names}
+    assert sorted(m for m in homes if not _in(m, OBJECTIVES)) == []
+
+
+def test_transform_imports_nothing_of_training():
+    """What transform runs (predict/, TorchModel) and what a rank runs (train/) share what both need through the
+    folders below train/ (lm/, data/, core/): neither imports the other (train/ above predict/ is the floors')."""
+    side = [m for m in MODULES if any(_in(m, s) for s in TRANSFORM_SIDE)]
+    assert len(side) > 5
+    assert sorted((m, i) for m in side for i in EDGES[m] if _in(i, "estimator.train")) == []
 
 
 def test_the_top_of_the_package_holds_at_most_ten_modules():

@@ -1,4 +1,4 @@
-"""The causal LM's loss computed chunk by chunk from the last hidden states (estimator.train.objectives.chunked_loss)
+"""The causal LM's loss computed chunk by chunk from the last hidden states (estimator.lm.chunked_loss)
 equals the plain float32 cross entropy over the model's logits (token_loss), in value and in every trainable
 parameter's gradient, with and without peft's LoRA (on lm_head too), with prompts, padding and chunk boundaries
 inside sequences; and the rule that says when it applies, both ways."""
@@ -10,8 +10,8 @@ import torch
 
 from estimator.core.spec import LMSpec
 from estimator.data.lm import IGNORE, CausalLMTokenize
-from estimator.train.objectives import chunked_loss
-from estimator.train.objectives.chunked_loss import output_head
+from estimator.lm import chunked_loss
+from estimator.lm.chunked_loss import output_head
 from estimator.train.objectives.tokens import TokenObjective, token_loss
 from lm_helpers import lm_rows, plain_causal_lm, save_pretrained_llama
 

@@ -11,7 +11,7 @@ from estimator.core.pickling import user_objects
 from estimator.core.spec import DataSpec
 from estimator.data.parquet import list_pieces
 from estimator.fit.dry_run import dry_run
-from estimator.train.losses import Objective
+from estimator.train.objectives.classic import Objective
 from estimator.train.sums import split
 
 

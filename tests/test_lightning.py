@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from estimator.core import lightning_module
 from estimator.train import lightning
+from estimator.train.objectives.lightning import LightningObjective
 from estimator.train.steps import StepContext
 from estimator.train.sums import split
 
@@ -82,10 +84,11 @@ def test_detection_and_the_hooks_named_as_not_called():
         def setup(self, stage):
             pass
 
-    assert lightning.is_lightning_module(Lit(sgd)) and not lightning.is_lightning_module(nn.Linear(2, 2))
+    module = lightning_module
+    assert module.is_lightning_module(Lit(sgd)) and not module.is_lightning_module(nn.Linear(2, 2))
     assert lightning.hooks_not_called(Lit(sgd)) == []
     assert lightning.hooks_not_called(Hooked(sgd)) == ["on_validation_epoch_end", "setup"]
-    assert lightning.overrides(Lit(sgd), "validation_step") and not lightning.overrides(Lit(sgd), "test_step")
+    assert module.overrides(Lit(sgd), "validation_step") and not module.overrides(Lit(sgd), "test_step")
 
 
 def test_the_stand_in_trainer_answers_epochs_steps_and_ranks_and_refuses_the_rest_by_name():
@@ -117,7 +120,7 @@ def test_self_log_is_captured_per_hook_call_and_refuses_what_it_cannot_average()
 def test_a_lightning_objective_sums_the_loss_and_each_logged_key_over_the_rows_that_logged_it():
     module = Lit(sgd)
     trainer = lightning.attach(module, lightning.StandInTrainer(0, 1, 0, 1))
-    objective = lightning.LightningObjective(module, ["train_ce", "even"], ["val_ce"], trainer)
+    objective = LightningObjective(module, ["train_ce", "even"], ["val_ce"], trainer)
     steps = lightning.LightningSteps(module)
     torch.manual_seed(0)
     batches = [(torch.randn(n, 4), torch.randint(0, 3, (n,))) for n in (4, 6, 2)]

@@ -76,7 +76,7 @@ def test_a_packed_batch_gives_each_row_its_own_logits_and_the_unpacked_loss(llam
     given, no attention_mask: through the packed attention each row's logits are those it has alone, and the
     loss sums (loss, labelled tokens, rows) are the unpacked batch's; whole texts too (every token labelled: no
     row learns the next's)."""
-    from estimator.train.objectives.packed_attention import use_packed_attention
+    from estimator.lm.packed_attention import use_packed_attention
     from estimator.train.objectives.tokens import ModelFailed, TokenObjective, check_packed
 
     rows = lm_rows(7)
@@ -152,7 +152,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
 def test_a_chat_with_tool_calls_renders_as_its_template_does_and_the_calls_are_learned(tokenizer):
     """Messages as a Spark struct column gives them (every field, null where a message has none): the assistant's
     tool_calls, the tool's name and chat_tools reach the template; the call is labelled, the tool's answer not."""
-    from estimator.predict.generation import generate_texts
+    from estimator.lm.generation import generate_texts
     from estimator.predict.language_checks import check_chat_fields
 
     tokenizer = copy_with_template(tokenizer, TOOL_TEMPLATE)
@@ -410,7 +410,7 @@ def test_gradient_checkpointing_changes_no_number(llama, store):
 
 
 def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_another(llama, tokenizer):
-    from estimator.predict.generation import generate_texts
+    from estimator.lm.generation import generate_texts
 
     model, prompts = plain_causal_lm(llama).eval(), [p for p, _ in lm_rows(6)]
 
@@ -427,7 +427,7 @@ def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_write
         llama, tokenizer, monkeypatch):
     """inference_batch_size=None: each generate() call takes the shortest prompts left while rows x (their longest
     prompt + max_new_tokens) stays within GENERATE_TOKENS (here 120); the texts are those of one prompt a call."""
-    from estimator.predict import generation
+    from estimator.lm import generation
 
     model = plain_causal_lm(llama).eval()
     prompts = [p for p, _ in lm_rows(10)] + ["What is " + "the very long and winding thing " * 4 + "?"]
@@ -449,7 +449,7 @@ def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_write
 
 def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama, tokenizer):
     """generate_kwargs' own eos_token_id (a chat's end-of-turn token) and pad_token_id win over the tokenizer's."""
-    from estimator.predict.generation import generate_texts
+    from estimator.lm.generation import generate_texts
 
     model, prompt = plain_causal_lm(llama).eval(), lm_rows(1)[0][0]
     ids = tokenizer([prompt], return_tensors="pt")["input_ids"]

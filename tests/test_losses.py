@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from estimator.train.losses import Objective, adapt_target
+from estimator.train.objectives.classic import Objective, adapt_target
 from estimator.train.sums import split
 
 

@@ -68,7 +68,7 @@ def test_petastorm_applies_the_transformation_fn(store, digits):
         return frame
 
     from estimator.core.pickling import dumps, user_objects
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
 
     spec = _spec(store, digits, ReaderSpec("petastorm", 1, 1, "thread"), train_rows=600)
     objs = user_objects(seeded(MLP), torch.optim.Adam(seeded(MLP).parameters(), lr=0.05), [nn.CrossEntropyLoss()],

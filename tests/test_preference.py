@@ -274,7 +274,7 @@ def test_a_packed_runs_attention_is_the_packed_attention_whatever_the_objective(
     equality tests would pass without it: here its calls are counted (one rank runs in this process)."""
     from transformers import AutoConfig
 
-    from estimator.train.objectives import packed_attention as module
+    from estimator.lm import packed_attention as module
     from estimator.train.objectives.preference import DPO
     from lm_helpers import lm_rows
 

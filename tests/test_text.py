@@ -50,7 +50,7 @@ SCHEMA = StructType([StructField("text", StringType()), StructField("title", Str
 
 
 def text_columns_of(p, schema):
-    from estimator.train.losses import Objective
+    from estimator.train.objectives.classic import Objective
 
     return text_columns(p, Objective, schema)  # a fit on a loss: its text columns are tokenized per batch
 

@@ -176,7 +176,7 @@ def packed(rows: Sequence[Tuple[List[int], List[int]]], pad: int, spec: LMSpec) 
     """packing=True: the batch's rows one after another in a single sequence, no padding (each row already within
     max_length), each row's positions from 0, and the rows' boundaries as cumulative lengths (`cu_seq_lens_q`,
     the name transformers' models pass on to their attention): the packed attention
-    (estimator.train.objectives.packed_attention) keeps each row to itself at the cost of its own length. Each
+    (estimator.lm.packed_attention) keeps each row to itself at the cost of its own length. Each
     row's first label is IGNORE: the last position of the row before it would otherwise learn to predict it
     (alone, no position does). A row's count is its positions equal to 0."""
     lengths = [len(ids) for ids, _ in rows]

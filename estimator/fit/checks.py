@@ -14,8 +14,9 @@ from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
 from estimator.fit.language import check_lm_params, string_label_error
 from estimator.fit.strategy import check_strategy
-from estimator.train.lightning import is_lightning_module
-from estimator.train.losses import Objective, check_metrics, takes_labels
+from estimator.core.lightning_module import is_lightning_module
+from estimator.train.losses import check_metrics, takes_labels
+from estimator.train.objectives.classic import Objective
 
 OWNER = "TorchEstimator"
 

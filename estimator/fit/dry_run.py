@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from estimator.core import lightning_module
 from estimator.train import lightning
 
 from estimator.core.spec import DataSpec, UserObjects
@@ -21,7 +22,8 @@ from estimator.data.frames import transform_batch
 from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
-from estimator.train.losses import Objective, loss_kind, loss_name
+from estimator.train.losses import loss_kind, loss_name
+from estimator.train.objectives.classic import Objective
 from estimator.core.handle import on_meta
 from estimator.train.objectives.tokens import TokenObjective
 from estimator.train.sums import WEIGHT
@@ -39,7 +41,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
         return dry_lm(model, data, arrays, rows)
     if objs.lightning:
         try:
-            model = lightning.for_inference(model)
+            model = lightning_module.for_inference(model)
         except ValueError:
             return []  # it trains; transform says what it needs
     outputs = forward(model, data, arrays, rows)
@@ -127,14 +129,14 @@ def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has
     batch = lightning.lightning_batch(to_tensors(arrays, data))
     keys: List[Tuple[str, ...]] = []
     for training, hook in ((True, "training_step"), (False, "validation_step")):
-        if not training and not (has_validation and lightning.overrides(module, hook)):
+        if not training and not (has_validation and lightning_module.overrides(module, hook)):
             keys.append(())
             continue
         module.train(training)
         trainer.update(steps.StepContext(0, 1, torch.device("cpu"), 1, training))
         try:
             with torch.set_grad_enabled(training), lightning.logging_into(module, hook) as logged:
-                result = lightning.call_hook(module, hook, batch, 0)
+                result = lightning_module.call_hook(module, hook, batch, 0)
             if training:
                 lightning.step_loss(result)
         except Exception as exc:  # noqa: BLE001 - the user's hook, or what it returned or logged
@@ -147,7 +149,7 @@ def dry_lightning(objs: UserObjects, data: DataSpec, head: Optional[Arrays], has
         warnings.warn(f"TorchEstimator runs {type(module).__name__}'s configure_optimizers, training_step, "
                       f"validation_step and forward (in transform), not these hooks it overrides: {', '.join(skipped)}"
                       " (docs/training.md 'Train a LightningModule').", UserWarning, stacklevel=5)
-    if has_validation and not lightning.overrides(module, "validation_step"):
+    if has_validation and not lightning_module.overrides(module, "validation_step"):
         warnings.warn(f"{type(module).__name__} has no validation_step: the validation rows are held out but give "
                       "no val_ keys. Define validation_step (self.log('val_loss', ...)), or set validation=None.",
                       UserWarning, stacklevel=5)

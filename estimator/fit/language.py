@@ -25,15 +25,12 @@ from estimator.fit.strategy import strategy_class
 from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
+from estimator.train.objectives.base import built_in_loop
 
 CHAT_FIELDS = ("role", "content")
 CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 REFERENCE_FORMAT = 1  # of the precomputed reference's table (estimator.data.reference)
-
-
-def built_in_loop(p: Dict[str, Any]) -> bool:
-    return all(p.get(name) is None for name in ("loss", "loss_constructors", "train_step", "train_fn"))
 
 
 def string_label_error(column: str, p: Dict[str, Any]) -> str:
@@ -194,7 +191,7 @@ def _folder_files(model: Any) -> list:
 
 def packing(p: Mapping[str, Any]) -> bool:
     """packing=True where it is exact: a transformers model that dispatches its attention through transformers'
-    attention interface (the ranks give it the packed attention, estimator.train.objectives.packed_attention);
+    attention interface (the ranks give it the packed attention, estimator.lm.packed_attention);
     refused by name otherwise."""
     if not p["packing"]:
         return False

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 from torch.distributed import TCPStore
 
+from estimator.core.devices import task_gpus
 from estimator.core.faults import Fault, from_env, inject
 from estimator.core.spec import TrainSpec, WorkerResult
 from estimator.data.shards import EarlyRead
@@ -38,7 +39,6 @@ from estimator.launch.liveness import LaunchWatch, remove_if_ours, wait_for_othe
 from estimator.launch.rank_setup import Placement, train_rank
 from estimator.launch.rendezvous import LATE_TO_START, check_in, find_rank0, publish
 from estimator.launch.session import executor_python, job_tag, tag_canceller
-from estimator.train.distributed import task_gpus
 
 log = logging.getLogger("estimator")
 

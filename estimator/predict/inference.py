@@ -20,12 +20,12 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from estimator.core.devices import assigned_gpu
 from estimator.core.handle import ModelHandle
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
 from estimator.predict.predictor import Predictor
-from estimator.train.distributed import assigned_gpu
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
 _CACHE_SIZE = 2

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,19 +40,6 @@ class RankContext:
     def backend(self) -> str:
         """nccl between GPUs, except where ranks share one (nccl refuses two ranks on one device); else gloo."""
         return "nccl" if self.device.startswith("cuda") and not self.shared_gpus else "gloo"
-
-
-def task_gpus(task: Any) -> List[str]:
-    """The GPU addresses Spark assigned to a task (spark.task.resource.gpu.amount), from its TaskContext;
-    empty without a task or without GPUs."""
-    gpu = task.resources().get("gpu") if task is not None else None
-    return list(gpu.addresses) if gpu is not None and gpu.addresses else []
-
-
-def assigned_gpu(task: Any) -> Optional[str]:
-    """The first GPU address Spark assigned to a task; None without a task or without GPUs."""
-    addresses = task_gpus(task)
-    return addresses[0] if addresses else None
 
 
 def choose_device(use_gpu: Optional[bool], gpu_counts: Sequence[int], local_rank: int,

@@ -18,34 +18,22 @@ refused or named in a warning. torch only: Lightning itself is not imported here
 from __future__ import annotations
 
 import contextlib
-import inspect
 import numbers
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from estimator.core.lightning_module import call_hook, lightning_base, overrides
 from estimator.data.arrays import Tensors
 from estimator.train.steps import StepContext
-from estimator.train.objectives.base import BuiltIn
-from estimator.train.sums import Sums, metric_slot, weight_slot
 
-BASES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 RESERVED = ("epoch", "data_wait")  # history keys the estimator writes itself
 CALLED = ("configure_optimizers", "training_step", "validation_step", "forward")
 OTHER_HOOKS = ("setup", "teardown", "configure_model", "configure_callbacks", "configure_gradient_clipping",
                "optimizer_step", "optimizer_zero_grad", "backward", "lr_scheduler_step", "test_step", "predict_step",
                "train_dataloader", "val_dataloader", "prepare_data", "transfer_batch_to_device")
-
-
-def lightning_base(model: Any) -> Optional[type]:
-    """The LightningModule class `model` derives from (Lightning 2.x, either package name), or None."""
-    return next((c for c in type(model).__mro__ if c.__name__ == "LightningModule" and c.__module__ in BASES), None)
-
-
-def is_lightning_module(model: Any) -> bool:
-    return lightning_base(model) is not None
 
 
 def hooks_not_called(model: Any) -> List[str]:
@@ -55,35 +43,6 @@ def hooks_not_called(model: Any) -> List[str]:
     used = {"predict_step"} if not overrides(model, "forward") else set()  # transform's, without forward()
     return sorted(n for n in names if callable(getattr(base, n, None)) and getattr(type(model), n) is not getattr(base, n)
                   and n not in used)
-
-
-def overrides(model: Any, name: str) -> bool:
-    base = lightning_base(model)
-    return base is not None and getattr(type(model), name, None) is not getattr(base, name, None)
-
-
-class PredictStep(nn.Module):
-    """What transform runs for a LightningModule without forward(): its predict_step over the batch of feature
-    columns (one column: that tensor; several: their tuple), batch_idx 0."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *features: torch.Tensor) -> Any:
-        return call_hook(self.module, "predict_step", features[0] if len(features) == 1 else tuple(features), 0)
-
-
-def for_inference(model: nn.Module) -> nn.Module:
-    """The module transform calls: the model; a LightningModule without forward() through its predict_step; one
-    with neither is refused by name (it trains all the same: a Trainer needs no forward either)."""
-    if not is_lightning_module(model) or overrides(model, "forward"):
-        return model
-    if overrides(model, "predict_step"):
-        return PredictStep(model)
-    raise ValueError(f"{type(model).__name__} has no forward() and no predict_step(): TorchModel.transform calls one "
-                     "of them on the feature columns. Define forward(x) (what a prediction is), or "
-                     "predict_step(batch, batch_idx).")
 
 
 class StandInTrainer:
@@ -164,19 +123,6 @@ def logging_into(module: nn.Module, hook: str) -> Iterator[Logged]:
         del module.log
 
 
-def call_hook(module: nn.Module, name: str, batch: Tuple[torch.Tensor, ...], batch_idx: int) -> Any:
-    """training_step/validation_step with batch_idx when its signature takes one (Lightning 2.x makes it optional)."""
-    hook = getattr(module, name)
-    inner = getattr(hook, "__wrapped__", None)  # fsdp's forward-method wrapper holds the bound method it wraps
-    try:
-        params = inspect.signature(inner if inspect.ismethod(inner) else hook).parameters.values()
-    except (TypeError, ValueError):
-        return hook(batch, batch_idx)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    takes_index = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
-    return hook(batch, batch_idx) if takes_index else hook(batch)
-
-
 class LightningSteps(nn.Module):
     """What DistributedDataParallel wraps: its forward is the module's training_step, so the step's forward
     passes run inside DDP's (which prepares the gradient averaging). Its parameters are the module's."""
@@ -208,66 +154,6 @@ def step_loss(result: Any) -> torch.Tensor:
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
     raise ValueError(f"training_step must return the loss as a scalar tensor, or a dict with 'loss'; it returned "
                      f"{got}{' under loss' if isinstance(result, dict) else ''}.")
-
-
-class LightningObjective(BuiltIn):
-    """training_step's loss and every logged number, per batch, in the sums the loop reduces: the loss times the
-    rows, the rows twice, then per key its value times the rows and the rows of the batches that logged it:
-    training_step's keys, then validation_step's (each key's mean is over the rows of the batches that logged it)."""
-
-    @classmethod
-    def applies(cls, p: Mapping[str, Any]) -> bool:
-        return is_lightning_module(p.get("model"))
-
-    @classmethod
-    def for_rank(cls, spec: Any, objs: Any, model: nn.Module, trainer: "StandInTrainer") -> "LightningObjective":
-        return cls(model, spec.step_metrics, spec.val_metrics, trainer)
-
-    def __init__(self, module: nn.Module, train_keys: Sequence[str], val_keys: Sequence[str],
-                 trainer: StandInTrainer):
-        self.module, self.trainer = module, trainer
-        self.train_keys, self.val_keys = tuple(train_keys), tuple(val_keys)
-        self.layout = Sums.of_loss(pairs=tuple(dict.fromkeys(self.train_keys + self.val_keys)))
-        self.slots = {k: (self.layout.index(metric_slot(k)), self.layout.index(weight_slot(k)))
-                      for k in self.train_keys + self.val_keys}
-
-    def on_batch(self, model: Any, tensors: Tensors, ctx: StepContext) -> Tuple[torch.Tensor, torch.Tensor]:
-        batch = lightning_batch(tensors)
-        rows = int(batch[0].shape[0])
-        self.trainer.update(ctx)
-        hook = "training_step" if ctx.training else "validation_step"
-        with logging_into(self.module, hook) as logged:
-            if ctx.training:
-                loss = step_loss(model(batch, ctx.batch_idx))  # model: DDP over LightningSteps
-            else:
-                call_hook(self.module, hook, batch, ctx.batch_idx)
-                loss = None
-        device = batch[0].device
-        sums = self.layout.zeros(device)
-        sums[1] = sums[2] = rows
-        if loss is not None:
-            sums[0] = loss.detach().double() * rows
-        known = self.train_keys if ctx.training else self.val_keys
-        for name, value in logged.values.items():
-            if ctx.training and name == "loss":
-                continue  # the history's loss is training_step's returned loss
-            if name not in known:
-                raise ValueError(f"{hook} logged {name!r} on rank {ctx.rank} (epoch {ctx.epoch}, batch "
-                                 f"{ctx.batch_idx}), which it did not log on the driver's dry run ({list(known)}): "
-                                 "log the same names in every batch (the history's keys are fixed before training).")
-            total, weight = self.slots[name]
-            sums[total] = value.to(device=device, dtype=torch.float64) * rows
-            sums[weight] = rows
-        return (loss if loss is not None else torch.zeros((), device=device)), sums
-
-    def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
-        """The loss and training_step's keys from training's sums; validation_step's keys (named as it logs them,
-        no 'val_' added) from validation's."""
-        means = self.layout.means_of(train)
-        row = {"loss": means["loss"], **{key: means[key] for key in self.train_keys}}
-        if val is not None:
-            row.update((key, self.layout.means_of(val)[key]) for key in self.val_keys)
-        return row
 
 
 def optimizers_of(module: nn.Module) -> Tuple[torch.optim.Optimizer, Any, Optional[str], str]:

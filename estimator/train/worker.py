@@ -27,7 +27,7 @@ from estimator.train.epochs import Run
 from estimator.train.rank import Rank, Resumed, Schedule
 from estimator.train.schedules import built_in_schedule
 from estimator.train.memory import checkpoint_activations
-from estimator.train.objectives.packed_attention import use_packed_attention
+from estimator.lm.packed_attention import use_packed_attention
 from estimator.train.strategies import STRATEGIES, Strategy
 
 log = logging.getLogger("estimator")

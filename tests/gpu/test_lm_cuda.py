@@ -91,7 +91,7 @@ def test_the_chunked_loss_on_the_gpu_equals_the_plain_loss_in_float32_and_under_
 
     from estimator.core.spec import LMSpec
     from estimator.data.lm import CausalLMTokenize
-    from estimator.train.objectives import chunked_loss
+    from estimator.lm import chunked_loss
     from estimator.train.objectives.tokens import TokenObjective, token_loss
 
     rows = lm_rows(8)
@@ -136,7 +136,7 @@ def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store,
 
     from estimator.core.spec import LMSpec
     from estimator.data.lm import CausalLMTokenize
-    from estimator.train.objectives import packed_attention
+    from estimator.lm import packed_attention
 
     flash = []
     original = packed_attention.flash_rows

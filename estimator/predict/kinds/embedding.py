@@ -1,5 +1,5 @@
 """output_kind 'embedding': a vector per row (array<float>) from a model whose output is hidden states, over one
-text column (estimator.predict.generation.embeddings: a sentence-transformers module's own, else the mean of the
+text column (estimator.lm.generation.embeddings: a sentence-transformers module's own, else the mean of the
 last hidden state over the attention mask)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 
 from estimator.data.text import Tokenize
-from estimator.predict.generation import embeddings
+from estimator.lm.generation import embeddings
 from estimator.predict.inference import model_inputs, predict_numpy
 from estimator.predict.language_checks import (check_max_length, check_text_column, check_vocabulary,
                                                effective_max_length)

@@ -1,5 +1,5 @@
 """output_kind 'generate': the text a causal LM generates for each prompt (or chat), as a string in every output
-column and in prediction_col (estimator.predict.generation.generate_texts: sorted, left-padded batches through
+column and in prediction_col (estimator.lm.generation.generate_texts: sorted, left-padded batches through
 the model's own generate())."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from estimator.core.adapters import can_generate
 from estimator.data.text import Tokenize
-from estimator.predict.generation import generate_texts
+from estimator.lm.generation import generate_texts
 from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_text_column,
                                                check_vocabulary, effective_max_length)
 from estimator.predict.predictor import PREDICTION_FIELD, Added, Predictor, output_fields

@@ -22,7 +22,7 @@ from estimator.predict.kinds.heads import PROBABILITY_FIELD, RAW_FIELD, head_col
 from estimator.predict.language_checks import effective_max_length
 from estimator.predict.predictor import (PREDICTION_FIELD, Added, Predictor, arrow_rows, output_fields,
                                          rows_type)
-from estimator.train.lightning import for_inference
+from estimator.core.lightning_module import for_inference
 
 
 @dataclass(frozen=True, kw_only=True)

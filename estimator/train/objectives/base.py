@@ -7,6 +7,19 @@ from typing import Any, Dict, List, Mapping, Optional
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerBatch
 
+OWN_LOOP = ("train_fn", "train_step", "loss", "loss_constructors")  # params that bring a loss (or loop) of their own
+
+
+def own_loop_param(p: Mapping[str, Any]) -> Optional[str]:
+    """The first param set that brings its own loss or loop (OWN_LOOP), else None: the built-in loop's objective
+    computes the loss."""
+    return next((name for name in OWN_LOOP if p.get(name) is not None), None)
+
+
+def built_in_loop(p: Mapping[str, Any]) -> bool:
+    """The built-in loop trains with an objective's loss: no param brings its own."""
+    return own_loop_param(p) is None
+
 
 class BuiltIn:
     """The defaults of an objective class; `layout` (its sums) is set by each."""

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
-from estimator.train.objectives.base import BuiltIn
-from estimator.train.objectives.tokens import OWN_LOOP, check_packed
+from estimator.lm.logprobs import answer_logps, answer_sums, row_index
+from estimator.train.objectives.base import BuiltIn, built_in_loop
+from estimator.train.objectives.tokens import check_packed
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -115,7 +116,7 @@ class DPO(BuiltIn):
     def applies(cls, p: Mapping[str, Any]) -> bool:
         """objective=DPO(...), in the built-in loop (no loss, train_step or train_fn), over a model that generates
         with a tokenizer."""
-        return (isinstance(p.get("objective"), cls) and all(p.get(n) is None for n in OWN_LOOP)
+        return (isinstance(p.get("objective"), cls) and built_in_loop(p)
                 and p.get("tokenizer") is not None and can_generate(p.get("model")))
 
     @classmethod
@@ -202,32 +203,6 @@ def reference_scores(model: Any, features: Any, labels: torch.Tensor) -> torch.T
             return scores(inner, features, labels)
     finally:
         inner.train(training)
-
-
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor, rows: Any = None) -> torch.Tensor:
-    """Each row's answer scored: its labelled tokens' log-probabilities summed, in float32; `rows`: a packed
-    batch's row of each position and its row count (row_index)."""
-    target = labels[:, 1:]
-    logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
-    return answer_sums(logps * (target != IGNORE), rows)
-
-
-def answer_sums(values: torch.Tensor, rows: Any) -> torch.Tensor:
-    """Per row, the sum of `values` (rows x positions - 1, each position predicting the next token's label); a
-    packed batch's (1 x positions - 1) summed by the row of the token predicted."""
-    if rows is None:
-        return values.sum(dim=1)
-    index, count = rows
-    return torch.zeros(count, dtype=values.dtype, device=values.device).index_add_(0, index[1:], values[0])
-
-
-def row_index(features: Any) -> Any:
-    """A packed batch's (row of each position, rows) (estimator.data.lm.packed: a row starts where its position is
-    0), with no read from the device; None for a batch not packed."""
-    positions = features.get("position_ids") if isinstance(features, dict) else None
-    if positions is None or features.get("cu_seq_lens_q") is None:
-        return None
-    return (positions[0] == 0).cumsum(0) - 1, features["cu_seq_lens_q"].shape[0] - 1
 
 
 def unwrapped(model: Any) -> Any:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-from estimator.train.lightning import LightningObjective
-from estimator.train.losses import Objective
+from estimator.train.objectives.lightning import LightningObjective
+from estimator.train.objectives.base import own_loop_param
+from estimator.train.objectives.classic import Objective
 from estimator.train.objectives.preference import DPO
 from estimator.train.objectives.tokens import TokenObjective
-from estimator.train.steps import StepObjective
+from estimator.train.objectives.step import StepObjective
 
 # In order: the first whose applies(p) is true is the fit's objective (the last applies to every fit).
 OBJECTIVES: Dict[str, Any] = {
@@ -38,8 +39,7 @@ def choose_objective(p: Mapping[str, Any]) -> Any:
     if given is None:
         return chosen
     if chosen is None or not isinstance(given, chosen):
-        overriding = next((n for n in ("train_fn", "train_step", "loss", "loss_constructors") if p.get(n) is not None),
-                          None)
+        overriding = own_loop_param(p)
         raise ValueError(f"objective={given!r} is what the built-in loop trains with, and "
                          + (f"{overriding} is set too: leave {overriding} unset." if overriding else
                             f"the {'model' if p.get('tokenizer') is not None else 'fit'} cannot take it: it "

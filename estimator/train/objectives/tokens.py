@@ -7,7 +7,7 @@ is the batch's *sum* (`weighting = PerWeight`): the gradients are divided by the
 accumulation window over all ranks (estimator.train.weighting), which is what one process would compute over the
 same rows at batch k*b (a mean of the ranks' means would weight a rank's short responses as much as another's
 long ones). The loss is computed chunk by chunk from the last hidden states where that is the model's own loss
-(estimator.train.objectives.chunked_loss: never the vocabulary's logits in float32 at once), else from the
+(estimator.lm.chunked_loss: never the vocabulary's logits in float32 at once), else from the
 forward's logits. torch only, no pyspark."""
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ from estimator.core.adapters import can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE, packed_rows
 from estimator.failures import FailureKind, failure_kind
-from estimator.train.objectives.base import BuiltIn, summarize_means
-from estimator.train.objectives.chunked_loss import chunked_token_loss, hidden_states, output_head
+from estimator.train.objectives.base import BuiltIn, built_in_loop, summarize_means
+from estimator.lm.chunked_loss import chunked_token_loss, hidden_states, output_head
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
 log = logging.getLogger("estimator")
 
-OWN_LOOP = ("loss", "loss_constructors", "train_step", "train_fn")  # params that bring a loss of their own
 
 
 class TokenObjective(BuiltIn):
@@ -47,7 +46,7 @@ class TokenObjective(BuiltIn):
     def applies(cls, p: Mapping[str, Any]) -> bool:
         """The built-in loop (no loss, train_step, train_fn) with a tokenizer, over a model that generates (a
         transformers causal LM, or peft's model around one)."""
-        return (all(p.get(name) is None for name in OWN_LOOP) and p.get("tokenizer") is not None
+        return (built_in_loop(p) and p.get("tokenizer") is not None
                 and can_generate(p.get("model")))
 
     @classmethod
