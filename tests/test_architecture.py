@@ -135,7 +135,7 @@ def test_each_folder_imports_only_the_folders_below_it():
 
 
 LM = "estimator.lm"  # what training and transform both do with a causal LM's tokens
-LM_FUNCTIONS = ("generate_texts", "embeddings", "answer_logps", "answer_sums", "row_index", "chunked_token_loss",
+LM_FUNCTIONS = ("generate_texts", "embeddings", "embed_texts", "answer_logps", "answer_sums", "row_index", "chunked_token_loss",
                 "packed_attention")
 
 

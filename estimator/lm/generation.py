@@ -1,15 +1,11 @@
-"""transform's outputs that are not a forward's numbers: the text a causal LM generates (output_kind='generate')
-and a vector per row from a model whose output is hidden states (output_kind='embedding'). Both run on the
-executors over one Arrow batch at a time, with the model cached per worker (estimator.predict.inference).
+"""The text a causal LM generates for transform's output_kind='generate', on the executors over one Arrow batch
+at a time, with the model cached per worker (estimator.predict.inference).
 
 Generation: the prompts (or chats rendered up to the assistant's turn, estimator.data.lm) sorted by length within
 the batch, so that each generate() call pads little; left-padded (a decoder continues from the last position);
 the model's own generate() with its KV cache, greedy unless generate_kwargs asks for sampling (a 'seed' there
 seeds each call: the same prompts give the same text); at most max_new_tokens, stopping at eos; the new tokens
-decoded without special tokens, back in the rows' order.
-
-Embeddings: the model's `sentence_embedding` when it returns one (a sentence-transformers module), else the mean
-of `last_hidden_state` (or its first output) over the attention mask, in float32. torch only, no pyspark."""
+decoded without special tokens, back in the rows' order. torch only, no pyspark."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -72,24 +68,3 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     result = np.empty(len(texts), dtype=object)
     result[:] = texts
     return result
-
-
-def embeddings(raw: Any, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """One vector per row from a forward's output (see the module's doc)."""
-    found = raw.get("sentence_embedding") if hasattr(raw, "get") else None
-    if isinstance(found, torch.Tensor):
-        return found.float()
-    hidden = getattr(raw, "last_hidden_state", None)
-    if hidden is None:
-        hidden = raw[0] if isinstance(raw, (tuple, list)) else raw.get("last_hidden_state") if hasattr(raw, "get") \
-            else raw
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
-        raise ValueError(f"output_kind='embedding' reads hidden states (batch, tokens, width) from the model's "
-                         f"output; it returned {type(raw).__name__}. Use a model whose output is hidden states (an "
-                         "AutoModel, a sentence-transformers module).")
-    if hidden.dim() == 2:  # already one vector per row
-        return hidden.float()
-    if attention_mask is None:
-        return hidden.float().mean(dim=1)
-    mask = attention_mask.unsqueeze(-1).to(torch.float32)
-    return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)

@@ -1,6 +1,6 @@
 """output_kind 'embedding': a vector per row (array<float>) from a model whose output is hidden states, over one
-text column (estimator.lm.generation.embeddings: a sentence-transformers module's own, else the mean of the
-last hidden state over the attention mask)."""
+text column (estimator.lm.embeddings: a sentence-transformers module's own, else the mean of the last hidden state
+over the attention mask; forwards of texts sorted by tokens, bounded by tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 
 from estimator.data.text import Tokenize
-from estimator.lm.generation import embeddings
+from estimator.lm.embeddings import embed_texts, embeddings
 from estimator.predict.inference import model_inputs, predict_numpy
 from estimator.predict.language_checks import (check_max_length, check_text_column, check_vocabulary,
                                                effective_max_length)
@@ -41,7 +41,9 @@ class Embedding(Predictor):
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
         arrays = model_inputs(columns, self.feature_cols)
-        vectors = predict_numpy(model, arrays, self.batch_size, device, self.tokenize, read=pooled)
+        vectors = embed_texts(model, self.tokenize, arrays[0], self.batch_size, device, read=pooled)
+        if vectors is None:  # a tokenizer of its own: batches of rows in the table's order
+            vectors = predict_numpy(model, arrays, self.batch_size, device, self.tokenize, read=pooled)
         return [arrow_rows(values, pa.float32()) for values in vectors]
 
 
