@@ -49,7 +49,7 @@ def embed_texts(model: Any, tokenize: Any, texts: np.ndarray, batch_size: int, d
     lengths = mask.sum(axis=1)
     width = mask.shape[1]
     left = getattr(tokenize.tokenizer, "padding_side", "right") == "left"
-    found: List[Optional[np.ndarray]] = []
+    found: List[np.ndarray] = []
     with torch.inference_mode():
         for rows in token_batches(lengths, batch_size, budget or EMBED_TOKENS):
             longest = max(int(lengths[rows].max()), 1)
@@ -62,7 +62,7 @@ def embed_texts(model: Any, tokenize: Any, texts: np.ndarray, batch_size: int, d
                 if len(found) <= j:
                     found.append(np.empty((len(texts), values.shape[1]), dtype=np.float32))
                 found[j][rows] = values
-    return [f for f in found if f is not None]
+    return found
 
 
 def embeddings(raw: Any, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
