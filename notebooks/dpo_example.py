@@ -69,7 +69,7 @@ def main(argv=None) -> float:
         optimizer=functools.partial(torch.optim.AdamW, lr=5e-3),
         lr_schedule="linear",
         feature_cols=["prompt"], label_cols=["response"],
-        batch_size=2, epochs=20, max_new_tokens=16, verbose=0,
+        batch_size=2, epochs=40, max_new_tokens=16, verbose=0,
     ).fit(sft_df)
     sft_folder = os.path.join(args.workdir, "sft-merged")
     sft.save_pretrained(sft_folder)
@@ -90,7 +90,7 @@ def main(argv=None) -> float:
             r=16, lora_alpha=32, target_modules="all-linear",
             task_type="CAUSAL_LM",
         ),
-        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        optimizer=functools.partial(torch.optim.AdamW, lr=2e-3),
         objective=DPO(beta=0.1, sft_weight=1.0),
         feature_cols=["prompt"], label_cols=["chosen", "rejected"],
         batch_size=2, epochs=30, max_new_tokens=16,
