@@ -18,7 +18,8 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 from torch import nn
 
 from estimator.core import adapters
-from estimator.core.handle import ModelHandle, built_on_meta, loads_pretrained, on_meta
+from estimator.core.handle import ModelHandle, on_meta
+from estimator.core.recipe import built_on_meta, loads_pretrained
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
 from estimator.core.pickling import dumps

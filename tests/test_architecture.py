@@ -190,6 +190,48 @@ def test_transform_imports_nothing_of_training():
     assert sorted((m, i) for m in side for i in EDGES[m] if _in(i, "estimator.train")) == []
 
 
+RECIPE = "estimator.core.recipe"  # how a model is built: the factory's base, the adapters, the seed
+PRECISION = "estimator.train.precision"  # the precision param's objects
+
+
+def _called(path, names):
+    """The names among `names` the file calls (as a bare name or an attribute)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    return {getattr(n.func, "id", None) or getattr(n.func, "attr", None) for n in ast.walk(tree)
+            if isinstance(n, ast.Call)} & set(names)
+
+
+def test_a_model_is_built_by_one_recipe():
+    """The adapters are put on a base (with_adapters), a factory is built on the meta device (built_on_meta) and the
+    seed is set for both (torch.manual_seed) in estimator.core.recipe only: the ranks, the executors, getModel(),
+    load and the driver all build through ModelRecipe (generation and the loop seed their draws, not a build)."""
+    calls = {m: _called(path, ("with_adapters", "built_on_meta", "manual_seed", "get_peft_model"))
+             for m, path in MODULES.items()}
+    assert calls[RECIPE] >= {"with_adapters", "built_on_meta", "manual_seed"}
+    elsewhere = {m: sorted(found) for m, found in calls.items() if found and m != RECIPE}
+    assert elsewhere == {"estimator.core.adapters": ["get_peft_model"], "estimator.lm.generation": ["manual_seed"],
+                         "estimator.train.loop": ["manual_seed"]}  # the loop seeds each step's dropout
+    users = {m for m in MODULES if RECIPE in IMPORTS[m]}
+    assert {"estimator.core.spec", "estimator.core.handle", "estimator.fit.recipes", "estimator.predict.weights"} <= users
+
+
+def test_the_precision_param_is_read_by_its_objects_only():
+    """No module but the precision objects' compares the param to a value or builds a GradScaler or an autocast;
+    the checks that refuse a value on the driver (fit/) and the FSDP strategy's refusals name it in their text."""
+    def names_value(path):
+        with open(path) as handle:
+            tree = ast.parse(handle.read())
+        values = {"bf16-mixed", "16-mixed"}
+        return any(isinstance(n, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in values
+                                                      for c in [n.left, *n.comparators]) for n in ast.walk(tree))
+
+    assert sorted(m for m, path in MODULES.items() if _in(m, "estimator.train") and m != PRECISION
+                  and (names_value(path) or _called(path, ("GradScaler", "autocast")) - {"autocast"})) == [
+        "estimator.train.strategies.fsdp"]
+    assert sorted(m for m, path in MODULES.items() if "GradScaler" in _called(path, ("GradScaler",))) == [PRECISION]
+
+
 def test_the_top_of_the_package_holds_at_most_ten_modules():
     top = sorted(m for m in MODULES if m.startswith("estimator.") and m.count(".") == 1
                  and not os.path.isdir(os.path.join(ROOT, *m.split("."))))

@@ -272,10 +272,11 @@ def test_a_resumed_16_mixed_run_continues_the_grad_scalers_scale(store, digits, 
     65536 and a fresh growth count would not grow it at all."""
     import dataclasses
 
-    from estimator.train import loop
     from estimator.train.checkpoint import Position, load_checkpoint, save_checkpoint
 
-    monkeypatch.setattr(loop, "SCALED_DEVICES", ("cuda", "cpu"))
+    from estimator.train.precision import F16Mixed
+
+    monkeypatch.setattr(F16Mixed, "devices", ("cuda", "cpu"))
     model = seeded(MLP)
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.05), train_rows=320, val_rows=64,
                      epochs=1, batch=64, precision="16-mixed")
@@ -400,3 +401,23 @@ def test_lr_scheduler_fn_in_lightnings_dict_form_steps_per_step_or_per_epoch(sto
     assert result.optimizer_steps == 10
     steps = 10 if interval == "step" else 2
     assert _checkpoint(store)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** steps)
+
+
+def test_every_precision_the_param_allows_has_its_object_and_no_other():
+    """The precision param (core/param_table, below train/) lists its values by hand; each is a class in
+    estimator.train.precision.PRECISIONS, which the loop, DPO's reference pass and FSDP's sharding ask."""
+    from estimator.core.param_table import ESTIMATOR_PARAMS
+    from estimator.train.precision import PRECISIONS, BF16Mixed, F16Mixed, Precision
+
+    spec = next(s for s in ESTIMATOR_PARAMS if s.name == "precision")
+    assert all(spec.check(name) for name in PRECISIONS) and not spec.check("bf16")
+    assert all(f"'{name}'" in spec.allowed for name in PRECISIONS)
+    cpu = torch.device("cpu")
+    assert [type(PRECISIONS[name](cpu)) for name in ("32", "bf16-mixed")] == [Precision, BF16Mixed]
+    with pytest.raises(ValueError, match="precision='16-mixed' needs CUDA .* rank 3 trains on cpu"):
+        F16Mixed(cpu, rank=3)
+    with BF16Mixed(cpu).autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with Precision(cpu).autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert BF16Mixed.fsdp_policy().param_dtype == torch.bfloat16 and Precision.fsdp_policy().param_dtype is None

@@ -9,21 +9,16 @@ checks read), with the adapters' values. `build()` makes the whole module where 
 user's getModel(). torch, safetensors and peft (for adapters) only, no pyspark."""
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
 
-from estimator.core.adapters import check_trainable, load_trainable, trainable_state, with_adapters
-from estimator.core.meta import meta_tensors, parameters_on_meta
-from estimator.core.quiet import hf_bars_off
-
-log = logging.getLogger("estimator")
-
+from estimator.core.adapters import check_trainable, load_trainable, trainable_state
+from estimator.core.meta import meta_tensors
+from estimator.core.recipe import ModelRecipe
 
 @dataclass(frozen=True, eq=False)
 class ModelHandle:
@@ -63,6 +58,10 @@ class ModelHandle:
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()
 
+    @property
+    def recipe(self) -> ModelRecipe:
+        return ModelRecipe(self.factory, self.peft_config, self.seed)
+
     def state(self) -> Dict[str, torch.Tensor]:
         from safetensors.torch import load
 
@@ -71,11 +70,7 @@ class ModelHandle:
     def _base(self) -> nn.Module:
         """The factory's base with the adapters and their inline trained values, under the run's seed."""
         try:
-            with hf_bars_off(), torch.random.fork_rng(devices=[]):
-                if self.seed is not None:
-                    torch.manual_seed(self.seed)
-                base = self.factory()
-                model = with_adapters(base, self.peft_config)
+            model = self.recipe.build()
         except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with where and what to do
             raise BaseUnavailable(
                 f"The fitted model's base is built where it is needed (each executor for transform) by its model "
@@ -113,31 +108,8 @@ class ModelHandle:
         return built.eval(), optimizer
 
 
-def loads_pretrained(factory: Any) -> bool:
-    """A `functools.partial` of a transformers `from_pretrained` (no device_map of its own): every call gives the
-    same weights, read from a folder, so the model may be built where it is needed instead of sent."""
-    return (isinstance(factory, functools.partial) and getattr(factory.func, "__name__", "") == "from_pretrained"
-            and "device_map" not in factory.keywords)
-
-
 class BaseUnavailable(RuntimeError):
     """A handle's factory failed to build the base where the model is needed (an executor, getModel())."""
-
-
-def built_on_meta(factory: Callable[[], Any]) -> Any:
-    """`factory()` with every parameter it registers on the meta device. A `functools.partial` of a transformers
-    `from_pretrained` is also told `device_map="meta"`: transformers then reads no tensor at all (else it reads
-    each and casts it to the dtype asked before the parameter goes to meta: a float32 folder loaded with
-    dtype=torch.bfloat16 took 1.3x its weights on the driver)."""
-    meta_map = loads_pretrained(factory)
-    with hf_bars_off(), parameters_on_meta():
-        if meta_map:
-            try:
-                return factory(device_map="meta")
-            except (TypeError, ValueError, ImportError) as exc:  # a from_pretrained that takes no device_map
-                log.debug("from_pretrained(device_map='meta') failed (%s): built with its parameters moved to meta",
-                          exc)
-        return factory()
 
 
 def with_values(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:

@@ -204,13 +204,13 @@ class UserObjects:
             state["model"] = None
         return state
 
-    def module(self) -> Any:
-        """The model to train: the instance sent, or, where only the factory came (a rank), the factory's, built
-        now (a rank calls this once)."""
+    def module(self, seed: Optional[int] = None) -> Any:
+        """The model to train: the instance sent, or, where only the factory came (a rank), the factory's with
+        its adapters, built now under the run's `seed` (a rank calls this once)."""
         if self.model is None:
-            from estimator.core.adapters import with_adapters
+            from estimator.core.recipe import ModelRecipe
 
-            return with_adapters(self.model_factory(), self.peft_config)
+            return ModelRecipe(self.model_factory, self.peft_config, seed).build()
         return self.model
 
     def build_losses(self) -> List[Any]:

@@ -63,8 +63,8 @@ def check_params(p: Mapping[str, Any], objective: Any) -> None:
     check_schedule(p)
     n_features, n_labels = len(p["feature_cols"]), len(p["label_cols"])
     if p["packing"] and not language_model(objective):
-        raise ValueError(f"packing=True packs a causal LM's tokenized rows (a prompt/response, chat or text column "
-                         f"with a model that generates and its tokenizer, the built-in loop); this fit is not one. "
+        raise ValueError("packing=True packs a causal LM's tokenized rows (a prompt/response, chat or text column "
+                         "with a model that generates and its tokenizer, the built-in loop); this fit is not one. "
                          "Leave packing=False.")
     own = "train_fn" if p["train_fn"] is not None else "train_step" if p["train_step"] is not None else None
     lm = language_model(objective)  # a causal LM's fine-tuning: its loss is the next-token loss over its tokens

@@ -10,12 +10,11 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from estimator.core.adapters import check_peft_config, with_adapters
-from estimator.core.handle import built_on_meta
+from estimator.core.adapters import check_peft_config
 from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
-from estimator.core.quiet import hf_bars_off
+from estimator.core.recipe import ModelRecipe
 
 OWNER = "TorchEstimator"
 
@@ -36,8 +35,7 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
     try:
-        with hf_bars_off():
-            built = value() if whole else built_on_meta(value)
+        built = ModelRecipe(value).base(on_meta=not whole)
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
                          "build the module: once on the driver (its checks and dry run), then on every rank. On the "
@@ -80,4 +78,5 @@ def with_peft(model: nn.Module, factory: Any, config: Any, weights_folder: Optio
         raise ValueError("peft_config trains the adapters only, so the optimizer must be built over them on each "
                          "rank: pass it as a callable, optimizer=functools.partial(torch.optim.AdamW, lr=2e-4), not "
                          "an optimizer built over the base model's parameters.")
-    return with_adapters(model if factory is not None else copy.deepcopy(model), config)
+    source = model if factory is not None else copy.deepcopy(model)
+    return ModelRecipe(lambda: source, config).build()

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import is_adapted, trainable_names
-from estimator.core.handle import built_on_meta, with_values
+from estimator.core.handle import with_values
+from estimator.core.recipe import ModelRecipe
 from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
@@ -123,17 +124,13 @@ def standalone_base(fs: Any, root: str) -> Optional[Callable[[], nn.Module]]:
     return functools.partial(class_named(kind["base_class"]).from_pretrained, folder)
 
 
-def base_model(factory: Callable[[], nn.Module], root: str, meta: bool = False, seed: Optional[int] = None
-               ) -> nn.Module:
+def factory_model(factory: Callable[[], nn.Module], root: str, meta: bool = False, seed: Optional[int] = None,
+                  peft_config: Any = None) -> nn.Module:
     """The base a saved model's adapters go on, built by the fit's model factory (the adapters alone are saved),
-    under the seed the ranks built it under; `meta`: its parameters on the meta device (estimator.core.handle)."""
+    under the seed the ranks built it under, with the adapters of `peft_config` (their values not yet read);
+    `meta`: its parameters on the meta device (estimator.core.handle)."""
     try:
-        if meta:
-            return built_on_meta(factory)
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            return factory()
+        return ModelRecipe(factory, peft_config, seed).build(on_meta=meta)
     except Exception as exc:  # noqa: BLE001 - whatever the factory raised, said with what to do
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
@@ -159,9 +156,10 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
             from peft import PeftModel
 
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
-            model = adapted_skeleton(base_model(factory, root, meta=True), local)
+            model = adapted_skeleton(factory_model(factory, root, meta=True, peft_config=saved_adapters(local)),
+                                     local)
             if model is None:  # adapters peft names otherwise (modules_to_save...): the base built whole
-                model = PeftModel.from_pretrained(base_model(factory, root, seed=seed), local, is_trainable=True)
+                model = PeftModel.from_pretrained(factory_model(factory, root, seed=seed), local, is_trainable=True)
         elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)
@@ -188,16 +186,21 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
     return model, rebuild_optimizer(cls, saved["groups"], saved["defaults"], saved["state"], model)
 
 
-def adapted_skeleton(base: nn.Module, folder: str) -> Optional[nn.Module]:
-    """The adapters of peft's `folder` on a base on the meta device, their values read (a few MB; the base's
-    weights are read where the model is built: estimator.core.handle); None when a saved name is not the
-    trainable parameter's name less its adapter's (`.default`), as peft saves LoRA's."""
-    from peft import PeftConfig, get_peft_model
-    from peft.utils import load_peft_weights
+def saved_adapters(folder: str) -> Any:
+    """The config of the adapters saved in peft's `folder`, to train (not peft's inference mode)."""
+    from peft import PeftConfig
 
     config = PeftConfig.from_pretrained(folder)
     config.inference_mode = False
-    model = get_peft_model(base, config)
+    return config
+
+
+def adapted_skeleton(model: nn.Module, folder: str) -> Optional[nn.Module]:
+    """`model` (a base on the meta device with the adapters of peft's `folder`) given the adapters' values saved
+    there (a few MB; the base's weights are read where the model is built: estimator.core.handle); None when a
+    saved name is not the trainable parameter's name less its adapter's (`.default`), as peft saves LoRA's."""
+    from peft.utils import load_peft_weights
+
     saved = load_peft_weights(folder, device="cpu")
     names = {name: re.sub(r"\.default(?=\.)", "", name) for name in trainable_names(model)}
     if sorted(names.values()) != sorted(saved):

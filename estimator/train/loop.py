@@ -24,12 +24,11 @@ from estimator.train.checkpoint import Position
 from estimator.train.copy_ahead import copied_ahead
 from estimator.train.distributed import RankContext
 from estimator.train.finite import FiniteCheck
+from estimator.train.precision import precision_of
 from estimator.train.steps import StepContext
 from estimator.train.sums import LOSS, ROWS, WEIGHT
 
 log = logging.getLogger("estimator")
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # precision -> the forwards' autocast dtype
-SCALED_DEVICES = ("cuda",)  # where precision='16-mixed' runs (tests add "cpu": torch has a CPU GradScaler)
 
 
 class TrainLoop:
@@ -48,13 +47,8 @@ class TrainLoop:
         self.objective, self.faults, self.attempt, self.checkpoint = objective, faults, attempt, checkpoint
         self.on_step, self.after_step = on_step, after_step
         self.device = torch.device(ctx.device)
-        if spec.precision == "16-mixed" and self.device.type not in SCALED_DEVICES:
-            raise ValueError(f"precision='16-mixed' needs CUDA (float16 autocast with a GradScaler) but rank "
-                             f"{ctx.rank} trains on {ctx.device}. Use precision='bf16-mixed' on CPUs, or GPUs.")
-        self.autocast_dtype = AUTOCAST.get(spec.precision)
-        self.scaler = torch.amp.GradScaler(self.device.type) if spec.precision == "16-mixed" else None
-        if self.scaler is not None and scaler_state:
-            self.scaler.load_state_dict(scaler_state)
+        # autocast, the backward, the step (a GradScaler's for 16-mixed): the precision param's object
+        self.precision = precision_of(spec.precision)(self.device, ctx.rank, scaler_state)
         self.global_step = global_step  # optimizer steps over the whole run (carried over a resume)
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
         self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
@@ -85,8 +79,7 @@ class TrainLoop:
                     loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
                         step_ctx, batch_idx=step, global_step=self.global_step))
                 self.finite.loss(loss, epoch, step)
-                scaled = weighting.scale(loss)
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                self.precision.backward(weighting.scale(loss))
             sums += batch_sums
             weighting.add(batch_sums)
             if self.steps_report is not None:
@@ -112,20 +105,20 @@ class TrainLoop:
         self.global_step += 1
 
     def autocast(self) -> Any:
-        return autocast(self.device, self.spec.precision)
+        return self.precision.autocast()
+
+    @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        """16-mixed's GradScaler (its state goes into the checkpoints), else None."""
+        return self.precision.scaler
 
     def step(self) -> None:
         """One optimizer step: gradients unscaled (16-mixed), the global norm clipped (gradient_clip_val; every
         rank holds the same averaged gradients, so every rank clips alike), then the step."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        self.precision.unscale(self.optimizer)
         if self.spec.gradient_clip_val is not None:
             self.strategy.clip(self.ddp, self.spec.gradient_clip_val)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.precision.step(self.optimizer)
 
     def seed(self, value: int) -> None:
         """This device's generator only: torch.manual_seed seeds every backend and took 200 us a step here."""
@@ -188,12 +181,6 @@ class StepReport:
             self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
         except Exception:  # noqa: BLE001 - progress only
             log.debug("could not write the step progress", exc_info=True)
-
-
-def autocast(device: torch.device, precision: str) -> Any:
-    """The forwards' autocast context of a precision ('bf16-mixed', '16-mixed'), else none."""
-    dtype = AUTOCAST.get(precision)
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def reduce_sums(sums: torch.Tensor) -> List[float]:

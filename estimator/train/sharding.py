@@ -14,6 +14,7 @@ from torch import nn
 from estimator.core.adapters import is_adapted
 from estimator.core.meta import found_keys
 from estimator.core.spec import compile_options
+from estimator.train.precision import precision_of
 
 DEFAULT_UNITS = "the items of every nn.ModuleList (a transformer's blocks), then the whole model"
 # A LightningModule's steps call its submodules (or self(...)) from these methods, not only from forward.
@@ -34,16 +35,6 @@ def unit_modules(model: nn.Module, rule: Any = None) -> List[nn.Module]:
         picked = lambda m: bool(rule(m))  # noqa: E731
     return [m for m in reversed(list(model.modules()))
             if m is not model and picked(m) and any(True for _ in m.parameters())]
-
-
-def mixed_precision(precision: str) -> Any:
-    """precision='bf16-mixed' as FSDP's policy: parameters gathered and computed in bfloat16, gradients reduced and
-    the sharded master weights kept in float32 (the loop's autocast still runs the loss in float32)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
 
 
 def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, world_size: int,
@@ -73,7 +64,7 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     # names whatever this process's rank in it was - an earlier fit's cache would give this fit's DTensors that
     # fit's mesh, and so that rank's offsets (seen: a head's bias checkpointed with its halves swapped).
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"ranks-{uuid.uuid4().hex[:12]}",))
-    policy = mixed_precision(precision)
+    policy = precision_of(precision).fsdp_policy()
     if policy.param_dtype is not None and is_adapted(model):
         frozen_in(model, policy.param_dtype)
     units = unit_modules(model, rule)

@@ -16,7 +16,6 @@ from torch import nn
 
 from estimator.core.faults import Fault
 from estimator.core.pickling import optimizer_from_factory, rebuild_optimizer
-from estimator.core.quiet import hf_bars_off
 from estimator.core.spec import TrainSpec, UserObjects, WorkerResult
 from estimator.data.plan import optimizer_steps
 from estimator.data.shards import EarlyRead
@@ -38,9 +37,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     """Train this rank; `early` holds its shards when the launcher started opening them already."""
     started = time.perf_counter()
     objs: UserObjects = pickle.loads(spec.payload)
-    with torch.random.fork_rng(devices=[]), hf_bars_off():  # the factory's and adapters' draws: the run's seed's
-        torch.manual_seed(spec.seed)
-        model = objs.module()  # a model_factory builds it here, on the rank (with its adapters: peft_config)
+    model = objs.module(spec.seed)  # a model_factory builds it here, on the rank (with its adapters: peft_config)
     if spec.gradient_checkpointing:
         log.debug("rank %d: activations recomputed in backward (%s)", ctx.rank,
                   checkpoint_activations(model, objs.shard_units))

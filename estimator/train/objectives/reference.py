@@ -23,7 +23,7 @@ from estimator.data.arrays import prepare_arrays, to_tensors, tensors_to
 from estimator.data.frames import transform_batch
 from estimator.data.lm import CausalLMTokenize
 from estimator.data.parquet import Span, read_span
-from estimator.train.loop import autocast
+from estimator.train.precision import precision_of
 from estimator.data.reference import (ReferenceTable, is_complete, mark_complete, pair_keys, reference_folder,
                                       write_part)
 
@@ -115,7 +115,7 @@ class Scorer:
 
     def scored(self, arrays: Any) -> np.ndarray:
         tensors = tensors_to(to_tensors(self.tokenize(arrays), self.spec.data), self.device)
-        with torch.no_grad(), autocast(self.device, self.spec.precision):
+        with torch.no_grad(), precision_of(self.spec.precision)(self.device).autocast():
             out = self.logps(self.model, tensors.features, tensors.labels[0])
         return out.double().cpu().numpy()
 
