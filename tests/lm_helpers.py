@@ -66,7 +66,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
         pq.write_table(table, store.path(name, "part.parquet"), row_group_size=16)
         return list_pieces(store, store.path(name))
 
-    pairs = objective is not None
+    pairs = objective is not None and objective.preference  # else an objective of prompt/response rows
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
     stored = pairs and objective.reference_for(peft_config is not None) == "precomputed"
     lm = (LMSpec("chat", packed=packed) if chat else

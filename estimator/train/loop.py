@@ -73,11 +73,12 @@ class TrainLoop:
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
             self.seed(base + step)
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
+            this_ctx = dataclasses.replace(step_ctx, batch_idx=step, global_step=self.global_step)
+            batch = self.objective.prepare(self.generation, batch, this_ctx)  # before the weighting counts it
             weighting.begin(self.objective, batch)
             with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none while accumulating
                 with self.autocast():
-                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, dataclasses.replace(
-                        step_ctx, batch_idx=step, global_step=self.global_step))
+                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, this_ctx)
                 self.finite.loss(loss, epoch, step)
                 self.precision.backward(weighting.scale(loss))
             sums += batch_sums
@@ -134,13 +135,19 @@ class TrainLoop:
         sums = self.objective.layout.zeros(self.device)
         step_ctx = self.step_context(epoch, training=False)
         ready = self.strategy.validation(b for b, _ in self.on_device(batches))
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad():
             for index, (batch, own) in enumerate(ready):
-                batch_sums = self.objective.on_batch(model, batch, dataclasses.replace(
-                    step_ctx, batch_idx=index, global_step=self.global_step))[1]
+                this_ctx = dataclasses.replace(step_ctx, batch_idx=index, global_step=self.global_step)
+                batch = self.objective.prepare(self.generation, batch, this_ctx)
+                with self.autocast():
+                    batch_sums = self.objective.on_batch(model, batch, this_ctx)[1]
                 if own:
                     sums += batch_sums
         return sums
+
+    def generation(self) -> Any:
+        """The strategy's context for generating inside training (an objective's prepare)."""
+        return self.strategy.generation(self.ddp)
 
     def step_context(self, epoch: int, training: bool) -> StepContext:
         return StepContext(self.ctx.rank, self.ctx.world_size, self.device, epoch + 1, training)

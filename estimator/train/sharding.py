@@ -78,10 +78,12 @@ def shard(model: nn.Module, rule: Any, precision: str, device: torch.device, wor
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if meta:
         _read_shards(model, meta, weights_folder, device, kept, buffers)
-    if lightning:  # the whole model's own parameters are gathered around its steps as around forward
-        for method in LIGHTNING_METHODS:
-            if callable(getattr(model, method, None)):
-                register_fsdp_forward_method(model, method)
+    # the whole model's own methods that run forwards go through its hooks as forward does: a LightningModule's
+    # steps, and generate (a first call then initializes the root, not the first unit it reaches; an objective's
+    # prepare samples through it inside Strategy.generation, where the units stay gathered)
+    for method in (*LIGHTNING_METHODS, "generate") if lightning else ("generate",):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
     return len(units) + 1
 
 

@@ -2,7 +2,7 @@
 mean, the model's outputs in transform, no language model's rows, and the history read from its sums' means."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
 
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerBatch
@@ -59,6 +59,14 @@ class BuiltIn:
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "BuiltIn":
         """The objective a rank trains with (estimator.train.epochs.Run)."""
         raise NotImplementedError
+
+    def prepare(self, generation: Callable[[], ContextManager[Any]], batch: Any, ctx: Any) -> Any:
+        """The batch the loss is computed on, made from the batch read (estimator.train.loop): run before the token
+        weighting counts it and outside autocast and no_sync, in training and in validation. `generation()`: the
+        strategy's context giving the whole module to generate with (Strategy.generation: eval mode, no gradients,
+        a sharded model's parameters gathered); `ctx`: the step's StepContext. A sampling objective adds its
+        completions here; by default the batch as read."""
+        return batch
 
     def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
         """The epoch's history row: the means of the sums reduced over the ranks, then validation's as val_."""

@@ -84,6 +84,22 @@ class Strategy:
         """This rank's gradients, as tensors it may scale in place."""
         return [p.grad for p in trained.parameters() if p.grad is not None]
 
+    @contextlib.contextmanager
+    def generation(self, trained: nn.Module) -> Iterator[nn.Module]:
+        """The whole module to generate with inside training (an objective's `prepare`: GRPO's completions), as
+        TRL's unwrap_model_for_generation gives it: what `trained` wraps (DDP's module, torch.compile's original),
+        in eval mode and without gradients; its mode restored after. Each rank may generate as many tokens as its
+        rows need (a sharded model's ranks are kept in step by transformers' generate itself: synced_gpus)."""
+        module = getattr(trained, "module", trained)
+        module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: its attributes (generate) are the
+        was_training = module.training  # module's, and a fresh compile per generated length is not wanted
+        module.eval()
+        try:
+            with torch.no_grad():
+                yield module
+        finally:
+            module.train(was_training)
+
     def remember(self, batch: Any) -> None:
         """A training batch seen (a lockstep's stand-in for a rank out of validation batches)."""
 

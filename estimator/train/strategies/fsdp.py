@@ -103,6 +103,31 @@ class FSDP(DDP):
         return [getattr(p.grad, "_local_tensor", p.grad)  # this rank's shard of a DTensor
                 for p in trained.parameters() if p.grad is not None]
 
+    @contextlib.contextmanager
+    def generation(self, trained: nn.Module) -> Iterator[nn.Module]:
+        """Sharded: every unit's parameters gathered once (the ranks together, in the modules' order) and kept
+        gathered through the forwards: no all-gather per generated token (21 for 10 tokens of a 2-layer model
+        otherwise); resharded after, each unit's reshard_after_forward as it was sharded (the root's False)."""
+        if not self.sharded:
+            with super().generation(trained) as module:
+                yield module
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        root = trained.module
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        with super().generation(trained) as module:
+            for unit in units:
+                unit.unshard()
+                unit.set_reshard_after_forward(False, recurse=False)
+            try:
+                yield module
+            finally:
+                for unit in units:
+                    unit.reshard()
+                    unit.set_reshard_after_forward(unit is not root and self.spec.reshard_after_forward,
+                                                   recurse=False)
+
     def remember(self, batch: Any) -> None:
         if self.lockstep and self.stand_in is None:
             self.stand_in = batch
