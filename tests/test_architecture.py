@@ -232,6 +232,34 @@ def test_the_precision_param_is_read_by_its_objects_only():
     assert sorted(m for m, path in MODULES.items() if "GradScaler" in _called(path, ("GradScaler",))) == [PRECISION]
 
 
+def _names(path):
+    """Every identifier the file's code uses or defines (names, attributes, imports, classes, functions)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            found.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            found.add(n.attr)
+        elif isinstance(n, (ast.ClassDef, ast.FunctionDef)):
+            found.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            found |= {a.asname or a.name for a in n.names}
+    return found
+
+
+def test_dpo_is_named_only_in_its_module_the_registry_and_the_exports():
+    """The fit asks the objective (check_fit, reference_table, preference) what DPO needs: no other module names
+    DPO or its reference's settings."""
+    dpo = ("DPO", "reference_for", "reference_key", "REFERENCES", "precompute")
+    homes = {m: sorted(set(dpo) & _names(path)) for m, path in MODULES.items()}
+    assert {m: names for m, names in homes.items() if names} == {
+        "estimator": ["DPO"], f"{OBJECTIVES}.registry": ["DPO"],
+        f"{OBJECTIVES}.preference": ["DPO", "REFERENCES", "precompute", "reference_for", "reference_key"],
+        f"{OBJECTIVES}.reference": ["precompute", "reference_key"]}
+
+
 def test_the_top_of_the_package_holds_at_most_ten_modules():
     top = sorted(m for m in MODULES if m.startswith("estimator.") and m.count(".") == 1
                  and not os.path.isdir(os.path.join(ROOT, *m.split("."))))

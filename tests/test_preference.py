@@ -303,7 +303,7 @@ def test_a_model_saved_again_to_its_folder_names_a_table_of_its_own(llama, token
     from transformers import AutoModelForCausalLM
 
     from estimator.core.recipe import built_on_meta
-    from estimator.fit.language import reference_key
+    from estimator.train.objectives.reference import reference_key
 
     folder = str(tmp_path / "sft")
     shutil.copytree(llama, folder)

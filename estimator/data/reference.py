@@ -5,7 +5,7 @@ lookup runs where the rows are tokenized (estimator.data.lm).
 A pair is keyed by its content: a 64-bit hash of its prompt, chosen and rejected values as the tokenizer is given
 them (after transformation_fn), so the table holds for those rows however they are sharded, shuffled or resumed, on
 any number of ranks. The table lies beside the materialized rows it was computed for, under the key of the model,
-tokenizer and settings that computed it (estimator.fit.language.reference_key): a later fit of the same rows with
+tokenizer and settings that computed it (estimator.train.objectives.reference.reference_key): a later fit of the same rows with
 the same reference finds it, as does a retry. Each rank writes its part; a marker written after every part names
 the table complete."""
 from __future__ import annotations

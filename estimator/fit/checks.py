@@ -13,7 +13,7 @@ from estimator.core.params import param_error
 from estimator.core.spec import compile_options
 from estimator.core.stopping import Monitor, default_mode, default_monitor
 from estimator.fit.language import check_lm_params, string_label_error
-from estimator.fit.strategy import check_strategy
+from estimator.fit.strategy import check_strategy, strategy_class
 from estimator.core.lightning_module import is_lightning_module
 from estimator.train.losses import check_metrics, takes_labels
 from estimator.train.objectives.classic import Objective
@@ -114,6 +114,8 @@ def check_params(p: Mapping[str, Any], objective: Any) -> None:
             raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
     check_compile(p["compile"], p["model"])
     check_strategy(p)
+    if objective is not None:  # what the objective itself refuses (DPO: where its reference comes from)
+        objective.check_fit(p, strategy_class(p).shards_checkpoints)
     if p["precision"] == "16-mixed" and p["use_gpu"] is False:
         raise ValueError(f"{OWNER} cannot train with precision='16-mixed' and use_gpu=False: float16 autocast with a "
                          "GradScaler needs CUDA. Use precision='bf16-mixed' on CPUs.")

@@ -7,21 +7,15 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
-import hashlib
-import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-import cloudpickle
 import numpy as np
-import torch
 from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
-from estimator.core.adapters import base_config
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.text import length_limit
-from estimator.fit.strategy import strategy_class
 from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
@@ -30,7 +24,6 @@ from estimator.train.objectives.base import built_in_loop
 CHAT_FIELDS = ("role", "content")
 CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
-REFERENCE_FORMAT = 1  # of the precomputed reference's table (estimator.data.reference)
 
 
 def string_label_error(column: str, p: Dict[str, Any]) -> str:
@@ -110,9 +103,9 @@ def message_fields(column: str, dtype: Any, p: Mapping[str, Any]) -> Any:
 
 
 def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
-    """Preference pairs (objective=DPO(...)): a prompt column and two label columns, the chosen answer's and the
-    rejected one's, three strings or three message lists; where the reference comes from (the adapters off, a
-    table computed before training and named by reference_key, a frozen copy) refused by name where it cannot."""
+    """Preference pairs (an objective whose `preference` is true): a prompt column and two label columns, the
+    chosen answer's and the rejected one's, three strings or three message lists; the table of reference
+    log-probabilities the objective names (objective.reference_table), if any."""
     objective, features, labels = p["objective"], list(p["feature_cols"]), list(p["label_cols"])
     if len(features) != 1 or len(labels) != 2:
         raise ValueError(f"objective={objective!r} reads preference pairs: feature_cols=['prompt'] (one string "
@@ -129,64 +122,12 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
                              + ".")
         if chat:
             message_fields(column, dtype, p)
-    reference = objective.reference_for(p["peft_config"] is not None)
-    for name, value, why in (("peft_config", reference == "adapters" and p["peft_config"] is None,
-                              "reference='adapters' is the trained model with its adapters off: set peft_config "
-                              "(LoraConfig(task_type='CAUSAL_LM')), or leave reference unset (computed once before "
-                              "training, 'precomputed')"),
-                             ("data_mode", reference == "precomputed" and p["data_mode"] == "direct",
-                              "the precomputed reference log-probabilities are kept beside the materialized rows in "
-                              "the store: set data_mode='materialize', or reference='copy'"),
-                             ("strategy", reference == "copy" and strategy_class(p).shards_checkpoints, "a frozen "
-                              "copy of a sharded model is not built: leave reference unset (precomputed before "
-                              "training)"),
-                             ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
-                              "their own tokens"),
-                             ("chat_tools", bool(p["chat_tools"]) and not all(chats), "the rows are strings, and "
-                              "tools are given to the chat template with message lists")):
-        if value:
-            raise ValueError(f"objective={objective!r} with {name}={p[name]!r}: {why}.")
+    if p["chat_tools"] and not all(chats):
+        raise ValueError(f"objective={objective!r} with chat_tools={p['chat_tools']!r}: the rows are strings, and "
+                         "tools are given to the chat template with message lists.")
     return LMSpec(features[0], labels[0], rejected=labels[1], messages=all(chats),
                   tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
-                  reference=reference_key(p) if reference == "precomputed" else None, packed=packing(p))
-
-
-def reference_key(p: Mapping[str, Any]) -> str:
-    """What names a precomputed reference's table (estimator.data.reference): the model's factory as pickled (or a
-    module's weights), the tokenizer, and what changes the log-probabilities (max_length, precision, a weights
-    folder). A factory's model read from a local folder (its config's name_or_path) adds the folder's files, by
-    name, size and modification time: a model saved again under the same name gets a table of its own. A change
-    the key does not see (a hub model's new revision) is caught by the ranks, which check the table against a
-    forward before using it."""
-    digest = hashlib.blake2b(digest_size=12)
-    if p["model_factory"] is not None:
-        digest.update(cloudpickle.dumps(p["model_factory"]))
-        digest.update(repr(_folder_files(p["model"])).encode())
-    else:
-        model = p["model"]
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        for name, tensor in base.state_dict().items():
-            if "lora_" not in name:  # the adapters are new in each fit, and off in the reference
-                digest.update(name.encode())
-                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    digest.update(cloudpickle.dumps(p["tokenizer"]))
-    digest.update(repr((p["max_length"], p["precision"], p["weights_folder"], REFERENCE_FORMAT)).encode())
-    return digest.hexdigest()
-
-
-def _folder_files(model: Any) -> list:
-    """(path, size, mtime) of each file of the local folder a Hugging Face model was read from; [] for none."""
-    folder = getattr(base_config(model), "name_or_path", None)
-    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
-        return []
-    found = []
-    for root, dirs, names in os.walk(folder):
-        dirs.sort()
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            stat = os.stat(path)
-            found.append((os.path.relpath(path, folder), stat.st_size, stat.st_mtime_ns))
-    return found
+                  reference=objective.reference_table(p), packed=packing(p))
 
 
 def packing(p: Mapping[str, Any]) -> bool:

@@ -51,6 +51,18 @@ class BuiltIn:
         return [m.key for m in layout.means] if isinstance(layout, Sums) else None
 
     @classmethod
+    def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
+        """The params this objective refuses for this fit, by name, on the driver before any job (`p`: the
+        validated params, `p["objective"]` the objective param's instance if one was given;
+        `shards_checkpoints`: the strategy keeps a folder of shards): nothing, by default."""
+
+    @classmethod
+    def reference_table(cls, p: Mapping[str, Any]) -> Optional[str]:
+        """The name of a table the ranks compute before training and read with the rows (DPO's precomputed
+        reference log-probabilities, estimator.data.reference), else None."""
+        return None
+
+    @classmethod
     def before_training(cls, spec: Any, ctx: Any, objs: Any, model: Any) -> None:
         """What a rank does with the model as built and placed, before a checkpoint is restored into it and before
         any step (estimator.train.worker): nothing, by default."""

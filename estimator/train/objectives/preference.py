@@ -123,9 +123,40 @@ class DPO(BuiltIn):
     def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
         return [m.key for m in cls.layout.means]
 
-    def before_training(self, spec: Any, ctx: Any, objs: Any, model: Any) -> None:
+    @classmethod
+    def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
+        """Where this fit's reference comes from (`p["objective"]`: the DPO given), refused by name where it cannot:
+        the adapters off without adapters, a table beside rows never materialized, a copy of a sharded model."""
+        self, reference = p["objective"], p["objective"].reference_for(p["peft_config"] is not None)
+        for name, value, why in (("peft_config", reference == "adapters" and p["peft_config"] is None,
+                                  "reference='adapters' is the trained model with its adapters off: set peft_config "
+                                  "(LoraConfig(task_type='CAUSAL_LM')), or leave reference unset (computed once "
+                                  "before training, 'precomputed')"),
+                                 ("data_mode", reference == "precomputed" and p["data_mode"] == "direct",
+                                  "the precomputed reference log-probabilities are kept beside the materialized rows "
+                                  "in the store: set data_mode='materialize', or reference='copy'"),
+                                 ("strategy", reference == "copy" and shards_checkpoints, "a frozen copy of a "
+                                  "sharded model is not built: leave reference unset (precomputed before training)"),
+                                 ("completion_only_loss", not p["completion_only_loss"], "the answers are scored on "
+                                  "their own tokens")):
+            if value:
+                raise ValueError(f"objective={self!r} with {name}={p[name]!r}: {why}.")
+
+    @classmethod
+    def reference_table(cls, p: Mapping[str, Any]) -> Optional[str]:
+        """The name of the table of reference log-probabilities the ranks compute before training and read with
+        the rows ('precomputed': reference_key), else None."""
+        from estimator.train.objectives.reference import reference_key
+
+        precomputed = p["objective"].reference_for(p["peft_config"] is not None) == "precomputed"
+        return reference_key(p) if precomputed else None
+
+    @classmethod
+    def before_training(cls, spec: Any, ctx: Any, objs: Any, model: Any) -> None:
         """The reference, from the model as built (before any step or restored checkpoint): its log-probabilities
-        computed into the store ('precomputed'), or a frozen copy of it ('copy')."""
+        computed into the store ('precomputed'), or a frozen copy of it ('copy'), kept by the DPO given
+        (`objs.objective`, which for_rank hands to the loop)."""
+        self = objs.objective
         mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
         if mode == "precomputed":
             from estimator.train.objectives.reference import precompute
@@ -134,7 +165,9 @@ class DPO(BuiltIn):
         elif mode == "copy":
             self._copy = copy.deepcopy(model).eval().requires_grad_(False)
 
-    def for_rank(self, spec: Any, objs: Any, model: Any, trainer: Any) -> "DPO":  # the user's instance, as given
+    @classmethod
+    def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "DPO":
+        self = objs.objective  # the user's instance, as given (with before_training's copy)
         mode = self.reference_for(hasattr(unwrapped(model), "disable_adapter"))
         if mode == "adapters" and not hasattr(unwrapped(model), "disable_adapter"):
             raise ValueError(f"{self!r} takes its reference model as the trained model with its adapters off: set "

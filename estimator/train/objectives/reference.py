@@ -10,14 +10,19 @@ rank then checks it against a forward of its first batch, so that a model folder
 found, not trained against."""
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Mapping, Tuple
+
+import cloudpickle
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from estimator.core.adapters import base_config
 from estimator.core.spec import TrainSpec
 from estimator.data.arrays import prepare_arrays, to_tensors, tensors_to
 from estimator.data.frames import transform_batch
@@ -28,7 +33,46 @@ from estimator.data.reference import (ReferenceTable, is_complete, mark_complete
                                       write_part)
 
 log = logging.getLogger("estimator")
+REFERENCE_FORMAT = 1  # of the precomputed reference's table (estimator.data.reference)
 CHECK_ATOL, CHECK_RTOL = 0.05, 1e-3  # a stored log-probability agrees with a forward of the same batch
+
+
+def reference_key(p: Mapping[str, Any]) -> str:
+    """What names a precomputed reference's table (estimator.data.reference): the model's factory as pickled (or a
+    module's weights), the tokenizer, and what changes the log-probabilities (max_length, precision, a weights
+    folder). A factory's model read from a local folder (its config's name_or_path) adds the folder's files, by
+    name, size and modification time: a model saved again under the same name gets a table of its own. A change
+    the key does not see (a hub model's new revision) is caught by the ranks, which check the table against a
+    forward before using it."""
+    digest = hashlib.blake2b(digest_size=12)
+    if p["model_factory"] is not None:
+        digest.update(cloudpickle.dumps(p["model_factory"]))
+        digest.update(repr(_folder_files(p["model"])).encode())
+    else:
+        model = p["model"]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for name, tensor in base.state_dict().items():
+            if "lora_" not in name:  # the adapters are new in each fit, and off in the reference
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(cloudpickle.dumps(p["tokenizer"]))
+    digest.update(repr((p["max_length"], p["precision"], p["weights_folder"], REFERENCE_FORMAT)).encode())
+    return digest.hexdigest()
+
+
+def _folder_files(model: Any) -> list:
+    """(path, size, mtime) of each file of the local folder a Hugging Face model was read from; [] for none."""
+    folder = getattr(base_config(model), "name_or_path", None)
+    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
+        return []
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            found.append((os.path.relpath(path, folder), stat.st_size, stat.st_mtime_ns))
+    return found
 
 
 class ReferenceMismatch(ValueError):
