@@ -18,7 +18,7 @@ from pyspark.sql.types import BinaryType, StringType, StructType
 from torch import nn
 
 from estimator.core import adapters
-from estimator.core.handle import ModelHandle, on_meta
+from estimator.core.handle import ModelHandle, held
 from estimator.core.recipe import built_on_meta, loads_pretrained
 from estimator.core.param_table import MODEL_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
@@ -99,8 +99,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
         built here, once: this loads the base's weights (and the checkpoint's model and optimizer state) into this
         process. The module returned is then the model: what you change in it, transform and save use,
         so transform sends it whole from then on (a TorchModel.load of a saved copy holds a handle again)."""
-        model, handle = self.getOrDefault("model"), self.getOrDefault("model_handle")
-        if handle is not None and on_meta(model):
+        model, handle = self.getOrDefault("model"), self._held()
+        if handle is not None:
             built, optimizer = handle.built_with(self.getOrDefault("optimizer"), model)
             self._set(model=built, optimizer=optimizer, model_handle=None)
             log.info("getModel() built the model from its handle in this process; transform now sends this module")
@@ -193,7 +193,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                         "tasks one GPU each (spark.task.resource.gpu.amount=1, or a stage-level ResourceProfile) "
                         "and more tasks run at once.", int(gpus), gpus, int(gpus) - 1)
         blob = self._model_blob()
-        handle = self.getOrDefault("model_handle")
+        handle = self._held()
         key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
         source = blob if len(blob) <= inference.INLINE_BYTES else ship_model_file(df.sparkSession, key, blob)
         internal = spark_type(predictor.arrow_type())  # the UDF's struct, as inference builds it
@@ -222,7 +222,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
 
         p = self.validated()
         predictor = self._predictor(p).bind_chat(False)
-        handle = self.getOrDefault("model_handle")
+        handle = self._held()
         if handle is not None and handle.stored is not None:  # the run's checkpoint: read with the credentials
             stored = handle.stored  # of where it is loaded, none kept in MLflow's files
             handle = dataclasses.replace(handle, stored=dataclasses.replace(
@@ -239,14 +239,19 @@ class TorchModel(DeclaredParams, Model, Persistable):
         transformers PreTrainedModel only; `save(path)` saves any TorchModel. A model with adapters (peft_config):
         with `merged`, the adapters merged into the base weights (a plain model for serving); else the adapter
         folder that peft's PeftModel.from_pretrained(base, path) loads."""
-        held = self.getOrDefault("model_handle") is not None and on_meta(self.getOrDefault("model"))
+        held = self._held() is not None
         model = self.getOrDefault("model") if held and not merged else self.getModel()  # the adapters: no base
         save_pretrained_to(adapters.merged(model) if merged else model, self.getTokenizer(), path)
+
+    def _held(self) -> Optional[ModelHandle]:
+        """The handle the model is held as, else None (estimator.core.handle.held): what getModel, transform, the
+        pyfunc and save_pretrained ask."""
+        return held(self.getOrDefault("model"), self.getOrDefault("model_handle"))
 
     def _model_blob(self) -> bytes:
         """What transform sends: the handle (the base's factory and the adapters: the executors build the base),
         else the pickled module."""
-        handle = self.getOrDefault("model_handle")
+        handle = self._held()
         if handle is not None:
             return dumps(handle, "model", roots=[handle.factory, handle.peft_config])
         model = self.getModel()

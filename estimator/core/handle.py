@@ -137,3 +137,9 @@ def trainable_on_cpu(model: nn.Module) -> None:
 def on_meta(model: Any) -> bool:
     """Whether `model` is a skeleton (any parameter or persistent buffer on the meta device)."""
     return isinstance(model, nn.Module) and bool(meta_tensors(model))
+
+
+def held(model: Any, handle: Optional[ModelHandle]) -> Optional[ModelHandle]:
+    """What a TorchModel's model is, decided in one place: the handle when the model is held as one (its module a
+    skeleton on the meta device, rebuilt by the handle where it is needed), else None (the module is the model)."""
+    return handle if handle is not None and on_meta(model) else None

@@ -24,7 +24,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
-from estimator.core.handle import ModelHandle, on_meta
+from estimator.core.handle import ModelHandle, held, on_meta
 from estimator.core.pickling import dumps, rebind_optimizer
 from estimator.launch.session import is_connect
 from estimator.predict.weights import load_module, save_module, standalone_base
@@ -53,7 +53,8 @@ class ParamsWriter(MLWriter):
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
         # write().option("standalone", "true"): a model with adapters saved with its base (estimator.predict.weights)
         standalone = str(getattr(self, "optionMap", {}).get("standalone", "false")).lower() == "true"
-        if handle is not None and (not handle.trained or standalone) and on_meta(model):  # saved whole
+        handle = held(model, handle)
+        if handle is not None and (not handle.trained or standalone):  # saved whole
             model, optimizer = handle.built_with(objects.get("optimizer"), model)  # the run's state read here
             if "optimizer" in objects:
                 objects["optimizer"] = optimizer
