@@ -249,6 +249,13 @@ def _names(path):
     return found
 
 
+def test_the_drivers_dry_run_of_a_language_model_is_its_objectives():
+    """fit/dry_run asks the objective (BuiltIn.dry_run) before its own checks: it imports no language-model
+    objective, and knows only the loss param's (classic)."""
+    objectives = sorted(i for i in EDGES["estimator.fit.dry_run"] if _in(i, OBJECTIVES))
+    assert objectives == [f"{OBJECTIVES}.classic"]
+
+
 def test_dpo_is_named_only_in_its_module_the_registry_and_the_exports():
     """The fit asks the objective (check_fit, reference_table, preference) what DPO needs: no other module names
     DPO or its reference's settings."""

@@ -189,3 +189,46 @@ def test_float_class_labels_for_a_models_own_loss_are_told_to_be_integers(store)
     store.rm(store.path("train"))
     classes = _data(store, np.array([0, 1, 2] * 10))
     assert dry_run(_objs(ProblemTypeFromLabels(4, 3), ModelsOwnLoss()), classes) == [(3,)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from lm_helpers import color_facts, save_pretrained_llama
+
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"),
+                                 [p + r for p, r in color_facts()] * 4)
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_causal_lms_dry_run_is_its_objectives_and_refuses_rows_without_a_token_to_learn(store, llama, objective):
+    """The objective's own dry run (SFT's and DPO's: dry_tokens): the loss on a few rows where the driver holds the
+    weights, the labelled tokens counted on a skeleton; rows whose prompts fill max_length, and a model that fails,
+    refused by name."""
+    import dataclasses
+
+    import cloudpickle
+
+    from lm_helpers import lm_train_spec
+    from estimator.core.recipe import built_on_meta
+    from estimator.train.objectives.preference import DPO
+
+    facts = [("What color is the kettle?", " The kettle is red."), ("What color is the anchor?", " It is blue.")] * 4
+    rows, more = (facts, {}) if objective == "sft" else ([(p, r, " No.") for p, r in facts], {"objective": DPO()})
+    spec = lm_train_spec(store, llama, rows, batch=2, epochs=1, **more)
+    sent = cloudpickle.loads(spec.payload)
+
+    def objs(model):
+        return dataclasses.replace(sent, model=model)
+
+    assert dry_run(objs(sent.model_factory()), spec.data) == []  # transform writes text: no output shape
+    short = dataclasses.replace(spec.data, max_length=4)
+    for model in (sent.model_factory(), built_on_meta(sent.model_factory)):  # weights; a LoRA fit's driver's
+        with pytest.raises(ValueError, match=r"The first \d+ training rows have no response token left after "
+                                             r"max_length=4: the prompts fill it"):
+            dry_run(objs(model), short)
+    broken = sent.model_factory()
+    broken.model.embed_tokens = None  # a forward that fails
+    with pytest.raises(ValueError, match=r"The causal LM failed on \d+ training rows of 'prompt' \(tokens "
+                                         r"\{input_ids: \(\d+, \d+\)"):
+        dry_run(objs(broken), spec.data)
+    assert dry_run(objs(built_on_meta(sent.model_factory)), spec.data) == []  # the skeleton: counted, no forward

@@ -24,9 +24,6 @@ from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
 from estimator.train.losses import loss_kind, loss_name
 from estimator.train.objectives.classic import Objective
-from estimator.core.handle import on_meta
-from estimator.train.objectives.tokens import TokenObjective
-from estimator.train.sums import WEIGHT
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
 
@@ -37,8 +34,9 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     arrays = head_arrays(objs, data, head)
     rows = len(next(iter(arrays.values())))
     model = copy.deepcopy(objs.model).eval()
-    if data.lm is not None:  # a causal LM's fine-tuning: its loss on a few rows (transform generates text)
-        return dry_lm(model, data, arrays, rows)
+    own = objs.objective.dry_run(model, data, arrays, rows) if objs.objective is not None else None
+    if own is not None:  # the objective's own check (a causal LM's: its loss, or its tokens counted)
+        return own
     if objs.lightning:
         try:
             model = lightning_module.for_inference(model)
@@ -77,27 +75,6 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
                          f"{exc if isinstance(exc, BroadcastWarning) else f'{type(exc).__name__}: {exc}'}. Check loss, "
                          "label_cols, label_shapes and the model's output shape." + hint) from None
     return [tuple(o.shape[1:]) for o in outputs]
-
-
-def dry_lm(model: torch.nn.Module, data: DataSpec, arrays: Arrays, rows: int) -> List[tuple]:
-    """The causal LM's loss on a few rows; a model on the meta device (a LoRA fit's driver holds no weights of the
-    base: estimator.core.handle) only has its rows' labelled tokens counted, and the ranks' first batch checks
-    its forward (TokenObjective)."""
-    tensors = to_tensors(arrays, data)
-    objective = TokenObjective()
-    if on_meta(model):
-        sums = {WEIGHT: int(objective.weight_of(tensors))}
-    else:
-        try:
-            with torch.no_grad():
-                sums = objective.layout.named(objective.on_batch(model, tensors)[1].tolist())
-        except Exception as exc:  # noqa: BLE001 - the user's model
-            raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
-                             f"{shape_of(tensors[0][0])}): {type(exc).__name__}: {exc}") from None
-    if not sums[WEIGHT]:
-        raise ValueError(f"The first {rows} training rows have no response token left after max_length="
-                         f"{data.max_length}: the prompts fill it. Raise max_length or shorten the prompts.")
-    return []
 
 
 def dry_step(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) -> Tuple[str, ...]:

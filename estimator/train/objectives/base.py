@@ -51,6 +51,13 @@ class BuiltIn:
         return [m.key for m in layout.means] if isinstance(layout, Sums) else None
 
     @classmethod
+    def dry_run(cls, model: Any, data: Any, arrays: Any, rows: int) -> Optional[List[tuple]]:
+        """The driver's check on a few training rows (`arrays`, `rows` of them; `model` the driver's copy, in eval
+        mode, maybe a skeleton on the meta device), before any job: the output shapes transform reports, or
+        None for the fit's own (estimator.fit.dry_run: the forward, then the loss param's losses)."""
+        return None
+
+    @classmethod
     def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
         """The params this objective refuses for this fit, by name, on the driver before any job (`p`: the
         validated params, `p["objective"]` the objective param's instance if one was given;

@@ -32,7 +32,7 @@ from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE
 from estimator.lm.logprobs import answer_logps, answer_sums, row_index
 from estimator.train.objectives.base import BuiltIn, built_in_loop
-from estimator.train.objectives.tokens import check_packed
+from estimator.train.objectives.tokens import check_packed, dry_tokens
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerWeight
 
@@ -122,6 +122,11 @@ class DPO(BuiltIn):
     @classmethod
     def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
         return [m.key for m in cls.layout.means]
+
+    @classmethod
+    def dry_run(cls, model: Any, data: Any, arrays: Any, rows: int) -> List[tuple]:
+        """The pairs' labelled tokens counted (or their SFT loss, where the driver holds the weights)."""
+        return dry_tokens(model, data, arrays, rows)
 
     @classmethod
     def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:

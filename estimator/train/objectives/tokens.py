@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from estimator.core.adapters import can_generate
+from estimator.core.handle import on_meta
 from estimator.core.outputs import forward, logits_of
+from estimator.data.arrays import to_tensors
 from estimator.data.lm import IGNORE, packed_rows
 from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.base import BuiltIn, built_in_loop, summarize_means
 from estimator.lm.chunked_loss import chunked_token_loss, hidden_states, output_head
-from estimator.train.sums import Sums
+from estimator.train.sums import WEIGHT, Sums
 from estimator.train.weighting import PerWeight
 
 log = logging.getLogger("estimator")
@@ -56,6 +58,10 @@ class TokenObjective(BuiltIn):
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "TokenObjective":
         return cls()
+
+    @classmethod
+    def dry_run(cls, model: Any, data: Any, arrays: Any, rows: int) -> List[tuple]:
+        return dry_tokens(model, data, arrays, rows)
 
     def __init__(self) -> None:
         self._rows: Dict[Tuple[int, Any], torch.Tensor] = {}  # the rows slot's value, by batch size and device
@@ -151,6 +157,28 @@ def check_packed(model: Any, features: Any) -> None:
         raise ModelFailed("packing=True: a row packed after another got other logits than alone (its attention "
                           f"or its positions reach the row before it in {type(model).__name__}): packing would "
                           "train on rows that see each other. Leave packing=False for this model.")
+
+
+def dry_tokens(model: Any, data: Any, arrays: Any, rows: int) -> List[tuple]:
+    """A causal LM's dry run (SFT's, DPO's: transform generates text, so no output shape): its loss on a few rows;
+    a model on the meta device (a LoRA fit's driver holds no weights of the base: estimator.core.handle) only has
+    its rows' labelled tokens counted, and the ranks' first batch checks its forward (TokenObjective.on_batch)."""
+    tensors = to_tensors(arrays, data)
+    objective = TokenObjective()
+    if on_meta(model):
+        sums = {WEIGHT: int(objective.weight_of(tensors))}
+    else:
+        try:
+            with torch.no_grad():
+                sums = objective.layout.named(objective.on_batch(model, tensors)[1].tolist())
+        except Exception as exc:  # noqa: BLE001 - the user's model
+            shape = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in tensors[0][0].items())
+            raise ValueError(f"The causal LM failed on {rows} training rows of {data.lm.column!r} (tokens "
+                             f"{{{shape}}}): {type(exc).__name__}: {exc}") from None
+    if not sums[WEIGHT]:
+        raise ValueError(f"The first {rows} training rows have no response token left after max_length="
+                         f"{data.max_length}: the prompts fill it. Raise max_length or shorten the prompts.")
+    return []
 
 
 class ModelFailed(ValueError):
