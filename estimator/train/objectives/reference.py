@@ -145,6 +145,7 @@ class Scorer:
     def __init__(self, spec: TrainSpec, objs: Any, model: Any, logps: Any, device: torch.device):
         self.spec, self.objs, self.model, self.logps, self.device = spec, objs, model, logps, device
         self.tokenize = CausalLMTokenize(objs.tokenizer, spec.data.lm, spec.data.max_length)
+        self.precision = precision_of(spec.precision)(device, scaler_state=None)  # its autocast, built once
 
     def __call__(self, span: Span) -> Tuple[np.ndarray, np.ndarray]:
         """The pairs' keys and their (chosen, rejected) log-probabilities, (2, pairs)."""
@@ -159,7 +160,7 @@ class Scorer:
 
     def scored(self, arrays: Any) -> np.ndarray:
         tensors = tensors_to(to_tensors(self.tokenize(arrays), self.spec.data), self.device)
-        with torch.no_grad(), precision_of(self.spec.precision)(self.device).autocast():
+        with torch.no_grad(), self.precision.autocast():
             out = self.logps(self.model, tensors.features, tensors.labels[0])
         return out.double().cpu().numpy()
 
