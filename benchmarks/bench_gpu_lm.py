@@ -165,9 +165,10 @@ def train_flops(path, lengths, full):
 def tokenized(tokenizer, rows):
     """Our rank's own tokenization of the rows: {prompt.input_ids, prompt.attention_mask, response (labels)}."""
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
 
-    return CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), MAX_LENGTH)(
+    return CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), MAX_LENGTH)(
         {"prompt": np.array([p for p, _ in rows], dtype=object),
          "response": np.array([r for _, r in rows], dtype=object)})
 
@@ -180,6 +181,7 @@ def ours_sft(args, path, rows, full, dtype):
     from estimator.core.adapters import with_adapters
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, LMSpec, TrainSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.parquet import list_pieces
     from estimator.launch.local import LocalLauncher
     from estimator.train.objectives.tokens import TokenObjective
@@ -190,7 +192,7 @@ def ours_sft(args, path, rows, full, dtype):
     table = pa.table({"prompt": [p for p, _ in rows], "response": [r for _, r in rows]})
     pq.write_table(table, store.path("train", "part.parquet"), row_group_size=args.batch)
     packed = args.device == "cuda"
-    lm = LMSpec("prompt", "response", packed=packed)
+    lm = LMSpec(PromptResponse("prompt", "response"), packed=packed)
     data = DataSpec(store, list_pieces(store, store.path("train")), (), ("prompt",), ("response",), lm=lm,
                     max_length=MAX_LENGTH)
     peft = None if full else lora()

@@ -69,9 +69,10 @@ def lora():
 
 def tokens_of(tokenizer, rows):
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
 
-    return CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)(
+    return CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), None)(
         {"prompt": np.array([p for p, _ in rows], dtype=object), "response": np.array([r for _, r in rows],
                                                                                       dtype=object)})
 

@@ -391,7 +391,7 @@ def inference_rows(p: Mapping[str, Any], objective: Any) -> Optional[int]:
     else for a language model None (its output kind's own bound: generation's tokens per generate() call)."""
     if p["inference_batch_size"] is not None:
         return p["inference_batch_size"]
-    if objective is not None and objective.language_model:
+    if checks.language_model(objective):
         return None
     return max(p["val_batch_size"] or p["batch_size"], 256)
 
@@ -410,7 +410,7 @@ class TextColumns:
     @classmethod
     def of(cls, p: Mapping[str, Any], objective: Any, schema: Any) -> "TextColumns":
         return cls(checks.text_columns(p, objective, schema),
-                   lm_spec(p, schema, objective.preference) if checks.language_model(objective) else None)
+                   lm_spec(p, schema, objective.rows) if checks.language_model(objective) else None)
 
 
 def columns_of(p: Mapping[str, Any]) -> List[str]:

@@ -50,6 +50,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     from estimator.core.adapters import with_adapters
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, LMSpec, TrainSpec
+    from estimator.data.rows import Chat, Pairs, PromptResponse
     from estimator.data.parquet import list_pieces
     from estimator.train.objectives.tokens import TokenObjective
 
@@ -66,13 +67,13 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
         pq.write_table(table, store.path(name, "part.parquet"), row_group_size=16)
         return list_pieces(store, store.path(name))
 
-    pairs = objective is not None and objective.preference  # else an objective of prompt/response rows
+    pairs = objective is not None and objective.rows == "preference"  # else an objective of prompt/response rows
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
     stored = pairs and objective.reference_for(peft_config is not None) == "precomputed"
-    lm = (LMSpec("chat", packed=packed) if chat else
-          LMSpec("prompt", "chosen", rejected="rejected", reference=reference_key if stored else None,
+    lm = (LMSpec(Chat("chat"), packed=packed) if chat else
+          LMSpec(Pairs("prompt", "chosen", "rejected", reference=reference_key if stored else None),
                  packed=packed) if pairs
-          else LMSpec("prompt", "response", packed=packed))
+          else LMSpec(PromptResponse("prompt", "response"), packed=packed))
     labels = () if chat else ("chosen", "rejected") if pairs else ("response",)
     data = DataSpec(store, train, val, (lm.column,), labels, lm=lm, max_length=max_length)
     factory = functools.partial(AutoModelForCausalLM.from_pretrained, path)

@@ -11,6 +11,7 @@ model.py) imports nothing of fit/. A package's face (its __init__, which only ha
 Output kinds: their names (the keys of estimator.predict.kinds.PREDICTORS) are compared, or used as keys, only in
 that package: elsewhere the kind's predictor is asked, never its name."""
 import ast
+import dataclasses
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,6 +217,18 @@ def test_a_model_is_built_by_one_recipe():
     assert {"estimator.core.spec", "estimator.core.handle", "estimator.fit.recipes", "estimator.predict.weights"} <= users
 
 
+def test_the_row_formats_are_named_only_where_they_are_defined_and_read_from_the_schema():
+    """A causal LM's rows are a format object (estimator.data.rows: Text, PromptResponse, Chat, Pairs) that the
+    tokenization, the driver's checks and the balancing ask; only the module that defines them and the driver's
+    readers of the schema name them (no branch on a format's kind elsewhere), and LMSpec holds no format's flags."""
+    from estimator.core.spec import LMSpec
+    formats = ("Text", "PromptResponse", "Chat", "Pairs", "RowFormat")
+    homes = {m: sorted(set(formats) & _names(path)) for m, path in MODULES.items()}
+    assert {m: names for m, names in homes.items() if names} == {
+        "estimator.data.rows": sorted(formats), "estimator.fit.language": sorted(formats)}
+    assert [f.name for f in dataclasses.fields(LMSpec)] == ["rows", "every_token", "packed"]
+
+
 def test_the_precision_param_is_read_by_its_objects_only():
     """No module but the precision objects' compares the param to a value or builds a GradScaler or an autocast;
     the checks that refuse a value on the driver (fit/) and the FSDP strategy's refusals name it in their text."""
@@ -257,7 +270,7 @@ def test_the_drivers_dry_run_of_a_language_model_is_its_objectives():
 
 
 def test_dpo_is_named_only_in_its_module_the_registry_and_the_exports():
-    """The fit asks the objective (check_fit, reference_table, preference) what DPO needs: no other module names
+    """The fit asks the objective (check_fit, reference_table, rows) what DPO needs: no other module names
     DPO or its reference's settings."""
     dpo = ("DPO", "reference_for", "reference_key", "REFERENCES", "precompute")
     homes = {m: sorted(set(dpo) & _names(path)) for m, path in MODULES.items()}

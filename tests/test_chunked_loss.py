@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from estimator.core.spec import LMSpec
+from estimator.data.rows import PromptResponse
 from estimator.data.lm import IGNORE, CausalLMTokenize
 from estimator.lm import chunked_loss
 from estimator.lm.chunked_loss import output_head
@@ -32,7 +33,7 @@ def batch(llama):
     from transformers import AutoTokenizer
 
     rows = lm_rows(4)
-    tokens = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec("prompt", "response"), None)(
+    tokens = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec(PromptResponse("prompt", "response")), None)(
         {"prompt": np.array([p for p, _ in rows], dtype=object), "response": np.array([r for _, r in rows],
                                                                                       dtype=object)})
     ids, mask, labels = (torch.from_numpy(tokens[k]) for k in ("prompt.input_ids", "prompt.attention_mask",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from estimator.core.spec import LMSpec
+from estimator.data.rows import Chat, PromptResponse, Text
 from estimator.data.lm import IGNORE, CausalLMTokenize, chat_tokens
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import load_checkpoint, restore
@@ -38,7 +39,7 @@ def lora():
 def tokenized(tokenizer, rows, max_length=None):
     batch = {"prompt": np.array([p for p, _ in rows], dtype=object),
              "response": np.array([r for _, r in rows], dtype=object)}
-    return CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), max_length)(batch)
+    return CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), max_length)(batch)
 
 
 def test_the_prompt_and_the_padding_carry_no_loss_and_the_response_and_eos_do(tokenizer):
@@ -58,14 +59,14 @@ def test_the_prompt_and_the_padding_carry_no_loss_and_the_response_and_eos_do(to
 
 def test_a_text_column_learns_every_token_and_completion_only_loss_false_learns_the_prompt_too(tokenizer):
     texts = {"text": np.array(["The kettle is teal.", "Drums are red and loud."], dtype=object)}
-    batch = CausalLMTokenize(tokenizer, LMSpec("text", text=True), None)(texts)
+    batch = CausalLMTokenize(tokenizer, LMSpec(Text("text")), None)(texts)
     ids, labels, mask = batch["text.input_ids"], batch["text.labels"], batch["text.attention_mask"]
     assert (labels[mask == 1] == ids[mask == 1]).all() and (labels[mask == 0] == IGNORE).all()
     assert tokenizer.decode(ids[0][mask[0] == 1], skip_special_tokens=False).endswith("teal.</s>")
     rows = {"prompt": np.array(["What color is the kettle?"], dtype=object),
             "response": np.array([" The kettle is teal."], dtype=object)}
-    only = CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)(rows)
-    every = CausalLMTokenize(tokenizer, LMSpec("prompt", "response", every_token=True), None)(rows)
+    only = CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), None)(rows)
+    every = CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response"), every_token=True), None)(rows)
     assert (only["prompt.input_ids"] == every["prompt.input_ids"]).all()
     assert (every["response"] == every["prompt.input_ids"]).all() and (only["response"] == IGNORE).sum() > 3
 
@@ -83,7 +84,7 @@ def test_a_packed_batch_gives_each_row_its_own_logits_and_the_unpacked_loss(llam
     batch = ({"text": np.array([p + r for p, r in rows], dtype=object)} if text else
              {"prompt": np.array([p for p, _ in rows], dtype=object),
               "response": np.array([r for _, r in rows], dtype=object)})
-    spec = LMSpec("text", text=True) if text else LMSpec("prompt", "response")
+    spec = LMSpec(Text("text")) if text else LMSpec(PromptResponse("prompt", "response"))
     plain = CausalLMTokenize(tokenizer, spec, None)(batch)
     pack = CausalLMTokenize(tokenizer, dataclasses.replace(spec, packed=True), None)(batch)
     col = spec.column
@@ -137,7 +138,7 @@ def test_chat_rows_label_only_the_assistant_turns_with_their_end(tokenizer):
     assert tokenizer.decode([i for i, l in zip(ids, labels) if l != IGNORE]) == "teal</s>red</s>"
     assert [l for l in labels if l != IGNORE] == [i for i, l in zip(ids, labels) if l != IGNORE]
     with pytest.raises(ValueError, match="'role' and 'content'"):
-        CausalLMTokenize(tokenizer, LMSpec("chat"), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
+        CausalLMTokenize(tokenizer, LMSpec(Chat("chat")), None)({"chat": np.array([[{"role": "user"}]], dtype=object)})
 
 
 TOOL_TEMPLATE = (
@@ -161,7 +162,7 @@ def test_a_chat_with_tool_calls_renders_as_its_template_does_and_the_calls_are_l
            {"role": "assistant", "content": None, "tool_calls": np.array(call, dtype=object), "name": None},
            {"role": "tool", "content": "rain", "tool_calls": None, "name": "weather"},
            {"role": "assistant", "content": "It rains.", "tool_calls": None, "name": None}]
-    batch = CausalLMTokenize(tokenizer, LMSpec("chat", tools=tuple(TOOLS)), None)(
+    batch = CausalLMTokenize(tokenizer, LMSpec(Chat("chat", tuple(TOOLS))), None)(
         {"chat": np.array([row], dtype=object)})
     ids, labels = batch["chat.input_ids"][0], batch["chat.labels"][0]
     as_template = [{k: v for k, v in m.items() if v is not None} for m in row]
@@ -298,7 +299,7 @@ def test_balanced_windows_keep_the_drawn_rows_and_batch_sizes_and_even_out_the_b
     rows = np.array(["x" * int(n) for n in lengths], dtype=object)
     drawn = [{"prompt": rows[i:i + 4], "response": np.array([""] * len(rows[i:i + 4]), dtype=object),
               "id": np.arange(i, min(i + 4, len(rows)))} for i in range(0, len(rows), 4)]
-    spec = LMSpec("prompt", "response", packed=True)
+    spec = LMSpec(PromptResponse("prompt", "response"), packed=True)
     out = list(balance(iter(drawn), spec, window=4))
     assert [len(b["id"]) for b in out] == [len(b["id"]) for b in drawn]
     for w in range(0, len(drawn), 4):

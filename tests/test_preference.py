@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from estimator.core.spec import LMSpec
+from estimator.data.rows import Pairs
 from estimator.data.lm import IGNORE, CausalLMTokenize
 from estimator.launch.local import LocalLauncher
 from estimator.train.checkpoint import load_checkpoint, restore
@@ -19,7 +20,7 @@ from lm_helpers import color_facts, lm_train_spec, plain_causal_lm
 from sft_example import COLORS
 from test_lm import llama, lora, tokenizer  # noqa: F401 - the tiny Llama, its tokenizer, the LoRA config
 
-SPEC = LMSpec("prompt", "chosen", rejected="rejected")
+SPEC = LMSpec(Pairs("prompt", "chosen", "rejected"))
 
 
 def pairs(count, seed=0):
@@ -197,7 +198,7 @@ def test_a_reference_computed_before_training_trains_as_a_frozen_base_beside_the
         base = plain_causal_lm(llama).eval()
         raw = {k: np.array([t[i] for t in rows + val], dtype=object) for i, k in enumerate(("prompt", "chosen",
                                                                                              "rejected"))}
-        stored = ReferenceTable(store, folder).lookup(pair_keys(raw, SPEC)).reshape(2, -1)
+        stored = ReferenceTable(store, folder).lookup(pair_keys(raw, SPEC.rows)).reshape(2, -1)
         with torch.no_grad():
             want = [[answer_logp(base, tokenizer, p, c) for p, c, _ in rows + val],
                     [answer_logp(base, tokenizer, p, r) for p, _, r in rows + val]]
@@ -367,7 +368,7 @@ def test_pairs_of_message_lists_label_only_the_answers_tokens_as_the_template_re
               {"role": "assistant", "content": " The kettle is red."},
               {"role": "user", "content": "Are you sure?"}]
     chosen, rejected = [{"role": "assistant", "content": " Yes, red."}], [{"role": "assistant", "content": " No."}]
-    spec = LMSpec("prompt", "chosen", rejected="rejected", messages=True)
+    spec = LMSpec(Pairs("prompt", "chosen", "rejected", as_messages=True))
     raw = {"prompt": np.array([prompt], dtype=object), "chosen": np.array([chosen], dtype=object),
            "rejected": np.array([rejected], dtype=object)}
     out = CausalLMTokenize(tokenizer, spec, None)(raw)

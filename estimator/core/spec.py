@@ -31,31 +31,22 @@ def total_rows(pieces: Tuple[Piece, ...]) -> int:
 
 @dataclass(frozen=True)
 class LMSpec:
-    """What the rows of a causal LM fine-tuning are: a prompt column with a response (label) column, or a chat
-    column (response None)."""
+    """What the rows of a causal LM's fit are: their format (estimator.data.rows: a text, a prompt with its response,
+    a chat, preference pairs; each says how it is tokenized and labelled), and what applies to every format."""
 
-    column: str  # the prompt, or the chat's messages, or the text (`text`)
-    response: Optional[str] = None  # the string label column; None for a chat column or a text column
-    tools: Optional[Tuple[Any, ...]] = None  # chat_tools: given to the chat template with each conversation
-    text: bool = False  # a text column and no label: every token in the loss (continued pretraining)
+    rows: Any  # an estimator.data.rows.RowFormat
     every_token: bool = False  # completion_only_loss=False: the prompt (the whole conversation) in the loss too
     packed: bool = False  # packing=True: each batch's rows packed into sequences (estimator.data.lm.packed)
-    # preference pairs (estimator.train.objectives.preference): the rejected answer's column beside the chosen
-    # one's (`response`); a batch of b pairs is tokenized as 2b rows, the chosen answers first
-    rejected: Optional[str] = None
-    messages: bool = False  # preference pairs whose prompt and answers are message lists, rendered by the template
-    # preference pairs whose reference log-probabilities are computed once and stored (estimator.data.reference):
-    # the key of the model, tokenizer and settings that compute them; None: computed live in each step
-    reference: Optional[str] = None
 
     @property
-    def chat(self) -> bool:
-        return self.response is None and not self.text
+    def column(self) -> str:
+        """The prompt's (or the text's, or the chat's) column: its tokens are the batch's input_ids."""
+        return self.rows.column
 
     @property
     def labels_key(self) -> str:
-        """Where the batch holds the labels: the response column's place, or `<chat or text column>.labels`."""
-        return self.response if self.response is not None else f"{self.column}.labels"
+        """Where the batch holds the labels (the format's: the response's place, or `<column>.labels`)."""
+        return self.rows.labels_key
 
 
 @dataclass(frozen=True)

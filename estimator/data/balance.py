@@ -16,23 +16,9 @@ from typing import Dict, Iterator, List
 import numpy as np
 
 from estimator.core.spec import LMSpec
-from estimator.data.lm import messages_of
 
 WINDOW = 8  # batches balanced together: the rows of a window wait at most this many steps longer to be trained
 Arrays = Dict[str, np.ndarray]
-
-
-def text_lengths(spec: LMSpec, batch: Arrays) -> np.ndarray:
-    """Per row of a raw batch, the characters of what is tokenized: prompt and response (a preference pair's: and
-    the rejected answer), the text, or a chat's message contents."""
-    if spec.chat:
-        return np.array([sum(len(m["content"]) for m in messages_of(row, spec.column)) for row in batch[spec.column]],
-                        dtype=np.int64)
-    lengths = np.array([len(str(v)) for v in batch[spec.column]], dtype=np.int64)
-    for answers in (spec.response, spec.rejected):  # preference pairs: both answers (a row each, same prompt)
-        if answers is not None:
-            lengths += np.array([len(str(v)) for v in batch[answers]], dtype=np.int64)
-    return lengths
 
 
 def balanced_groups(lengths: np.ndarray, sizes: List[int]) -> List[np.ndarray]:
@@ -65,5 +51,5 @@ def balance(batches: Iterator[Arrays], spec: LMSpec, drop: int = 0, window: int 
 def _window(batches: List[Arrays], spec: LMSpec, drop: int) -> Iterator[Arrays]:
     rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     sizes = [len(next(iter(b.values()))) for b in batches]
-    for group in balanced_groups(text_lengths(spec, rows), sizes)[drop:]:
+    for group in balanced_groups(spec.rows.lengths(rows), sizes)[drop:]:
         yield {k: v[group] for k, v in rows.items()}

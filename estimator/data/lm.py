@@ -119,8 +119,10 @@ def chat_tokens(tokenizer: Any, messages: Sequence[Dict[str, Any]], column: str,
 
 
 class CausalLMTokenize:
-    """The batch with the prompt (or chat) column as `<column>.input_ids` / `.attention_mask` and the labels at
-    `spec.labels_key` (int64, IGNORE where no loss), padded on the right to the batch's longest row."""
+    """The batch with the prompt (or chat, or text) column as `<column>.input_ids` / `.attention_mask` and the
+    labels at `spec.labels_key` (int64, IGNORE where no loss), padded on the right to the batch's longest row: the
+    rows as their format tokenizes them (estimator.data.rows), every token labelled where the spec says so, each
+    cut at max_length (the answer loses its end first)."""
 
     def __init__(self, tokenizer: Any, spec: LMSpec, max_length: Optional[int], reference: Any = None):
         self.tokenizer, self.spec, self.max_length = tokenizer, spec, length_limit(tokenizer, max_length)
@@ -129,11 +131,9 @@ class CausalLMTokenize:
     def __call__(self, batch: Arrays) -> Arrays:
         spec = self.spec
         rows = self.rows(batch)
-        if spec.rejected is not None:  # preference pairs: the chosen answers' rows, then the rejected ones'
-            rows += self.rows(batch, spec.rejected)
-        out = {k: v for k, v in batch.items() if k not in (spec.column, spec.response, spec.rejected)}
+        out = {k: v for k, v in batch.items() if k not in spec.rows.read}
         if self.reference is not None:  # looked up by the pairs' content, before they are tokenized
-            out[REFERENCE] = self.reference(batch, spec)
+            out[REFERENCE] = self.reference(batch, spec.rows)
         if spec.packed:
             return {**out, **packed(rows, pad_id(self.tokenizer), spec)}
         width = max((len(ids) for ids, _ in rows), default=0)
@@ -146,27 +146,11 @@ class CausalLMTokenize:
         out[spec.labels_key] = labels
         return out
 
-    def rows(self, batch: Arrays, response: Optional[str] = None) -> List[Tuple[List[int], List[int]]]:
-        """Each row's tokens and labels; `response`: the answer's column (default: the spec's response)."""
-        spec, tokenizer = self.spec, self.tokenizer
-        response = response or spec.response
-        if spec.messages:  # preference pairs of message lists: the prompt's messages, then the answer's
-            rows = [answer_tokens(tokenizer, messages_of(p, spec.column), messages_of(a, response), response,
-                                  spec.tools) for p, a in zip(batch[spec.column], batch[response])]
-        elif spec.chat:
-            rows = [chat_tokens(tokenizer, messages_of(m, spec.column), spec.column, spec.tools)
-                    for m in batch[spec.column]]
-        elif spec.text:  # every token, then the EOS: the model learns the texts and where they end
-            eos = eos_id(tokenizer)
-            texts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
-            rows = [(list(t) + [eos], list(t) + [eos]) for t in texts]
-        else:
-            eos = eos_id(tokenizer)
-            prompts = tokenizer([str(t) for t in batch[spec.column]], add_special_tokens=True)["input_ids"]
-            responses = tokenizer([str(t) for t in batch[response]], add_special_tokens=False)["input_ids"]
-            rows = [(list(p) + list(r) + [eos], [IGNORE] * len(p) + list(r) + [eos])
-                    for p, r in zip(prompts, responses)]
-        if spec.every_token:  # completion_only_loss=False: the prompt's (a conversation's) tokens learned too
+    def rows(self, batch: Arrays) -> List[Tuple[List[int], List[int]]]:
+        """Each row's tokens and labels, as the format gives them, then every token labelled
+        (completion_only_loss=False), then the cut at max_length."""
+        rows = self.spec.rows.tokens(self.tokenizer, batch)
+        if self.spec.every_token:
             rows = [(ids, list(ids)) for ids, _ in rows]
         limit = self.max_length
         return [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in rows]
@@ -200,21 +184,12 @@ def packed_rows(features: Any) -> Any:
 
 
 def response_starts(tokenizer: Any, spec: LMSpec, batch: Arrays) -> np.ndarray:
-    """Per row, the position of its first labelled token (the prompt's token count, or where a chat's first
-    assistant turn begins), or -1 for a chat with no assistant turn: a row keeps a response token after the cut at
-    max_length only when 0 <= start < max_length."""
-    if spec.text or spec.every_token:  # every token labelled (the first is context: the second is learned)
+    """Per row, the position of its first labelled token (the format's: the prompt's token count, where a chat's
+    first assistant turn begins, -1 for a chat with none; 0 when every token is labelled): a row keeps a labelled
+    token after the cut at max_length only when 0 <= start < max_length."""
+    if spec.every_token:  # every token labelled (the first is context: the second is learned)
         return np.zeros(len(batch[spec.column]), dtype=np.int64)
-    if not spec.chat:  # what generation is given: the prompt's tokens (a conversation's, with its turn to answer)
-        return np.array([len(p) for p in prompt_ids(tokenizer, spec.messages, batch[spec.column], spec.column,
-                                                    spec.tools)], dtype=np.int64)
-    starts = np.full(len(batch[spec.column]), -1, dtype=np.int64)
-    for row, value in enumerate(batch[spec.column]):
-        messages = messages_of(value, spec.column)
-        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-        if first is not None:
-            starts[row] = len(render(tokenizer, messages[:first], True, spec.tools))
-    return starts
+    return spec.rows.starts(tokenizer, batch)
 
 
 def prompt_ids(tokenizer: Any, chat: bool, values: Sequence[Any], column: str,

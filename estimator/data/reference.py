@@ -19,17 +19,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from estimator.core.spec import DataSpec, LMSpec
+from estimator.core.spec import DataSpec
 from estimator.data.lm import plain_value
 
 COMPLETE = "_COMPLETE.json"
 FOLDER = "reference"
 
 
-def pair_keys(batch: Dict[str, Any], lm: LMSpec) -> np.ndarray:
-    """Each pair's key (int64): a hash of its prompt, chosen and rejected values."""
-    keys = np.empty(len(batch[lm.column]), dtype=np.int64)
-    for i, values in enumerate(zip(batch[lm.column], batch[lm.response], batch[lm.rejected])):
+def pair_keys(batch: Dict[str, Any], pairs: Any) -> np.ndarray:
+    """Each pair's key (int64): a hash of its prompt, chosen and rejected values (`pairs`: their format,
+    estimator.data.rows.Pairs)."""
+    keys = np.empty(len(batch[pairs.column]), dtype=np.int64)
+    for i, values in enumerate(zip(*(batch[c] for c in pairs.read))):
         text = json.dumps([plain_value(v) for v in values], sort_keys=True, default=str, ensure_ascii=False)
         keys[i] = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), dtype=np.int64)[0]
     return keys
@@ -38,19 +39,19 @@ def pair_keys(batch: Dict[str, Any], lm: LMSpec) -> np.ndarray:
 def reference_folder(data: DataSpec) -> str:
     """Where the table of `data`'s pairs lies: beside the materialized rows (their attempt folder), under the key of
     the reference that computed it."""
-    if data.lm is None or data.lm.reference is None:
-        raise ValueError("The rows are no preference pairs with a precomputed reference (LMSpec.reference).")
+    if data.lm is None or data.lm.rows.stored_key is None:
+        raise ValueError("The rows are no preference pairs with a precomputed reference (estimator.data.rows.Pairs.reference).")
     if data.local is not None or not data.train:
         raise ValueError("Precomputed reference log-probabilities are kept beside the materialized rows in the store; "
                          "these rows are not materialized (data_mode='direct'). Set data_mode='materialize'.")
     attempt = posixpath.dirname(posixpath.dirname(data.train[0].path))
-    return posixpath.join(attempt, FOLDER, data.lm.reference)
+    return posixpath.join(attempt, FOLDER, data.lm.rows.stored_key)
 
 
 def stored_reference(data: DataSpec) -> Optional["ReferenceTable"]:
     """The table a rank's training and validation batches read their reference from; None where the pairs' reference
     is computed live (or the rows are no pairs)."""
-    if data.lm is None or data.lm.reference is None:
+    if data.lm is None or data.lm.rows.stored_key is None:
         return None
     return ReferenceTable(data.store, reference_folder(data))
 
@@ -100,10 +101,10 @@ class ReferenceTable:
                            whole.column("rejected").to_numpy()[order])
         return self._table
 
-    def __call__(self, batch: Dict[str, Any], lm: LMSpec) -> np.ndarray:
+    def __call__(self, batch: Dict[str, Any], pairs: Any) -> np.ndarray:
         """The batch's pairs' reference log-probabilities as its tokenized rows hold them: the chosen answers',
         then the rejected ones' (2b,)."""
-        return self.lookup(pair_keys(batch, lm))
+        return self.lookup(pair_keys(batch, pairs))
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         known, chosen, rejected = self.table()

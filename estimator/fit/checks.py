@@ -24,7 +24,7 @@ OWNER = "TorchEstimator"
 def language_model(objective: Any) -> bool:
     """Whether the fit's objective (estimator.train.objectives; None for a train_fn) fine-tunes a causal LM: its
     rows are prompts and responses, or chats, tokenized with their labels."""
-    return objective is not None and objective.language_model
+    return objective is not None and objective.rows is not None
 
 
 def gradient_clip(p: Mapping[str, Any], objective: Any) -> Optional[float]:
@@ -217,8 +217,8 @@ def check_schema(p: Mapping[str, Any], objective: Any, schema: StructType) -> No
             if not language_model(objective):
                 raise ValueError(string_label_error(column, p))
             continue
-        if language_model(objective) and (param == "feature_cols" or objective.preference):
-            continue  # a prompt or a chat (preference pairs: their answers too): types and fields, language.lm_spec
+        if language_model(objective):
+            continue  # a prompt, a chat, an answer: their format's reader checks their types (language.lm_spec)
         scalar_only = param in ("sample_weight_col", "validation")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only

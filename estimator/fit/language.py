@@ -1,8 +1,8 @@
-"""The driver's side of a causal language model's fine-tuning (SFT): its columns and its checks before any job. A
-fit is one when its objective is (estimator.train.objectives.tokens: the built-in loop, with no loss, train_step
-or train_fn, trains a model that can generate, a transformers causal LM or peft's model around one, with a
-tokenizer), on a prompt column with a string label column (the response), or on a chat column
-(array<struct<role, content>>) without labels (estimator.data.lm). The checks transform shares (max_length,
+"""The driver's side of a causal language model's fit: its columns and its checks before any job. A fit is one when
+its objective has rows (estimator.train.objectives: `rows`, the name of a reader in ROWS here), which read the
+schema into a row format (estimator.data.rows): for SFT (estimator.train.objectives.tokens) a prompt column with a
+string label column (the response), a chat column (array<struct<role, content>>) without labels, or a text column
+alone; for preference pairs a prompt and two answers. The checks transform shares (max_length,
 max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is_chat in estimator.predict.schema:
 TorchModel uses them without importing fit."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
+from estimator.data.rows import Chat, Pairs, PromptResponse, RowFormat, Text
 from estimator.data.text import length_limit
 from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
@@ -44,12 +45,16 @@ def string_label_error(column: str, p: Dict[str, Any]) -> str:
             "its tokenizer (docs/language-models.md).")
 
 
-def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) -> LMSpec:
-    """The LMSpec of a causal LM's fine-tuning (its objective says it is one, and whether on preference pairs); a
-    fit that half is one is refused by name."""
+def lm_spec(p: Mapping[str, Any], schema: StructType, rows: str) -> LMSpec:
+    """The LMSpec of a causal LM's fit: its rows as the objective reads them (`rows`, the objective's: a reader of
+    ROWS), what applies to every format; a fit that half is one is refused by name."""
+    return LMSpec(ROWS[rows](p, schema), every_token=not p["completion_only_loss"], packed=packing(p))
+
+
+def sft_rows(p: Mapping[str, Any], schema: StructType) -> RowFormat:
+    """Supervised fine-tuning's rows, by the schema: a chat column, a prompt with a response column, or a text
+    column alone."""
     features, labels = list(p["feature_cols"]), list(p["label_cols"])
-    if preference:
-        return pairs_spec(p, schema)
     if len(features) != 1:
         raise ValueError(f"Fine-tuning a causal LM takes one feature column (the prompt, or a chat's messages); got "
                          f"feature_cols={features}. Join the prompt's parts into one string column first "
@@ -66,8 +71,7 @@ def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) 
         if labels:
             raise ValueError(f"Column {column!r} is a chat (its assistant turns are what the model learns to write), "
                              f"so it takes no label column; got label_cols={labels}. Leave label_cols unset.")
-        return LMSpec(column, tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
-                      every_token=not p["completion_only_loss"], packed=packing(p))
+        return Chat(column, tuple(p["chat_tools"]) if p["chat_tools"] else None)
     if p["chat_tools"]:
         raise ValueError(f"chat_tools are given to the chat template with each conversation of a chat column; "
                          f"{column!r} is a {dtype.simpleString()} column. Leave chat_tools unset, or train on a "
@@ -76,7 +80,7 @@ def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) 
         raise ValueError(f"Fine-tuning a causal LM reads a prompt (a string column) with a response (a string label "
                          f"column), or a chat column ({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")
     if not labels:  # continued pretraining: the texts themselves are learned
-        return LMSpec(column, text=True, packed=packing(p))
+        return Text(column)
     if len(labels) != 1:
         raise ValueError(f"Fine-tuning a causal LM on the prompt column {column!r} takes the response as one string "
                          f"label column (label_cols=['response']), or none to learn the texts themselves; got "
@@ -87,7 +91,7 @@ def lm_spec(p: Mapping[str, Any], schema: StructType, preference: bool = False) 
         raise ValueError(f"Column {labels[0]!r} (from label_cols) has type {label_type.simpleString()}; the response a "
                          "causal LM is fine-tuned to write after the prompt is a string column: cast it first "
                          f"(F.col({labels[0]!r}).cast('string')).")
-    return LMSpec(column, labels[0], every_token=not p["completion_only_loss"], packed=packing(p))
+    return PromptResponse(column, labels[0])
 
 
 def message_fields(column: str, dtype: Any, p: Mapping[str, Any]) -> Any:
@@ -102,8 +106,8 @@ def message_fields(column: str, dtype: Any, p: Mapping[str, Any]) -> Any:
     return names
 
 
-def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
-    """Preference pairs (an objective whose `preference` is true): a prompt column and two label columns, the
+def pairs_rows(p: Mapping[str, Any], schema: StructType) -> RowFormat:
+    """Preference pairs (an objective whose rows are 'preference'): a prompt column and two label columns, the
     chosen answer's and the rejected one's, three strings or three message lists; the table of reference
     log-probabilities the objective names (objective.reference_table), if any."""
     objective, features, labels = p["objective"], list(p["feature_cols"]), list(p["label_cols"])
@@ -125,9 +129,12 @@ def pairs_spec(p: Mapping[str, Any], schema: StructType) -> LMSpec:
     if p["chat_tools"] and not all(chats):
         raise ValueError(f"objective={objective!r} with chat_tools={p['chat_tools']!r}: the rows are strings, and "
                          "tools are given to the chat template with message lists.")
-    return LMSpec(features[0], labels[0], rejected=labels[1], messages=all(chats),
-                  tools=tuple(p["chat_tools"]) if p["chat_tools"] else None,
-                  reference=objective.reference_table(p), packed=packing(p))
+    return Pairs(features[0], labels[0], labels[1], all(chats), tuple(p["chat_tools"]) if p["chat_tools"] else None,
+                 objective.reference_table(p))
+
+
+# the rows an objective reads (its `rows`), each read from the schema by its reader: a new format is a line here
+ROWS = {"sft": sft_rows, "preference": pairs_rows}
 
 
 def packing(p: Mapping[str, Any]) -> bool:
@@ -161,7 +168,7 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     tokens, preference pairs' empty answers per answer column) over `pieces`: the prompt (or chat) column, and
     the pairs' answer columns, read from the store a chunk at a time, once."""
     lm = data.lm
-    answers = [lm.response, lm.rejected] if lm.rejected is not None else []
+    answers = list(lm.rows.answers)
     rows = short = unanswered = longest = 0
     empty = dict.fromkeys(answers, 0)
     for piece in pieces:
@@ -171,16 +178,8 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
             short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
             longest = max(longest, int(starts.max(initial=0)))
             for column in answers:
-                empty[column] += sum(1 for v in batch[column] if blank(v, lm.messages))
+                empty[column] += sum(1 for v in batch[column] if lm.rows.blank(v))
     return rows, short, unanswered, longest, empty
-
-
-def blank(answer: Any, messages: bool) -> bool:
-    """An answer with no text: an empty string, or no message (or only empty ones) in a message list."""
-    if not messages:
-        return not str(answer).strip()
-    return not any(str((m.get("content") if hasattr(m, "get") else "") or "").strip() or
-                   (hasattr(m, "get") and m.get("tool_calls") is not None) for m in list(answer))
 
 
 def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:

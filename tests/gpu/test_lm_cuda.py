@@ -27,6 +27,7 @@ def test_lora_sft_on_the_gpu_equals_a_plain_peft_loop_there(llama, store):
     from transformers import AutoTokenizer
 
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
     import numpy as np
 
@@ -39,7 +40,7 @@ def test_lora_sft_on_the_gpu_equals_a_plain_peft_loop_there(llama, store):
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
     for start in range(0, len(rows), batch):
         part = rows[start:start + batch]
-        b = CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)(
+        b = CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), None)(
             {"prompt": np.array([p for p, _ in part], dtype=object),
              "response": np.array([r for _, r in part], dtype=object)})
         b = {k: torch.from_numpy(v).to("cuda:0") for k, v in b.items()}
@@ -90,12 +91,13 @@ def test_the_chunked_loss_on_the_gpu_equals_the_plain_loss_in_float32_and_under_
     from transformers import AutoTokenizer
 
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
     from estimator.lm import chunked_loss
     from estimator.train.objectives.tokens import TokenObjective, token_loss
 
     rows = lm_rows(8)
-    tokens = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec("prompt", "response"), None)(
+    tokens = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec(PromptResponse("prompt", "response")), None)(
         {"prompt": np.array([p for p, _ in rows], dtype=object), "response": np.array([r for _, r in rows],
                                                                                       dtype=object)})
     ids, mask, labels = (torch.from_numpy(tokens[k]).to("cuda") for k in ("prompt.input_ids",
@@ -135,6 +137,7 @@ def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store,
     from transformers import AutoTokenizer
 
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
     from estimator.lm import packed_attention
 
@@ -145,7 +148,7 @@ def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store,
     rows = lm_rows(7)
     batch = {"prompt": np.array([p for p, _ in rows], dtype=object),
              "response": np.array([r for _, r in rows], dtype=object)}
-    pack = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec("prompt", "response", packed=True),
+    pack = CausalLMTokenize(AutoTokenizer.from_pretrained(llama), LMSpec(PromptResponse("prompt", "response"), packed=True),
                             None)(batch)
     ids, positions, bounds = (torch.from_numpy(pack[f"prompt.{k}"]).to("cuda")
                               for k in ("input_ids", "position_ids", "cu_seq_lens_q"))

@@ -74,6 +74,7 @@ def test_an_epoch_tokenized_on_the_rank_waits_no_more_than_the_models_own_loop(s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from estimator.core.spec import LMSpec
+    from estimator.data.rows import PromptResponse
     from estimator.data.lm import CausalLMTokenize
     from lm_helpers import color_facts, lm_rows, lm_train_spec, save_pretrained_llama
 
@@ -86,7 +87,7 @@ def test_an_epoch_tokenized_on_the_rank_waits_no_more_than_the_models_own_loop(s
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).to("cuda:0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokenize = CausalLMTokenize(tokenizer, LMSpec("prompt", "response"), None)
+    tokenize = CausalLMTokenize(tokenizer, LMSpec(PromptResponse("prompt", "response")), None)
     batches = []
     for start in range(0, len(rows), batch):
         part = rows[start:start + batch]

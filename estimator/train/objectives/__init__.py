@@ -19,7 +19,8 @@ An objective class derives from `BuiltIn` (estimator.train.objectives.base) and 
 - `prepare(generation, batch, ctx)`: the batch its loss is computed on, made before each step (a sampling
   objective generates there: Strategy.generation);
 - `transform_output`: the fitted TorchModel's output_kind (None: the model's outputs);
-- `language_model`: its rows are a causal LM's prompts and responses, or chats (estimator.data.lm).
+- `rows`: a causal LM's objective names the rows it reads (estimator.fit.language.ROWS: 'sft', 'preference'),
+  whose format (estimator.data.rows) tokenizes and labels them; None for any other.
 
 The hooks before training (applies, history_keys, check_fit, reference_table, before_training, for_rank) are
 classmethods, called on the chosen class or on the objective param's instance alike: one that needs the

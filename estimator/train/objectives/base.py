@@ -27,8 +27,10 @@ class BuiltIn:
     layout: Sums
     weighting: Any = PerBatch  # the loss is a mean over the batch's rows (or sample weights)
     transform_output: Optional[str] = None  # the fitted TorchModel's output_kind: the model's outputs
-    language_model = False  # its rows are a causal LM's, tokenized with their labels (estimator.data.lm)
-    preference = False  # a causal LM's rows are pairs of answers to a prompt, the chosen and the rejected
+    # a causal LM's objective: the rows it reads, by the name of their reader (estimator.fit.language.ROWS: 'sft'
+    # a prompt and its response, a chat or a text; 'preference' pairs of answers), which gives their format
+    # (estimator.data.rows: how they are tokenized and labelled); None: no language model's rows
+    rows: Optional[str] = None
     # the global gradient norm gradient_clip_val='auto' (its default) clips at: none for a classic fit; a causal LM's
     # objectives clip at 1.0, as Hugging Face's Trainer does by default under TRL (max_grad_norm=1.0)
     gradient_clip_val: Optional[float] = None

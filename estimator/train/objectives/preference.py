@@ -65,10 +65,9 @@ class DPO(BuiltIn):
     weighting = PerWeight
     layout = Sums.of_loss(METRICS)
     transform_output = "generate"  # after preference tuning, transform writes text as after SFT
-    language_model = True
     gradient_clip_val = 1.0  # 'auto' clips as TRL's DPOTrainer does (max_grad_norm=1.0)
     driver_forward = False
-    preference = True  # its rows are pairs of answers: label_cols the chosen and the rejected (estimator.fit.language)
+    rows = "preference"  # pairs of answers: label_cols the chosen and the rejected (estimator.data.rows.Pairs)
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", sft_weight: float = 0.0,
                  reference: Optional[str] = None):

@@ -155,7 +155,7 @@ class Scorer:
         arrays = prepare_arrays(data, batch)
         if self.objs.transformation_fn is not None:
             arrays = transform_batch(self.objs.transformation_fn, arrays)
-        keys = pair_keys(arrays, data.lm)
+        keys = pair_keys(arrays, data.lm.rows)
         return keys, self.scored(arrays).reshape(2, -1)
 
     def scored(self, arrays: Any) -> np.ndarray:

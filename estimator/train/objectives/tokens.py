@@ -40,7 +40,7 @@ class TokenObjective(BuiltIn):
     weighting = PerWeight
     layout = Sums.of_loss()
     transform_output = "generate"  # a fitted causal LM's transform writes text (estimator.predict)
-    language_model = True  # its rows are prompts and responses, or chats, tokenized with their labels
+    rows = "sft"  # prompts and responses, chats or texts, tokenized with their labels (estimator.data.rows)
     gradient_clip_val = 1.0  # 'auto' clips as TRL's SFTTrainer does (max_grad_norm=1.0)
     driver_forward = False  # the driver counts the labelled tokens; the ranks' first batch checks the forward
 
