@@ -36,7 +36,7 @@ from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
 from estimator.fit.materialize import finish, materialize
 from estimator.fit.language import check_room, lm_spec
-from estimator.fit.recipes import check_optimizer, model_of, with_peft
+from estimator.fit.recipes import check_optimizer, check_quantized, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.fit.strategy import check_shared_gpus, strategy_class
@@ -190,6 +190,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                               # none: a loop that computes its own loss (checked below)
                               "label_cols": list(validated["label_cols"] or [])})
         objective = choose_objective(p)
+        check_quantized(p, checks.language_model(objective))
         if factory is not None and skeleton and (objective is None or objective.driver_forward):  # a forward here
             model = with_peft(model_of(factory, p["weights_folder"])[0], factory, p["peft_config"],
                               p["weights_folder"], p["optimizer"])

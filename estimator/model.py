@@ -98,8 +98,16 @@ class TorchModel(DeclaredParams, Model, Persistable):
         for a full fine-tune or fsdp, where the run's checkpoint is, not the weights; estimator.core.handle) is
         built here, once: this loads the base's weights (and the checkpoint's model and optimizer state) into this
         process. The module returned is then the model: what you change in it, transform and save use,
-        so transform sends it whole from then on (a TorchModel.load of a saved copy holds a handle again)."""
+        so transform sends it whole from then on (a TorchModel.load of a saved copy holds a handle again). A base
+        the factory loads quantized (QLoRA) is the exception: such a module cannot be sent, so getModel() builds
+        a copy each time and transform and save keep the handle."""
         model, handle = self.getOrDefault("model"), self._held()
+        if handle is not None and handle.recipe.quantization is not None:
+            # a base loaded quantized (QLoRA) cannot be pickled to the executors: transform and save keep sending
+            # the handle (they build the base there, quantized as the fit did); this is a copy
+            log.info("getModel() built the model from its handle in this process (its base quantized); transform "
+                     "and save keep the handle: what you change in this copy is not used")
+            return handle.build()
         if handle is not None:
             built, optimizer = handle.built_with(self.getOrDefault("optimizer"), model)
             self._set(model=built, optimizer=optimizer, model_handle=None)
@@ -238,9 +246,14 @@ class TorchModel(DeclaredParams, Model, Persistable):
         tokenizer's files when it is a Hugging Face tokenizer: a local path or a store URL. For a
         transformers PreTrainedModel only; `save(path)` saves any TorchModel. A model with adapters (peft_config):
         with `merged`, the adapters merged into the base weights (a plain model for serving); else the adapter
-        folder that peft's PeftModel.from_pretrained(base, path) loads."""
-        held = self._held() is not None
-        model = self.getOrDefault("model") if held and not merged else self.getModel()  # the adapters: no base
+        folder that peft's PeftModel.from_pretrained(base, path) loads. A base the factory loads quantized (QLoRA)
+        is merged into in its stored precision (the factory without its quantization_config): the folder holds
+        no quantized weight."""
+        handle = self._held()
+        if handle is None or not merged:
+            model = self.getOrDefault("model") if handle is not None else self.getModel()  # the adapters: no base
+        else:  # a base loaded quantized (QLoRA) is merged into in its stored precision: dequantized, not rounded
+            model = handle.dequantized().build()
         save_pretrained_to(adapters.merged(model) if merged else model, self.getTokenizer(), path)
 
     def _held(self) -> Optional[ModelHandle]:

@@ -10,7 +10,7 @@ user's getModel(). torch, safetensors and peft (for adapters) only, no pyspark."
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -61,6 +61,11 @@ class ModelHandle:
     @property
     def recipe(self) -> ModelRecipe:
         return ModelRecipe(self.factory, self.peft_config, self.seed)
+
+    def dequantized(self) -> "ModelHandle":
+        """The same model over the base in its stored precision (a factory that quantizes it, QLoRA's, without its
+        quantization_config): what a merged save merges the adapters into."""
+        return replace(self, factory=self.recipe.dequantized().factory)
 
     def state(self) -> Dict[str, torch.Tensor]:
         from safetensors.torch import load

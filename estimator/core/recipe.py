@@ -1,12 +1,16 @@
 """How a model is built, written once: the factory's base (its parameters on the meta device where only the
 shapes are needed: the driver of a LoRA fit, a saved model's skeleton), then the adapters of `peft_config`, all
-under the run's seed. The ranks (estimator.core.spec), the executors and getModel() (estimator.core.handle), the
+under the run's seed. A base the factory quantizes (a `from_pretrained` with a bitsandbytes `quantization_config`:
+QLoRA) is quantized where its weights are read (a rank, an executor), prepared for training through its adapters
+as peft's prepare_model_for_kbit_training does, and built without its quantization where only shapes are needed
+(a skeleton has no values to quantize) or asked for in full precision (a merged save). The ranks (estimator.core.spec), the executors and getModel() (estimator.core.handle), the
 driver (estimator.fit.recipes) and a saved model's load (estimator.predict.weights) build through this, so a base
 the factory draws at random and the adapters' initial values are the same everywhere. torch (peft for adapters)
 only, no pyspark."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -39,17 +43,92 @@ class ModelRecipe:
         """The factory's module alone (no adapters), under the seed."""
         return self._built(on_meta, adapters=False)
 
-    def build(self, on_meta: bool = False) -> nn.Module:
+    def build(self, on_meta: bool = False, training: bool = False) -> nn.Module:
         """The base with its adapters: the adapters' initial values drawn after the base's, from the one seed
-        (as each rank draws them)."""
-        return self._built(on_meta, adapters=True)
+        (as each rank draws them). `training`: a rank's, whose quantized layers keep their gradients in every
+        mode (cpu_repacking_off)."""
+        model = self._built(on_meta, adapters=True)
+        if training:
+            cpu_repacking_off(model)
+        return model
+
+    @property
+    def quantization(self) -> Any:
+        """The factory's quantization_config (bitsandbytes' 4 or 8 bits), or None."""
+        return quantization_of(self.factory)
+
+    def dequantized(self) -> "ModelRecipe":
+        """The same recipe with the base in its stored precision (no quantization_config)."""
+        return ModelRecipe(unquantized(self.factory), self.peft_config, self.seed)
 
     def _built(self, on_meta: bool, adapters: bool) -> nn.Module:
+        factory = unquantized(self.factory) if on_meta else self.factory
+        if quantization_of(factory) is not None:
+            require_bitsandbytes("here")
         with hf_bars_off(), torch.random.fork_rng(devices=[]):
             if self.seed is not None:
                 torch.manual_seed(self.seed)
-            base = built_on_meta(self.factory) if on_meta else self.factory()
-            return with_adapters(base, self.peft_config) if adapters else base
+            base = built_on_meta(factory) if on_meta else factory()
+            if not adapters or self.peft_config is None:
+                return base
+            if quantized(base):
+                kbit_prepared(base)
+            return with_adapters(base, self.peft_config)
+
+
+def quantization_of(factory: Any) -> Any:
+    """The quantization a factory loads its base with: a `functools.partial` of a `from_pretrained`'s
+    quantization_config (transformers' BitsAndBytesConfig: 4-bit NF4 or FP4, or 8 bits), else None."""
+    if not isinstance(factory, functools.partial):
+        return None
+    return factory.keywords.get("quantization_config")
+
+
+QLORA_HINT = "pip install 'spark-torch-estimator[qlora]' (bitsandbytes)"
+
+
+def require_bitsandbytes(where: str) -> None:
+    """bitsandbytes is importable `where` (this process: a rank, an executor, the driver), else an ImportError
+    naming the package and the extra (a rank's ImportError is an environment failure: never retried)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"The model factory loads its base quantized (quantization_config), which needs the "
+                          f"bitsandbytes package, missing {where}: {QLORA_HINT} on the driver and every executor "
+                          "(docs/language-models.md 'Fine-tune in 4 bits (QLoRA)').")
+
+
+def unquantized(factory: Any) -> Any:
+    """`factory` without its quantization_config (itself when it has none): the base in its stored dtype."""
+    if quantization_of(factory) is None:
+        return factory
+    keywords = {k: v for k, v in factory.keywords.items() if k != "quantization_config"}
+    return functools.partial(factory.func, *factory.args, **keywords)
+
+
+def quantized(model: Any) -> bool:
+    """Whether a transformers model was loaded quantized (bitsandbytes' 4 or 8 bits)."""
+    return bool(getattr(model, "is_quantized", False)) and getattr(model, "hf_quantizer", None) is not None
+
+
+def cpu_repacking_off(model: nn.Module) -> None:
+    """bitsandbytes (0.50) on a CPU with AVX512-BF16 repacks a 4-bit layer's weights for its inference kernel at
+    the layer's first forward in eval mode without gradients (validation, a reference pass, generation), and from
+    then on the layer's forward gives no gradient to its input, in training too: the adapters of every layer
+    below it would train on a fraction of their gradient (measured: a tiny Llama's first layer's LoRA gradient
+    6.3 against 55.2), silently. A rank's model keeps the training layout (the attribute the layer reads). In
+    place; nothing for a model without such layers."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+
+
+def kbit_prepared(model: nn.Module) -> nn.Module:
+    """A quantized base made ready for adapters, as peft's prepare_model_for_kbit_training does (QLoRA): every
+    parameter frozen, those kept in 16 bits (norms, embeddings, the head) cast to float32 for a stable training
+    through the adapters; gradient checkpointing is the gradient_checkpointing param's (estimator.train.memory).
+    In place."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def loads_pretrained(factory: Any) -> bool:

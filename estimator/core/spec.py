@@ -201,7 +201,7 @@ class UserObjects:
         if self.model is None:
             from estimator.core.recipe import ModelRecipe
 
-            return ModelRecipe(self.model_factory, self.peft_config, seed).build()
+            return ModelRecipe(self.model_factory, self.peft_config, seed).build(training=True)
         return self.model
 
     def build_losses(self) -> List[Any]:

@@ -5,7 +5,7 @@ driver builds each once, for its checks and its dry run on a few rows; the ranks
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from estimator.core.adapters import check_peft_config
 from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
-from estimator.core.recipe import ModelRecipe
+from estimator.core.recipe import ModelRecipe, quantization_of, quantized, require_bitsandbytes
 
 OWNER = "TorchEstimator"
 
@@ -27,6 +27,12 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
     factory's model with every parameter on the meta device, no weight read into memory (estimator.core.handle:
     the driver of a LoRA fit)."""
     if isinstance(value, nn.Module):
+        if quantized(value):
+            raise ValueError(f"The 'model' parameter of {OWNER} is a model loaded quantized ({type(value).__name__}, "
+                             "bitsandbytes): give the factory that loads it instead, so that each rank quantizes its "
+                             "own copy and the driver holds none: model=functools.partial(AutoModelForCausalLM."
+                             "from_pretrained, path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)), "
+                             "with peft_config (docs/language-models.md 'Fine-tune in 4 bits (QLoRA)').")
         if meta_tensors(value) or unloadable(value):
             raise ValueError(f"The 'model' parameter of {OWNER} is a module on the meta device (no weights): give "
                              "the callable that builds it instead, with weights_folder naming its weights, so that "
@@ -80,3 +86,27 @@ def with_peft(model: nn.Module, factory: Any, config: Any, weights_folder: Optio
                          "an optimizer built over the base model's parameters.")
     source = model if factory is not None else copy.deepcopy(model)
     return ModelRecipe(lambda: source, config).build()
+
+
+def check_quantized(p: Mapping[str, Any], language_model: bool) -> None:
+    """A factory that loads its base quantized (quantization_config: QLoRA) trains a causal LM's adapters over the
+    frozen base, with bitsandbytes here and on every executor; anything else refused by name before any job."""
+    quantization = quantization_of(p["model_factory"])
+    if quantization is None:
+        return
+    if p["peft_config"] is None:
+        raise ValueError(f"The model factory loads its base quantized (quantization_config={quantization!r}), and "
+                         f"peft_config is None: a quantized base cannot be trained itself (its weights are packed "
+                         "integers), only adapters over it. Set peft_config=LoraConfig(r=16, lora_alpha=32, "
+                         "target_modules='all-linear', task_type='CAUSAL_LM'), or load the base unquantized for a "
+                         "full fine-tune.")
+    if not language_model:
+        raise ValueError("The model factory loads its base quantized (quantization_config): a quantized base trains "
+                         "a causal language model's adapters (SFT, DPO: a string response, a chat or preference "
+                         "pairs, and a tokenizer), whose driver never runs the base's forward. This fit's objective "
+                         "runs the model on the driver: load the base unquantized.")
+    if p["weights_folder"] is not None:
+        raise ValueError("weights_folder reads the base's weights into a model the factory left on the meta device; "
+                         "a factory that loads its base quantized reads them itself (from_pretrained): leave "
+                         "weights_folder unset.")
+    require_bitsandbytes("on the driver")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from estimator.core.adapters import is_adapted
+from estimator.core.recipe import quantization_of
 from estimator.train.checkpoint import TRAINABLE
 from estimator.train.sharded_checkpoint import SHARDED, folder, remove_unused, save_shards
 from estimator.train.sharding import shard
@@ -50,6 +51,11 @@ class FSDP(DDP):
         for param, (bad, why) in refused.items():
             if bad:
                 raise ValueError(f"{OWNER} with strategy={name!r} takes no {param}={p[param]!r}: {why} ({PAGE}).")
+        if quantization_of(p.get("model_factory")) is not None:
+            raise ValueError(f"{OWNER} with strategy={name!r}: the model factory loads its base quantized "
+                             "(quantization_config), whose packed 4- or 8-bit weights and their quantization state "
+                             "FSDP2 does not shard here. Use strategy='ddp': the quantized base is frozen, and each "
+                             "rank holds it whole (an 8B model in 4 bits: about 5 GB).")
         model, optimizer = p["model"], p["optimizer"]
         if not any(True for _ in model.parameters()):
             raise ValueError(f"{OWNER} with strategy={name!r}: the model {type(model).__name__} has no parameters to "

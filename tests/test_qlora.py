@@ -1,0 +1,77 @@
+"""QLoRA (issue 64): a base the model factory loads in 4 bits (bitsandbytes' NF4, on the CPU here), LoRA adapters
+trained over it. On the ranks (LocalLauncher, no Spark): k ranks equal a plain QLoRA loop of batch k*b, and the
+base they trained is the quantized one. On the driver (Spark): what is refused before any job.
+
+bitsandbytes comes from .cache/qlora-site (`bash .ci/setup main test` installs it there, not in .venv: peft
+imports it at its own import wherever it is installed, a second more in each of the suite's processes); the
+tests here put it on the path of this process and of the processes they start."""
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from estimator.launch.local import LocalLauncher
+from estimator.train.checkpoint import load_checkpoint
+from lm_helpers import lm_rows, lm_train_spec
+from test_lm import llama, lora  # noqa: F401 - the tiny Llama (hidden size 64), the LoRA config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.join(ROOT, ".cache", "qlora-site")
+
+
+def four_bits():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float32)  # float32: the sums compared to 1e-5
+
+
+@pytest.fixture
+def bitsandbytes(monkeypatch):
+    """bitsandbytes importable in this process and in those it starts (their PYTHONPATH)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert os.path.isdir(SITE), f"bitsandbytes is neither installed nor in {SITE}: run bash .ci/setup main test"
+        monkeypatch.syspath_prepend(SITE)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SITE, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return os.environ.get("PYTHONPATH", "")
+
+
+def plain_loop(tmp_path, **kwargs):
+    """lm_helpers.plain_qlora_loop in a new Python process (peft there defines its 4-bit layers)."""
+    args, out = tmp_path / "args.pkl", tmp_path / "plain.pt"
+    args.write_bytes(pickle.dumps({**kwargs, "out": str(out)}))
+    code = ("import pickle, sys; sys.path.insert(0, sys.argv[1]); import lm_helpers; "
+            "lm_helpers.plain_qlora_loop(**pickle.load(open(sys.argv[2], 'rb')))")
+    result = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tests"), str(args)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_ranks_of_qlora_equal_one_plain_qlora_loop_of_batch_2b_on_the_quantized_base(llama, store, tmp_path,
+                                                                                       bitsandbytes):
+    """Each rank loads the base in 4 bits itself, prepares it as peft's prepare_model_for_kbit_training does and
+    trains the adapters over it: the losses and the adapters are a plain QLoRA loop's over the same steps, and not
+    those of the same fit over the unquantized base (the quantization changes the numbers). The fit validates
+    after each epoch and the plain loop does not: validation changes no number (bitsandbytes would repack the
+    4-bit layers at validation's forward on a CPU with AVX512-BF16, after which their input gets no gradient:
+    estimator.core.recipe.cpu_repacking_off)."""
+    ranks, steps, epochs, lr, batch = 2, 3, 2, 1e-2, 2
+    rows = lm_rows(ranks * batch * steps)
+    quantized = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
+                                                  lr=lr, quantization=four_bits(), run="q", val_rows=rows[:4]), ranks)
+    plain = plain_loop(tmp_path, path=llama, rows=rows, ranks=ranks, batch=batch, steps=steps, epochs=epochs, lr=lr,
+                       peft_config=lora(), quantization=four_bits())
+    assert [row["loss"] for row in quantized[0].history] == pytest.approx(plain["losses"], rel=1e-5)
+    adapters = load_checkpoint(store, store.run("q").checkpoint)["model"]
+    assert set(adapters) == set(plain["state"]) and all("lora_" in name for name in adapters)
+    for name, value in plain["state"].items():
+        assert torch.allclose(adapters[name].float(), value.float(), atol=1e-5), name
+    whole = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
+                                              lr=lr, run="full"), ranks)
+    first = [whole[0].history[0]["loss"], quantized[0].history[0]["loss"]]
+    assert abs(first[0] - first[1]) > 1e-3 * first[0], first  # the ranks trained the 4-bit base, not the stored one
