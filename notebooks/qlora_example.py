@@ -34,7 +34,7 @@ def main(argv=None) -> float:
     from pyspark.sql import SparkSession
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    from estimator import TorchEstimator
+    from estimator import TorchEstimator, TorchModel
     from store import Store
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,6 +42,10 @@ def main(argv=None) -> float:
     parser.add_argument("--epochs", type=int, default=80)
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "qlora-example"))
     args = parser.parse_args(argv)
+    if os.path.exists(os.path.join(args.workdir, "saved")):  # a run before this one's: replaced
+        import shutil
+
+        shutil.rmtree(os.path.join(args.workdir, "saved"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
     spark = SparkSession.builder.master("local[2]").appName("qlora-example").getOrCreate()
@@ -66,7 +70,8 @@ def main(argv=None) -> float:
         ),
         tokenizer=AutoTokenizer.from_pretrained(path),
         peft_config=LoraConfig(
-            r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"
+            r=16, lora_alpha=32, target_modules="all-linear",
+            task_type="CAUSAL_LM",
         ),
         optimizer=functools.partial(torch.optim.AdamW, lr=5e-3),
         lr_scheduler_fn=functools.partial(
@@ -89,6 +94,16 @@ def main(argv=None) -> float:
     print(f"The trained base's layers: {type(layer).__module__}.{type(layer).__name__}")
     right = sum(row.prediction == row.response for row in rows) / len(rows)
     print(f"Answers written right: {right:.2f}")
+    # saved, the model is the base's factory and the adapters; loaded, it writes the same answers
+    fitted.save(os.path.join(args.workdir, "saved"))
+    loaded = TorchModel.load(os.path.join(args.workdir, "saved"))
+    again = {r.prompt: r.prediction for r in loaded.transform(train_df.select("prompt")).collect()}
+    same = all(again[row.prompt] == row.prediction for row in rows)
+    print(f"Loaded from its folder, the same answers: {same}")
+    # merged into the base in its stored precision: a plain transformers folder, no bitsandbytes needed
+    fitted.save_pretrained(os.path.join(args.workdir, "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(args.workdir, "merged"))
+    print(f"The merged folder's layers: {type(merged.model.layers[0].self_attn.q_proj).__name__}")
     spark.stop()
     return right
 

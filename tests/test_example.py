@@ -82,6 +82,23 @@ def test_the_dpo_example_switches_the_answers_an_sft_model_learned(tmp_path):
 
 
 @pytest.mark.spark
+def test_the_qlora_example_trains_adapters_over_a_4_bit_base_and_saves_loads_and_merges_them(tmp_path):
+    """docs/language-models.md shows the example's lines between its qlora markers: these run here, with
+    bitsandbytes from .cache/qlora-site (tests/test_qlora.py) where it is not installed."""
+    site = os.path.join(ROOT, ".cache", "qlora-site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "notebooks", "qlora_example.py"), "--workdir",
+                             str(tmp_path / "work")], capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                            env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    right = float(re.search(r"^Answers written right: ([0-9.]+)$", result.stdout, re.MULTILINE).group(1))
+    assert right >= 0.85, result.stdout[-2000:]
+    for line in ("The trained base's layers: bitsandbytes.nn.modules.Linear4bit",
+                 "Loaded from its folder, the same answers: True", "The merged folder's layers: Linear"):
+        assert line in result.stdout.splitlines(), result.stdout[-2000:]
+
+
+@pytest.mark.spark
 @pytest.mark.parametrize("session", ["classic", "connect"])
 def test_the_readme_use_snippet_runs_as_shown(tmp_path, session):
     """As shown, and with its session made by `builder.remote(url)` of a local Spark Connect server."""

@@ -5,6 +5,7 @@ base they trained is the quantized one. On the driver (Spark): what is refused b
 bitsandbytes comes from .cache/qlora-site (`bash .ci/setup main test` installs it there, not in .venv: peft
 imports it at its own import wherever it is installed, a second more in each of the suite's processes); the
 tests here put it on the path of this process and of the processes they start."""
+import functools
 import importlib.util
 import os
 import pickle
@@ -75,3 +76,33 @@ def test_two_ranks_of_qlora_equal_one_plain_qlora_loop_of_batch_2b_on_the_quanti
                                               lr=lr, run="full"), ranks)
     first = [whole[0].history[0]["loss"], quantized[0].history[0]["loss"]]
     assert abs(first[0] - first[1]) > 1e-3 * first[0], first  # the ranks trained the 4-bit base, not the stored one
+
+
+@pytest.mark.spark
+def test_what_a_quantized_base_cannot_train_is_refused_by_name_before_any_job(spark, store, llama, bitsandbytes,
+                                                                            monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from spark_helpers import jobs_run_by
+    from test_lm_spark import sft
+
+    df = spark.createDataFrame(lm_rows(8), "prompt string, response string")
+    quantized = functools.partial(AutoModelForCausalLM.from_pretrained, llama, quantization_config=four_bits())
+    cases = [
+        (dict(peft_config=None), ValueError, "loads its base quantized .*peft_config is None: a quantized base "
+         "cannot be trained itself.*Set peft_config=LoraConfig"),
+        (dict(strategy="fsdp"), ValueError, "strategy='fsdp': the model factory loads its base quantized .*Use "
+         "strategy='ddp'"),
+        (dict(strategy="auto"), ValueError, "strategy='auto': the model factory loads its base quantized"),
+        (dict(model=quantized()), ValueError, "is a model loaded quantized .*give the factory that loads it"),
+        (dict(loss=torch.nn.CrossEntropyLoss(), label_cols=["label"]), ValueError,
+         "a quantized base trains a causal language model's adapters"),
+    ]
+    for params, error, message in cases:
+        frame = df.withColumn("label", df.prompt.substr(0, 0).cast("int")) if "loss" in params else df
+        with pytest.raises(error, match=message):
+            assert jobs_run_by(spark, lambda: sft(llama, store, **{"model": quantized, **params}).fit(frame)) == []
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # missing here: the driver says so and what installs it
+    with pytest.raises(ImportError, match=r"bitsandbytes package, missing on the driver: pip install "
+                                          r"'spark-torch-estimator\[qlora\]'"):
+        assert jobs_run_by(spark, lambda: sft(llama, store, model=quantized).fit(df)) == []

@@ -84,13 +84,27 @@ def quantization_of(factory: Any) -> Any:
     return factory.keywords.get("quantization_config")
 
 
+def quantization_name(quantization: Any) -> str:
+    """A quantization_config in a few words, for messages: '4-bit nf4', '8-bit', else its type."""
+    def get(key: str) -> Any:
+        return quantization.get(key) if isinstance(quantization, dict) else getattr(quantization, key, None)
+
+    if get("load_in_4bit"):
+        return f"4-bit {get('bnb_4bit_quant_type') or 'fp4'}"
+    return "8-bit" if get("load_in_8bit") else type(quantization).__name__
+
+
 QLORA_HINT = "pip install 'spark-torch-estimator[qlora]' (bitsandbytes)"
 
 
 def require_bitsandbytes(where: str) -> None:
     """bitsandbytes is importable `where` (this process: a rank, an executor, the driver), else an ImportError
     naming the package and the extra (a rank's ImportError is an environment failure: never retried)."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    try:
+        found = importlib.util.find_spec("bitsandbytes") is not None
+    except ValueError:  # a module object without a spec (sys.modules["bitsandbytes"] = None: blocked)
+        found = False
+    if not found:
         raise ImportError(f"The model factory loads its base quantized (quantization_config), which needs the "
                           f"bitsandbytes package, missing {where}: {QLORA_HINT} on the driver and every executor "
                           "(docs/language-models.md 'Fine-tune in 4 bits (QLoRA)').")

@@ -14,7 +14,8 @@ from estimator.core.adapters import check_peft_config
 from estimator.core.meta import check_weights, materialize, meta_tensors, unloadable
 from estimator.core.params import param_error
 from estimator.core.pickling import NotAnOptimizer, optimizer_from_factory
-from estimator.core.recipe import ModelRecipe, quantization_of, quantized, require_bitsandbytes
+from estimator.core.recipe import (ModelRecipe, quantization_name, quantization_of, quantized,
+                                   require_bitsandbytes)
 
 OWNER = "TorchEstimator"
 
@@ -95,8 +96,8 @@ def check_quantized(p: Mapping[str, Any], language_model: bool) -> None:
     if quantization is None:
         return
     if p["peft_config"] is None:
-        raise ValueError(f"The model factory loads its base quantized (quantization_config={quantization!r}), and "
-                         f"peft_config is None: a quantized base cannot be trained itself (its weights are packed "
+        raise ValueError(f"The model factory loads its base quantized ({quantization_name(quantization)}, its "
+                         f"quantization_config), and peft_config is None: a quantized base cannot be trained itself (its weights are packed "
                          "integers), only adapters over it. Set peft_config=LoraConfig(r=16, lora_alpha=32, "
                          "target_modules='all-linear', task_type='CAUSAL_LM'), or load the base unquantized for a "
                          "full fine-tune.")
