@@ -204,12 +204,15 @@ def _called(path, names):
 
 
 def test_a_model_is_built_by_one_recipe():
-    """The adapters are put on a base (with_adapters), a factory is built on the meta device (built_on_meta) and the
-    seed is set for both (torch.manual_seed) in estimator.core.recipe only: the ranks, the executors, getModel(),
+    """The adapters are put on a base (with_adapters), a factory is built on the meta device (built_on_meta), a
+    quantized base prepared for adapters or built without its quantization, and the seed is set for all
+    (torch.manual_seed) in estimator.core.recipe only: the ranks, the executors, getModel(),
     load and the driver all build through ModelRecipe (generation and the loop seed their draws, not a build)."""
-    calls = {m: _called(path, ("with_adapters", "built_on_meta", "manual_seed", "get_peft_model"))
+    calls = {m: _called(path, ("with_adapters", "built_on_meta", "manual_seed", "get_peft_model",
+                               "prepare_model_for_kbit_training", "unquantized"))
              for m, path in MODULES.items()}
-    assert calls[RECIPE] >= {"with_adapters", "built_on_meta", "manual_seed"}
+    assert calls[RECIPE] >= {"with_adapters", "built_on_meta", "manual_seed", "prepare_model_for_kbit_training",
+                             "unquantized"}  # a quantized base (QLoRA) is a step of the recipe
     elsewhere = {m: sorted(found) for m, found in calls.items() if found and m != RECIPE}
     assert elsewhere == {"estimator.core.adapters": ["get_peft_model"], "estimator.lm.generation": ["manual_seed"],
                          "estimator.train.loop": ["manual_seed"]}  # the loop seeds each step's dropout
