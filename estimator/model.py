@@ -252,7 +252,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
         handle = self._held()
         if handle is None or not merged:
             model = self.getOrDefault("model") if handle is not None else self.getModel()  # the adapters: no base
-        else:  # a base loaded quantized (QLoRA) is merged into in its stored precision: dequantized, not rounded
+        else:  # built here, not kept (a base loaded quantized, QLoRA's, in its stored precision: not rounded)
             model = handle.dequantized().build()
         save_pretrained_to(adapters.merged(model) if merged else model, self.getTokenizer(), path)
 

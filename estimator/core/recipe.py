@@ -3,10 +3,10 @@ shapes are needed: the driver of a LoRA fit, a saved model's skeleton), then the
 under the run's seed. A base the factory quantizes (a `from_pretrained` with a bitsandbytes `quantization_config`:
 QLoRA) is quantized where its weights are read (a rank, an executor), prepared for training through its adapters
 as peft's prepare_model_for_kbit_training does, and built without its quantization where only shapes are needed
-(a skeleton has no values to quantize) or asked for in full precision (a merged save). The ranks (estimator.core.spec), the executors and getModel() (estimator.core.handle), the
-driver (estimator.fit.recipes) and a saved model's load (estimator.predict.weights) build through this, so a base
-the factory draws at random and the adapters' initial values are the same everywhere. torch (peft for adapters)
-only, no pyspark."""
+(a skeleton has no values to quantize) or asked for in full precision (a merged save). The ranks
+(estimator.core.spec), the executors and getModel() (estimator.core.handle), the driver (estimator.fit.recipes)
+and a saved model's load (estimator.predict.weights) build through this, so a base the factory draws at random
+and the adapters' initial values are the same everywhere. torch (peft for adapters) only, no pyspark."""
 from __future__ import annotations
 
 import functools

@@ -97,10 +97,10 @@ def check_quantized(p: Mapping[str, Any], language_model: bool) -> None:
         return
     if p["peft_config"] is None:
         raise ValueError(f"The model factory loads its base quantized ({quantization_name(quantization)}, its "
-                         f"quantization_config), and peft_config is None: a quantized base cannot be trained itself (its weights are packed "
-                         "integers), only adapters over it. Set peft_config=LoraConfig(r=16, lora_alpha=32, "
-                         "target_modules='all-linear', task_type='CAUSAL_LM'), or load the base unquantized for a "
-                         "full fine-tune.")
+                         "quantization_config), and peft_config is None: a quantized base cannot be trained itself "
+                         "(its weights are packed integers), only adapters over it. Set peft_config=LoraConfig(r=16, "
+                         "lora_alpha=32, target_modules='all-linear', task_type='CAUSAL_LM'), or load the base "
+                         "unquantized for a full fine-tune.")
     if not language_model:
         raise ValueError("The model factory loads its base quantized (quantization_config): a quantized base trains "
                          "a causal language model's adapters (SFT, DPO: a string response, a chat or preference "
