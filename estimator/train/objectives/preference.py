@@ -1,7 +1,7 @@
 """Preference tuning of a causal LM from pairs of answers: DPO (Rafailov et al. 2023, arXiv 2305.18290) and its
 IPO variant (Azar et al. 2023, arXiv 2310.12036).
 
-A batch of b pairs is 2b rows (estimator.data.lm, LMSpec.rejected): each pair's prompt with its chosen answer,
+A batch of b pairs is 2b rows (estimator.data.rows.Pairs): each pair's prompt with its chosen answer,
 then with its rejected one, the prompt's tokens carrying no label, so both answers of a pair are scored by the
 same weights in one forward. An answer's score is its labelled tokens' log-probabilities summed, under the policy
 and under the reference model, the model before tuning (`reference`): the same model with its adapters off (peft's
