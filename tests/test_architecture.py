@@ -215,6 +215,7 @@ def test_a_model_is_built_by_one_recipe():
                              "unquantized"}  # a quantized base (QLoRA) is a step of the recipe
     elsewhere = {m: sorted(found) for m, found in calls.items() if found and m != RECIPE}
     assert elsewhere == {"estimator.core.adapters": ["get_peft_model"], "estimator.lm.generation": ["manual_seed"],
+                         "estimator.lm.continuous": ["manual_seed"],  # generation's sampling
                          "estimator.train.loop": ["manual_seed"]}  # the loop seeds each step's dropout
     users = {m for m in MODULES if RECIPE in IMPORTS[m]}
     assert {"estimator.core.spec", "estimator.core.handle", "estimator.fit.recipes", "estimator.predict.weights"} <= users

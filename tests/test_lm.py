@@ -448,6 +448,84 @@ def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_write
     assert got == one_by_one and len(set(got)) > 1
 
 
+def stops_and_prompts(model, tokenizer, count, new_tokens):
+    """Prompts, and stop tokens taken from their greedy texts at different steps: rows end at different steps."""
+    from estimator.lm.generation import generate_texts
+
+    prompts = [p for p, _ in lm_rows(count)] + ["Tell me " * 6]
+    texts = generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", new_tokens, None,
+                           batching="padded")
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return prompts, sorted({ids[0][2], ids[1][5], ids[2][9], tokenizer.eos_token_id})
+
+
+def test_continuous_batching_writes_model_generates_texts_and_keeps_its_manager_between_batches(llama, tokenizer):
+    """generation_batching='continuous' (transformers' manager on a paged cache, rows leaving as they end): greedy,
+    the texts the padded generate() writes, for the base and with LoRA adapters, rows ending at different steps;
+    the manager kept on the model for the next Arrow batch, built anew for other generate_kwargs."""
+    from estimator.lm.generation import generate_texts
+
+    base = plain_causal_lm(llama).eval()
+    adapted = plain_causal_lm(llama, lora()).eval()
+    with torch.no_grad():  # adapters that change the text (peft starts lora_B at zero)
+        for name, value in adapted.named_parameters():
+            if "lora_B" in name:
+                value.normal_(0, 0.5)
+    prompts, stops = stops_and_prompts(base, tokenizer, 12, 16)
+    found = {}
+    for model in (base, adapted):
+        def texts(batching, **kwargs):
+            return generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 16,
+                                  {"eos_token_id": stops, **kwargs}, batching=batching).tolist()
+
+        padded, continuous = texts("padded"), texts("continuous")
+        assert continuous == padded
+        assert len({len(t) for t in padded}) > 4 and len(set(padded)) == len(padded)  # mixed lengths, own texts
+        kept = model._cached_continuous_batching_manager
+        assert texts("continuous") == padded and model._cached_continuous_batching_manager is kept
+        assert texts("continuous", top_k=5) == padded  # greedy: top_k changes no pick, but another manager
+        assert model._cached_continuous_batching_manager is not kept
+        found[model] = continuous
+    assert found[base] != found[adapted]  # the adapters count
+
+
+def test_continuous_batching_samples_by_the_seed_and_honours_top_k(llama, tokenizer):
+    from estimator.lm.generation import generate_texts
+
+    model, prompts = plain_causal_lm(llama).eval(), [p for p, _ in lm_rows(6)]
+
+    def texts(batching="continuous", **kwargs):
+        return generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 12, kwargs,
+                              batching=batching).tolist()
+
+    sampled = texts(do_sample=True, top_k=0, temperature=2.0, seed=7)
+    assert texts(do_sample=True, top_k=0, temperature=2.0, seed=7) == sampled
+    assert texts(do_sample=True, top_k=0, temperature=2.0, seed=8) != sampled != texts()
+    assert texts(do_sample=True, top_k=1, temperature=2.0, seed=8) == texts("padded")  # top_k=1 is greedy
+
+
+def test_generation_batching_auto_takes_continuous_batching_on_a_gpu_where_it_can_and_continuous_is_refused_where_not(
+        llama):
+    from estimator.lm.generation import batching_for
+    from estimator.predict.language_checks import check_generation_batching
+
+    model = plain_causal_lm(llama)
+    assert batching_for("auto", model, "cuda:0", {"do_sample": True, "top_p": 0.9, "seed": 1}) == "continuous"
+    assert batching_for("auto", model, "cpu", None) == "padded"  # slower there (benchmarks/RESULTS.md)
+    assert batching_for("auto", model, "cuda", {"num_beams": 2}) == "padded"
+    assert batching_for("auto", torch.nn.Linear(2, 2), "cuda", None) == "padded"
+    assert batching_for("padded", model, "cuda", None) == "padded"
+    assert batching_for("continuous", model, "cpu", None) == "continuous"
+    p = {"model": model, "generation_batching": "continuous", "generate_kwargs": {"repetition_penalty": 1.2}}
+    with pytest.raises(ValueError, match=r"'generation_batching' parameter of TorchModel is 'continuous', and "
+                                         r"generate_kwargs \['repetition_penalty'\] are model.generate's only.*"
+                                         r"set generation_batching='padded'"):
+        check_generation_batching(p, "TorchModel")
+    with pytest.raises(ValueError, match="Linear has no continuous_batching_context_manager"):
+        check_generation_batching({**p, "model": torch.nn.Linear(2, 2), "generate_kwargs": None})
+    check_generation_batching({**p, "generation_batching": "auto"})  # auto falls back instead
+
+
 def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama, tokenizer):
     """generate_kwargs' own eos_token_id (a chat's end-of-turn token) and pad_token_id win over the tokenizer's."""
     from estimator.lm.generation import generate_texts

@@ -123,6 +123,9 @@ def test_chat_rows_train_on_the_assistant_turns_and_transform_writes_the_reply(s
                                  eos_token_id=tokenizer.eos_token_id)
             expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
     assert got == expected
+    assert fitted.getGenerationBatching() == "auto"  # model.generate on the CPU; continuous batching alike:
+    continuous = fitted.copy({fitted.getParam("generation_batching"): "continuous"})
+    assert [r.prediction for r in continuous.transform(asked).collect()] == expected
 
 
 def test_a_rank_killed_mid_run_is_retried_from_the_adapters_checkpoint(spark, store, llama, monkeypatch, caplog):
@@ -211,6 +214,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         (dict(label_cols=["response", "response2"]), texts.withColumn("response2", texts.response),
          r"takes the response as one string label column.*got label_cols=\['response', 'response2'\]\. A chat"),
         (dict(optimizer=None), texts, "'optimizer' parameter .* must be with peft_config, a callable"),
+        (dict(generation_batching="continuous", generate_kwargs={"num_beams": 2}), texts,
+         r"'generation_batching' .* 'continuous', and generate_kwargs \['num_beams'\] are model.generate's only"),
         (dict(generate_kwargs={"max_new_tokens": 2}), texts,
          "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
         (dict(feature_cols=["chat"], label_cols=None), tool_chat,

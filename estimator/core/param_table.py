@@ -246,6 +246,14 @@ ESTIMATOR_PARAMS = [
               "batch of prompts: the same prompts give the same text); default greedy decoding", None,
               _generate_kwargs_ok, "a dict of model.generate keyword arguments (not input_ids, attention_mask "
               "or max_new_tokens), or None", hint=_generate_kwargs_hint),
+    ParamSpec("generation_batching", "transform of a causal LM: how each Arrow batch's prompts are generated. "
+              "'continuous': transformers' continuous batching (a paged KV cache; a row leaves the running batch the "
+              "step it ends and a waiting prompt takes its place; CUDA graphs on a GPU); 'padded': model.generate "
+              "over batches of prompts sorted by length, left-padded (inference_batch_size); 'auto': continuous on "
+              "a GPU where the model has it and generate_kwargs holds only do_sample, temperature, top_k, top_p, "
+              "eos_token_id, pad_token_id and seed, else padded (on a CPU continuous batching is slower: "
+              "docs/language-models.md 'Generate text')", "auto",
+              lambda v: v in ("auto", "continuous", "padded"), "'auto', 'continuous' or 'padded'"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; 'auto': 1.0 for a causal LM's fine-tuning (SFT, DPO), as Hugging Face's Trainer "
               "under TRL clips by default (max_grad_norm=1.0), no clipping for other fits; None: no clipping",
@@ -402,7 +410,7 @@ TOPICS = (
       "early_stopping_patience", "monitor", "monitor_mode", "min_delta", "restore_best", "callbacks")),
     ("Language models", "Fine-tuning and generation of causal LMs ([Language models](language-models.md)).",
      ("peft_config", "packing", "completion_only_loss", "chat_tools", "objective", "max_new_tokens",
-      "generate_kwargs", "inference_batch_size")),
+      "generate_kwargs", "generation_batching", "inference_batch_size")),
     ("GPUs and large models", "Devices, precision, sharding and memory ([GPUs and clusters](gpus.md)).",
      ("use_gpu", "backend", "precision", "compile", "strategy", "shard_units", "reshard_after_forward",
       "weights_folder", "gradient_checkpointing", "gradient_compression", "shared_memory_allreduce")),

@@ -1,11 +1,17 @@
 """The text a causal LM generates for transform's output_kind='generate', on the executors over one Arrow batch
 at a time, with the model cached per worker (estimator.predict.inference).
 
-Generation: the prompts (or chats rendered up to the assistant's turn, estimator.data.lm) sorted by length within
-the batch, so that each generate() call pads little; left-padded (a decoder continues from the last position);
-the model's own generate() with its KV cache, greedy unless generate_kwargs asks for sampling (a 'seed' there
-seeds each call: the same prompts give the same text); at most max_new_tokens, stopping at eos; the new tokens
-decoded without special tokens, back in the rows' order. torch only, no pyspark."""
+Two ways, chosen by `batching_for` (the generation_batching param):
+- 'continuous' (estimator.lm.continuous): the batch's prompts queued on transformers' continuous batching, rows
+  leaving and joining the running batch at every step; 'auto' takes it on a GPU where the model and the
+  generate_kwargs allow it;
+- 'padded': the prompts (or chats rendered up to the assistant's turn, estimator.data.lm) sorted by length within
+  the batch, so that each generate() call pads little; left-padded (a decoder continues from the last position);
+  the model's own generate() with its KV cache ('auto' on a CPU, where continuous batching is slower, and for
+  keywords only generate() has: num_beams, repetition_penalty, ...).
+Either way greedy unless generate_kwargs asks for sampling (a 'seed' there seeds each call: the same prompts give
+the same text); at most max_new_tokens, stopping at eos; the new tokens decoded without special tokens, back in the
+rows' order. torch only, no pyspark."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
@@ -14,6 +20,7 @@ import numpy as np
 import torch
 
 from estimator.data.lm import eos_id, pad_id, prompt_ids
+from estimator.lm.continuous import continuous_ids, continuous_refusal, unsupported
 
 
 GENERATE_TOKENS = 65_536  # rows x (longest prompt + max_new_tokens) per generate() call, by default
@@ -35,27 +42,58 @@ def batches(lengths: Sequence[int], order: Sequence[int], batch_size: Optional[i
     return out
 
 
+def batching_for(choice: str, model: Any, device: str, generate_kwargs: Optional[Dict[str, Any]]) -> str:
+    """'continuous' or 'padded' for generation_batching=`choice`: 'auto' is 'continuous' on a CUDA device when the
+    model has continuous batching and generate_kwargs holds only what it honours, else 'padded'. ('continuous'
+    where it cannot be is refused before any job: estimator.predict.language_checks.check_generation_batching.)"""
+    if choice != "auto":
+        return choice
+    can = (device.startswith("cuda") and continuous_refusal(generate_kwargs) is None
+           and unsupported(model) is None)
+    return "continuous" if can else "padded"
+
+
 def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool, column: str,
                    batch_size: Optional[int], device: str, max_new_tokens: int,
-                   generate_kwargs: Optional[Dict[str, Any]], tools: Optional[Sequence[Any]] = None) -> np.ndarray:
+                   generate_kwargs: Optional[Dict[str, Any]], tools: Optional[Sequence[Any]] = None,
+                   batching: str = "auto") -> np.ndarray:
     """The text generated for each row of `values` (prompts, or chats: rendered with `tools`), as an object array
     of str."""
     prompts = prompt_ids(tokenizer, chat, values, column, tools)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    texts: List[str] = [""] * len(prompts)
     kwargs = dict(generate_kwargs or {})
-    seed = kwargs.pop("seed", None)
     kwargs.setdefault("do_sample", False)
     pad = pad_id(tokenizer)
     kwargs.setdefault("pad_token_id", pad)  # a user's own pad or eos (a chat's end-of-turn token) is kept
     kwargs.setdefault("eos_token_id", eos_id(tokenizer))
+    texts: List[str] = [""] * len(prompts)
+    padded = list(range(len(prompts)))
+    if batching_for(batching, model, device, generate_kwargs) == "continuous":
+        queued = [i for i in padded if prompts[i]]
+        padded = [i for i in padded if not prompts[i]]  # an empty prompt (no BOS either) is generate()'s
+        found = continuous_ids(model, [prompts[i] for i in queued], max_new_tokens, kwargs, device) if queued else []
+        for i, text in zip(queued, tokenizer.batch_decode(found, skip_special_tokens=True)):
+            texts[i] = text
+    if padded:
+        padded_texts(model, tokenizer, prompts, padded, texts, batch_size, device, max_new_tokens, kwargs)
+    result = np.empty(len(texts), dtype=object)
+    result[:] = texts
+    return result
+
+
+def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Sequence[int], texts: List[str],
+                 batch_size: Optional[int], device: str, max_new_tokens: int, kwargs: Dict[str, Any]) -> None:
+    """The texts of prompts[rows] by model.generate() over sorted, left-padded batches, into `texts`."""
+    order = sorted(rows, key=lambda i: len(prompts[i]))
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+    pad = kwargs["pad_token_id"]
     with torch.inference_mode():
         beams = int(kwargs.get("num_beams", 1))  # each row's sequences in the call
-        for rows in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams):
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, i in enumerate(rows):  # left padding: every prompt ends at the last position
+        for call in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams):
+            width = max(len(prompts[i]) for i in call)
+            ids = torch.full((len(call), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(call), width), dtype=torch.long)
+            for j, i in enumerate(call):  # left padding: every prompt ends at the last position
                 if prompts[i]:
                     ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
                     mask[j, width - len(prompts[i]):] = 1
@@ -64,7 +102,4 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  max_new_tokens=max_new_tokens, **kwargs)
             for j, text in enumerate(tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)):
-                texts[rows[j]] = text
-    result = np.empty(len(texts), dtype=object)
-    result[:] = texts
-    return result
+                texts[call[j]] = text

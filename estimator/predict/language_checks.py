@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from estimator.core.adapters import base_config
 from estimator.data.text import length_limit
+from estimator.lm.continuous import continuous_refusal, unsupported
 
 # The owner a message names when the caller names none: fit's checks (estimator.fit.language) call these bare
 OWNER = "TorchEstimator"
@@ -95,3 +96,15 @@ def check_chat_fields(tokenizer: Any, column: str, fields: Sequence[str], tools:
         raise ValueError(f"chat_tools is set, and the chat template of {type(tokenizer).__name__} never reads "
                          "'tools': the model would not see them. Use a tokenizer whose template renders tools, or "
                          "leave chat_tools unset.")
+
+
+def check_generation_batching(p: Dict[str, Any], owner: str = OWNER) -> None:
+    """generation_batching='continuous' only where continuous batching can honour the model and generate_kwargs
+    ('auto' falls back to model.generate there instead)."""
+    if p["generation_batching"] != "continuous":
+        return
+    why = continuous_refusal(p["generate_kwargs"]) or unsupported(p["model"])
+    if why:
+        raise ValueError(f"The 'generation_batching' parameter of {owner} is 'continuous', and {why}: set "
+                         "generation_batching='padded' (or 'auto', which takes model.generate where continuous "
+                         "batching cannot serve).")

@@ -1,6 +1,6 @@
 """output_kind 'generate': the text a causal LM generates for each prompt (or chat), as a string in every output
-column and in prediction_col (estimator.lm.generation.generate_texts: sorted, left-padded batches through
-the model's own generate())."""
+column and in prediction_col (estimator.lm.generation.generate_texts: continuous batching, or sorted, left-padded
+batches through the model's own generate(), by generation_batching)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,8 @@ import pyarrow as pa
 from estimator.core.adapters import can_generate
 from estimator.data.text import Tokenize
 from estimator.lm.generation import generate_texts
-from estimator.predict.language_checks import (check_max_length, check_max_new_tokens, check_text_column,
-                                               check_vocabulary, effective_max_length)
+from estimator.predict.language_checks import (check_generation_batching, check_max_length, check_max_new_tokens,
+                                               check_text_column, check_vocabulary, effective_max_length)
 from estimator.predict.predictor import PREDICTION_FIELD, Added, Predictor, output_fields
 
 
@@ -25,6 +25,7 @@ class Generate(Predictor):
     max_new_tokens: int = 64
     generate_kwargs: Optional[Dict[str, Any]] = None
     chat_tools: Optional[Tuple[Any, ...]] = None  # given to the chat template with each conversation
+    batching: str = "auto"  # generation_batching (estimator.lm.generation.batching_for)
 
     accepts_chat: ClassVar[bool] = True
 
@@ -37,6 +38,7 @@ class Generate(Predictor):
         check_max_length(p, "TorchModel")
         check_vocabulary(p, "TorchModel")
         check_max_new_tokens(p, "TorchModel")
+        check_generation_batching(p, "TorchModel")
 
     @classmethod
     def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Generate":
@@ -48,7 +50,7 @@ class Generate(Predictor):
         tokenize = Tokenize(p["tokenizer"], (), effective_max_length(p))
         shared = {**cls.shared(p, added, torch_threads, tokenize), "batch_size": p["inference_batch_size"]}
         return cls(**shared, outputs=fields, max_new_tokens=p["max_new_tokens"], generate_kwargs=p["generate_kwargs"],
-                   chat_tools=tuple(p["chat_tools"]) if p["chat_tools"] else None)
+                   chat_tools=tuple(p["chat_tools"]) if p["chat_tools"] else None, batching=p["generation_batching"])
 
     def bind_chat(self, chat: bool) -> "Generate":
         return dataclasses.replace(self, chat=chat)
@@ -58,6 +60,7 @@ class Generate(Predictor):
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
         texts = generate_texts(model, self.tokenize.tokenizer, columns[0], self.chat, self.feature_cols[0],
-                               self.batch_size, device, self.max_new_tokens, self.generate_kwargs, self.chat_tools)
+                               self.batch_size, device, self.max_new_tokens, self.generate_kwargs, self.chat_tools,
+                               self.batching)
         text = pa.array(list(texts), pa.string())
         return [text] * (len(self.outputs) + 1)
