@@ -29,7 +29,9 @@ tokens/s = the rows' tokens (prompt, response, BOS and EOS) over the training lo
 Generation (--prompts prompts of 32-512 tokens, up to --new-tokens new tokens, greedy; a row stops at EOS or at
   one of a fixed 1/--stop-every of the words: the random model's tokens spread over the vocabulary, so outputs run
   from 1 token to --new-tokens, about --stop-every on average):
-  - ours:           transform's Generate predictor (sorted, left-padded batches by a token budget);
+  - ours:           transform's Generate predictor, generation_batching='auto' (continuous batching on a GPU,
+                    sorted, left-padded generate() calls by a token budget on a CPU), and the other way of the two
+                    (ours_padded on a GPU, ours_continuous on a CPU);
   - generate @ b:   model.generate over left-padded batches of b prompts sorted by length (b = 64, 128; 32 on
                     the CPU only: the slowest on the GPU);
   - generate_batch: transformers' continuous batching (paged KV cache; rows leave and join at every step).
@@ -311,6 +313,7 @@ def generation_rows(args, bench, path, words):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from estimator.data.text import Tokenize
+    from estimator.lm.continuous import release
     from estimator.predict import inference
     from estimator.predict.kinds.generate import Generate
 
@@ -330,10 +333,10 @@ def generation_rows(args, bench, path, words):
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in found]
         return sum(lengths), {"min": min(lengths), "median": float(np.median(lengths)), "max": max(lengths)}
 
-    def ours():
+    def ours(batching):
         layout = Generate(feature_cols=("prompt",), batch_size=None, use_gpu=args.device == "cuda",
                           tokenize=Tokenize(tokenizer, ()), max_new_tokens=args.new_tokens,
-                          generate_kwargs={"eos_token_id": stops})
+                          generate_kwargs={"eos_token_id": stops}, batching=batching)
         key = f"bench-{id(model)}"
         inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
         column = pa.array(prompts, pa.string())
@@ -343,8 +346,10 @@ def generation_rows(args, bench, path, words):
         out = inference.predict_arrow(key, b"", layout, column)
         synchronize(args.device)
         seconds = time.perf_counter() - started
-        texts["ours"] = out.field(0).to_pylist()
-        tokens, spread = counted_tokens(texts["ours"])
+        release(model)  # a kept manager's paged cache freed for the next rows
+        name = "ours" if batching == "auto" else f"ours_{batching}"
+        texts[name] = out.field(0).to_pylist()
+        tokens, spread = counted_tokens(texts[name])
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "lengths": spread}
 
     def padded(batch):
@@ -401,7 +406,9 @@ def generation_rows(args, bench, path, words):
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "lengths": spread,
                 "warmup_seconds": warm, "request_ids": [str(r) for r in list(out)[:3]]}
 
-    bench.row("generation", "ours", ours)
+    bench.row("generation", "ours", lambda: ours("auto"))  # continuous batching on a GPU, generate() on a CPU
+    bench.row("generation", "ours_padded" if args.device == "cuda" else "ours_continuous",
+              lambda: ours("padded" if args.device == "cuda" else "continuous"))
     bench.row("generation", "generate@64", lambda: padded(64))
     bench.row("generation", "generate_batch", continuous)
     bench.row("generation", "generate@128", lambda: padded(128))

@@ -252,7 +252,7 @@ ESTIMATOR_PARAMS = [
               "over batches of prompts sorted by length, left-padded (inference_batch_size); 'auto': continuous on "
               "a GPU where the model has it and generate_kwargs holds only do_sample, temperature, top_k, top_p, "
               "eos_token_id, pad_token_id and seed, else padded (on a CPU continuous batching is slower: "
-              "docs/language-models.md 'Generate text')", "auto",
+              "docs/language-models.md 'Continuous batching on a GPU')", "auto",
               lambda v: v in ("auto", "continuous", "padded"), "'auto', 'continuous' or 'padded'"),
     ParamSpec("gradient_clip_val", "clip the global gradient norm (over all ranks' averaged gradients) to this before "
               "each optimizer step; 'auto': 1.0 for a causal LM's fine-tuning (SFT, DPO), as Hugging Face's Trainer "

@@ -19,6 +19,9 @@ CONTINUOUS_KWARGS = frozenset({"do_sample", "temperature", "top_k", "top_p", "eo
 # on a device without CUDA: a small cache (256 pages of 32 tokens), as a larger one is slower there (every step's
 # attention reads the cache through a dense mask: 25 s against 6.8 s for 128 prompts, benchmarks/RESULTS.md)
 HOST_CACHE = {"num_blocks": 256, "page_size": 32, "max_batch_tokens": 2048}
+# on a GPU: the paged cache in at most half the memory free after the model (transformers' default, 0.9, would leave
+# the worker's next model or a padded fallback none; at 1B parameters half an H100 holds about a million tokens)
+GPU_CACHE = {"max_memory_percent": 0.5}
 RESULT_WAIT = 60.0  # seconds without any finished row before the thread is asked whether it still runs
 
 
@@ -69,11 +72,19 @@ def manager_context(model: Any, generate_kwargs: Dict[str, Any], device: str):
     config = copy.deepcopy(model.generation_config)  # the model's defaults under the user's keywords, as generate()
     config.update(**{k: v for k, v in generate_kwargs.items() if k != "seed"})
     on_gpu = device.startswith("cuda")
-    batching = ContinuousBatchingConfig() if on_gpu else ContinuousBatchingConfig(**HOST_CACHE)
+    batching = ContinuousBatchingConfig(**(GPU_CACHE if on_gpu else HOST_CACHE))
     context = model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=batching, persistent_manager=True, warmup=on_gpu)
     model._estimator_continuous = settings
     return context
+
+
+def release(model: Any) -> None:
+    """The model's kept manager destroyed (its cache's memory back), as the worker lets the model go."""
+    destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+    if getattr(model, "_estimator_continuous", None) is not None and callable(destroy):
+        destroy()
+        model._estimator_continuous = None
 
 
 def continuous_ids(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -25,6 +25,7 @@ from estimator.core.handle import ModelHandle
 from estimator.core.outputs import forward, outputs_of
 from estimator.data.arrays import column_to_numpy, reshape
 from estimator.data.frames import torch_dtype_array
+from estimator.lm.continuous import release
 from estimator.predict.predictor import Predictor
 
 _CACHE: "OrderedDict[Tuple[str, str], nn.Module]" = OrderedDict()
@@ -54,7 +55,7 @@ def cached_model(key: str, blob: Pickled, device: str) -> nn.Module:
         model = (sent.build() if isinstance(sent, ModelHandle) else sent).to(device).eval()
         _CACHE[(key, device)] = model
         while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+            release(_CACHE.popitem(last=False)[1])  # a kept continuous-batching manager's cache with it
     _CACHE.move_to_end((key, device))
     return _CACHE[(key, device)]
 

@@ -1,6 +1,6 @@
 """A causal LM's fine-tuning and generation on CUDA (`bash .ci/gpu`): LoRA SFT on the GPU equals a plain PEFT loop
-there, bf16-mixed trains, and transform's generation (sorted, left-padded batches) writes what model.generate
-writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped
+there, bf16-mixed trains, and transform's generation (sorted, left-padded batches, and continuous batching)
+writes what model.generate writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped
 without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
 import pyarrow as pa
 import pytest
@@ -59,7 +59,9 @@ def test_lora_sft_on_the_gpu_equals_a_plain_peft_loop_there(llama, store):
     assert mixed.history[-1]["loss"] < mixed.history[0]["loss"]
 
 
-def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
+@pytest.mark.parametrize("batching", ["padded", "auto"])
+def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama, batching):
+    """'auto' on a GPU: transformers' continuous batching (its manager kept on the model), as the padded batches."""
     from transformers import AutoTokenizer
 
     from estimator.data.text import Tokenize
@@ -70,7 +72,7 @@ def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
     model = plain_causal_lm(llama).to("cuda").eval()
     prompts = [p for p, _ in lm_rows(12)] + ["What is it?"]
     layout = Generate(feature_cols=("prompt",), batch_size=5, use_gpu=True, tokenize=Tokenize(tokenizer, ()),
-                      max_new_tokens=8)
+                      max_new_tokens=8, batching=batching)
     inference._CACHE[("gpu-lm", "cuda")] = model
     got = inference.predict_arrow("gpu-lm", b"", layout, pa.array(prompts, pa.string())).field(0).to_pylist()
     expected = []
@@ -81,6 +83,8 @@ def test_generation_in_transform_on_the_gpu_writes_what_generate_writes(llama):
                                  eos_token_id=tokenizer.eos_token_id)
             expected.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
     assert got == expected
+    assert (getattr(model, "_estimator_continuous", None) is not None) == (batching == "auto")
+    inference._CACHE.clear()
 
 
 def test_the_chunked_loss_on_the_gpu_equals_the_plain_loss_in_float32_and_under_bf16_autocast(llama):
