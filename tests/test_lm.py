@@ -427,7 +427,8 @@ def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_anothe
 def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_writes_each_prompts_own_text(
         llama, tokenizer, monkeypatch):
     """inference_batch_size=None: each generate() call takes the shortest prompts left while rows x (their longest
-    prompt + max_new_tokens) stays within GENERATE_TOKENS (here 120); the texts are those of one prompt a call."""
+    prompt + max_new_tokens) stays within the CPU's GENERATE_TOKENS (here 120); the texts are those of one prompt a
+    call."""
     from estimator.lm import generation
 
     model = plain_causal_lm(llama).eval()
@@ -440,7 +441,7 @@ def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_write
         return real(**kwargs)
 
     monkeypatch.setattr(model, "generate", counted)
-    monkeypatch.setattr(generation, "GENERATE_TOKENS", 120)
+    monkeypatch.setitem(generation.GENERATE_TOKENS, "cpu", 120)
     got = generation.generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 8, None).tolist()
     assert len(shapes) > 1 and max(rows for rows, _ in shapes) > 1 and sum(rows for rows, _ in shapes) == 11
     assert all(rows * (width + 8) <= 120 for rows, width in shapes), shapes

@@ -307,7 +307,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("inference_batch_size", "rows per forward() or generate() call in transform (set on the estimator: "
               "its fitted model's). None: 1,024 rows (a fit's model: the larger of val_batch_size or batch_size "
               "and 256); with output_kind='generate', as many prompts, shortest first, as keep rows x (their "
-              "longest prompt + max_new_tokens) within 65,536 tokens a call (the KV cache grows with it); with "
+              "longest prompt + max_new_tokens) within 65,536 tokens a call on a GPU, 16,384 on a CPU (the KV cache "
+              "grows with it; continuous batching takes the prompts as it goes instead); with "
               "output_kind='embedding', at most that many texts a forward, shortest first, rows x their longest "
               "within 16,384 tokens", None,
               optional(is_int(1)), "an int >= 1 or None"),

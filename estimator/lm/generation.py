@@ -23,19 +23,23 @@ from estimator.data.lm import eos_id, pad_id, prompt_ids
 from estimator.lm.continuous import continuous_ids, continuous_refusal, unsupported
 
 
-GENERATE_TOKENS = 65_536  # rows x (longest prompt + max_new_tokens) per generate() call, by default
+# rows x (longest prompt + max_new_tokens) per generate() call, by default: on a GPU, and on a CPU, where smaller
+# calls waste less on rows that have ended and on padding (128 prompts, 24/96 new tokens: 0.95/1.98 s at 16,384
+# against 1.39/2.35 s at 65,536; benchmarks/RESULTS.md)
+GENERATE_TOKENS = {"cuda": 65_536, "cpu": 16_384}
 
 
-def batches(lengths: Sequence[int], order: Sequence[int], batch_size: Optional[int], max_new_tokens: int
-            ) -> List[List[int]]:
+def batches(lengths: Sequence[int], order: Sequence[int], batch_size: Optional[int], max_new_tokens: int,
+            device: str = "cpu") -> List[List[int]]:
     """The rows of each generate() call, in `order` (shortest prompt first): `batch_size` rows each, or None: as
-    many as keep rows x (their longest prompt + max_new_tokens) within GENERATE_TOKENS (one row at least), the size of
-    the sequences, and so of the KV cache, a call holds."""
+    many as keep rows x (their longest prompt + max_new_tokens) within the device's GENERATE_TOKENS (one row at
+    least), the size of the sequences, and so of the KV cache, a call holds."""
     if batch_size is not None:
         return [list(order[start:start + batch_size]) for start in range(0, len(order), batch_size)]
+    budget = GENERATE_TOKENS["cuda" if device.startswith("cuda") else "cpu"]
     out: List[List[int]] = []
     for i in order:
-        if out and (len(out[-1]) + 1) * (lengths[i] + max_new_tokens) <= GENERATE_TOKENS:
+        if out and (len(out[-1]) + 1) * (lengths[i] + max_new_tokens) <= budget:
             out[-1].append(i)
         else:
             out.append([i])
@@ -89,7 +93,7 @@ def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Seq
     pad = kwargs["pad_token_id"]
     with torch.inference_mode():
         beams = int(kwargs.get("num_beams", 1))  # each row's sequences in the call
-        for call in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams):
+        for call in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams, device):
             width = max(len(prompts[i]) for i in call)
             ids = torch.full((len(call), width), pad, dtype=torch.long)
             mask = torch.zeros((len(call), width), dtype=torch.long)
