@@ -1,0 +1,98 @@
+"""GRPO's rewards and advantages on a rank (estimator.train.objectives.rewards), without Spark or a model: the
+reward functions called as TRL calls them, their scores checked by name, each completion's advantage within its
+prompt's group as TRL's GRPOTrainer computes it (sum_then_normalize; scale_rewards 'group', 'batch', 'none')."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from estimator.failures import FailureKind, failure_kind
+from estimator.train.objectives.rewards import RewardFailed, Rewards, advantages
+
+
+def exact(prompts, completions, answer, **_):
+    return [1.0 if c.strip().split()[:1] == [a] else 0.0 for c, a in zip(completions, answer)]
+
+
+def short(completions, **_):
+    return [None if not c else -len(c) / 10 for c in completions]
+
+
+def test_reward_functions_get_the_columns_as_keyword_lists_and_none_is_unscored():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, level):
+        seen.update(prompts=prompts, completion_ids=completion_ids, level=level)
+        return [float(len(c)) for c in completions]
+
+    rewards = Rewards.of([exact, short, spy], [1.0, 0.5, 0.0])
+    assert rewards.names == ("exact", "short", "spy") and rewards.weights == (1.0, 0.5, 0.0)
+    got = rewards.score(["Q1", "Q1", "Q2", "Q2"], ["red car", "", "blue", "green"], [[5, 6], [], [7], [8]],
+                        {"answer": ["red", "red", "blue", "blue"], "level": [1, 1, 2, 2]})
+    assert seen == {"prompts": ["Q1", "Q1", "Q2", "Q2"], "completion_ids": [[5, 6], [], [7], [8]],
+                    "level": [1, 1, 2, 2]}
+    np.testing.assert_array_equal(got[:, 0], [1, 0, 1, 0])
+    assert math.isnan(got[1, 1]) and got[0, 1] == pytest.approx(-0.7)
+    assert Rewards.of([exact, exact]).names == ("exact", "exact_2")  # each its own metrics
+
+
+@pytest.mark.parametrize("returned, message", [
+    (lambda n: [1.0] * (n - 1), r"'bad' returned 3 scores for 4 completions"),
+    (lambda n: [1.0, float("nan"), 0.0, 0.0], r"'bad' returned nan for completion 1 of the prompt 'Q1'.*or None"),
+    (lambda n: [1.0, "yes", 0.0, 0.0], r"'bad' returned 'yes' \(str\) for completion 1 .*return a float"),
+    (lambda n: 3.0, r"'bad' returned float, not a list"),
+])
+def test_a_reward_function_that_breaks_its_contract_is_refused_by_name_and_never_retried(returned, message):
+    def bad(completions, **_):
+        return returned(len(completions))
+
+    with pytest.raises(RewardFailed, match=message) as info:
+        Rewards.of(bad).score(["Q1", "Q1", "Q2", "Q2"], ["a", "b", "c", "d"], [[1]] * 4, {})
+    assert failure_kind(info.value) is FailureKind.USAGE and not FailureKind.USAGE.retryable
+
+
+def test_a_reward_function_that_raises_is_named_with_the_batchs_first_prompt():
+    def boom(completions, answer, **_):
+        return [float(c == answer[i]) for i, c in enumerate(completions[:1])] + [1 / 0]
+
+    with pytest.raises(RewardFailed, match=r"'boom' raised on a batch of 2 completions \(its first prompt: "
+                                           r"'What is 2\+2\?'\): ZeroDivisionError"):
+        Rewards.of(boom).score(["What is 2+2?"] * 2, ["4", "5"], [[1], [2]], {"answer": ["4", "4"]})
+    with pytest.raises(ValueError, match=r"item 1, 3, is not callable"):
+        Rewards.of([exact, 3])
+    with pytest.raises(ValueError, match=r"reward_weights=\[1.0\]\): one finite number for each of the 2"):
+        Rewards.of([exact, short], [1.0])
+
+
+def plain_advantages(scores, weights, group, scale):
+    """The same by hand in numpy: weighted sums (NaN left out), group means, std with ddof=1."""
+    rewards = np.array([np.nan if np.isnan(r).all() else np.nansum(r * weights) for r in scores])
+    out = np.zeros_like(rewards)
+    for start in range(0, len(rewards), group):
+        g = rewards[start:start + group]
+        mean = np.nanmean(g)
+        if scale == "group":
+            std = np.nanstd(g, ddof=1)
+        elif scale == "batch":
+            std = np.nanstd(rewards, ddof=1)
+        else:
+            std = None
+        found = g - mean if std is None else (g - mean) / (std + 1e-4)
+        out[start:start + group] = np.nan_to_num(found, nan=0.0)
+    return out, rewards
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_each_completions_reward_against_its_groups_as_trl_computes_them(scale):
+    scores = np.array([[1.0, 0.2], [0.0, np.nan], [1.0, 0.4], [0.0, 0.0],  # a group of 4
+                       [1.0, 0.1], [1.0, 0.1], [1.0, 0.1], [1.0, 0.1],  # all alike: std 0, advantage 0
+                       [np.nan, np.nan], [0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])  # one unscored
+    weights = np.array([1.0, 0.5])
+    found, rewards, zero = advantages(torch.tensor(scores), torch.tensor(weights), 4, scale)
+    expected, expected_rewards = plain_advantages(scores, weights, 4, scale)
+    np.testing.assert_allclose(found.numpy(), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(rewards.numpy(), expected_rewards, rtol=1e-12)
+    assert found[8] == 0 and (found[4:8] == 0).all()
+    if scale != "batch":
+        assert zero.tolist() == [False] * 4 + [True] * 4 + [False] * 4
