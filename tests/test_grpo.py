@@ -96,3 +96,55 @@ def test_advantages_are_each_completions_reward_against_its_groups_as_trl_comput
     assert found[8] == 0 and (found[4:8] == 0).all()
     if scale != "batch":
         assert zero.tolist() == [False] * 4 + [True] * 4 + [False] * 4
+
+
+def trl_loss(logps, old, adv, mask, loss_type, eps_low, eps_high, beta, ref, max_len):
+    """TRL's _compute_loss for one process without accumulation, written out token by token."""
+    rows, width = logps.shape
+    per = torch.zeros(rows, width, dtype=torch.float64)
+    for i in range(rows):
+        for t in range(width):
+            r = math.exp(logps[i, t] - old[i, t])
+            c = min(max(r, 1 - eps_low), 1 + eps_high)
+            loss = -min(r * adv[i], c * adv[i])
+            if beta:
+                g = ref[i, t] - logps[i, t]
+                loss += beta * (math.exp(g) - g - 1)
+            per[i, t] = loss * mask[i, t]
+    if loss_type == "grpo":
+        return sum(per[i].sum() / max(mask[i].sum(), 1) for i in range(rows)) / rows
+    if loss_type == "dr_grpo":
+        return per.sum() / (rows * max_len)
+    return per.sum() / mask.sum()
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_policy_loss_over_its_weight_is_trls_and_two_halves_sum_to_the_whole(loss_type, beta):
+    from estimator.lm.policy import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(6, 5, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    old = logps.detach() + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.3  # some tokens clipped
+    ref = logps.detach() + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.2
+    adv = torch.tensor([1.2, -0.7, 0.0, 0.4, -1.5, 0.9], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0],
+                         [0, 0, 0, 0, 0]], dtype=torch.float64)  # the last completion is empty
+    args = (loss_type, 0.2, 0.28, beta, ref, 5)
+    whole = policy_loss(logps, old, adv, mask, loss_type, 0.2, 0.28, beta, ref, 5)
+    expected = trl_loss(logps.detach(), old, adv, mask, *args)
+    assert float(whole.loss / whole.weight) == pytest.approx(float(expected), rel=1e-12)
+    halves = [policy_loss(logps[s], old[s], adv[s], mask[s], loss_type, 0.2, 0.28, beta, ref[s], 5)
+              for s in (slice(0, 3), slice(3, 6))]
+    total = sum(h.weight for h in halves)
+    (sum(h.loss for h in halves) / total).backward()  # two ranks' sums over the window's weight
+    split = logps.grad.clone()
+    logps.grad = None
+    (whole.loss / whole.weight).backward()
+    torch.testing.assert_close(split, logps.grad, rtol=1e-12, atol=1e-15)
+    ratio = torch.exp(logps.detach() - old)
+    low = ((ratio < 0.8) & (adv[:, None] < 0) & (mask > 0)).sum()
+    high = ((ratio > 1.28) & (adv[:, None] > 0) & (mask > 0)).sum()
+    assert whole.low_clipped == low > 0 and whole.high_clipped == high > 0
+    assert whole.region_clipped == low + high and whole.tokens == mask.sum()
+    assert (whole.kl is None) == (beta == 0)
