@@ -148,3 +148,28 @@ def test_the_policy_loss_over_its_weight_is_trls_and_two_halves_sum_to_the_whole
     assert whole.low_clipped == low > 0 and whole.high_clipped == high > 0
     assert whole.region_clipped == low + high and whole.tokens == mask.sum()
     assert (whole.kl is None) == (beta == 0)
+
+
+def test_each_prompts_group_is_sampled_under_its_own_seed_whatever_is_sampled_beside_it(tmp_path):
+    """k ranks sample what one process does: a prompt's completions depend on its seed only; the torch random
+    state is left as it was; each completion ends at its stop."""
+    from transformers import AutoTokenizer
+
+    from estimator.lm.generation import sampled_groups
+    from lm_helpers import color_facts, lm_rows, plain_causal_lm, save_pretrained_llama
+
+    path = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
+    tokenizer, model = AutoTokenizer.from_pretrained(path), plain_causal_lm(path).eval()
+    prompts = [tokenizer(p)["input_ids"] for p, _ in lm_rows(3)]
+    kwargs = {"temperature": 1.5, "top_k": 0, "pad_token_id": tokenizer.pad_token_id,
+              "eos_token_id": tokenizer.eos_token_id}
+    state = torch.random.get_rng_state()
+    together = sampled_groups(model, prompts, 4, [11, 12, 13], 10, kwargs, "cpu")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    apart = [c for i in (2, 0, 1) for c in sampled_groups(model, [prompts[i]], 4, [11 + i], 10, kwargs, "cpu")]
+    assert apart == together[8:] + together[:8]  # prompt 2's group alone, then 0's and 1's: the same completions
+    assert len(together) == 12 and len({tuple(c) for c in together[:4]}) > 1  # a group's completions differ
+    assert sampled_groups(model, prompts[:1], 4, [99], 10, kwargs, "cpu") != together[:4]  # another seed
+    stops = {tokenizer.eos_token_id, tokenizer(" the", add_special_tokens=False)["input_ids"][-1]}
+    cut = sampled_groups(model, prompts, 4, [11, 12, 13], 10, {**kwargs, "eos_token_id": sorted(stops)}, "cpu")
+    assert all(len(c) <= 10 and all(t not in stops for t in c[:-1]) for c in cut)

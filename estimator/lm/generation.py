@@ -107,3 +107,26 @@ def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Seq
                                  max_new_tokens=max_new_tokens, **kwargs)
             for j, text in enumerate(tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)):
                 texts[call[j]] = text
+
+
+def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, seeds: Sequence[int],
+                   max_new_tokens: int, generate_kwargs: Dict[str, Any], device: str) -> List[List[int]]:
+    """`group` completions of each prompt (token ids, ending with the stop token where one came), prompt i's drawn
+    under seeds[i] alone in a generate() call of its own, so that they are the same whatever else is sampled
+    beside them (k ranks sample what one process does); the torch random state is left as it was. Prompt-major:
+    completion j of prompt i at i x group + j. generate_kwargs: generate()'s, with pad_token_id and eos_token_id
+    (a list of stops, or one)."""
+    stops = generate_kwargs["eos_token_id"]
+    stops = set(stops if isinstance(stops, (list, tuple)) else [stops])
+    devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
+    out: List[List[int]] = []
+    with torch.inference_mode(), torch.random.fork_rng(devices=devices):
+        for prompt, seed in zip(prompts, seeds):
+            torch.manual_seed(int(seed))
+            ids = torch.tensor([list(prompt)] * group, dtype=torch.long, device=device)
+            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                 max_new_tokens=max_new_tokens, **generate_kwargs)[:, ids.shape[1]:].tolist()
+            for row in new:
+                end = next((n + 1 for n, t in enumerate(row) if t in stops), len(row))
+                out.append(row[:end])
+    return out
