@@ -52,7 +52,7 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
     from estimator.core.adapters import with_adapters
     from estimator.core.pickling import dumps, user_objects
     from estimator.core.spec import DataSpec, LMSpec, TrainSpec
-    from estimator.data.rows import Chat, Pairs, PromptResponse
+    from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts
     from estimator.data.parquet import list_pieces
     from estimator.train.objectives.tokens import TokenObjective
 
@@ -64,19 +64,22 @@ def lm_train_spec(store, path, rows, *, batch, epochs, peft_config=None, lr=1e-2
         elif pairs:
             table = pa.table({"prompt": [p for p, _, _ in part], "chosen": [c for _, c, _ in part],
                               "rejected": [r for _, _, r in part]})
+        elif prompts:
+            table = pa.table({"prompt": [p for p, _ in part], "answer": [a for _, a in part]})
         else:
             table = pa.table({"prompt": [p for p, _ in part], "response": [r for _, r in part]})
         pq.write_table(table, store.path(name, "part.parquet"), row_group_size=16)
         return list_pieces(store, store.path(name))
 
     pairs = objective is not None and objective.rows == "preference"  # else an objective of prompt/response rows
+    prompts = objective is not None and objective.rows == "prompts"  # (prompt, answer) rows: GRPO's
     train, val = write("train", rows), write("val", val_rows) if val_rows else ()
     stored = pairs and objective.reference_for(peft_config is not None) == "precomputed"
-    lm = (LMSpec(Chat("chat"), packed=packed) if chat else
+    lm = (LMSpec(Chat("chat"), packed=packed) if chat else LMSpec(Prompts("prompt", ("answer",))) if prompts else
           LMSpec(Pairs("prompt", "chosen", "rejected", reference=reference_key if stored else None),
                  packed=packed) if pairs
           else LMSpec(PromptResponse("prompt", "response"), packed=packed))
-    labels = () if chat else ("chosen", "rejected") if pairs else ("response",)
+    labels = () if chat else ("chosen", "rejected") if pairs else ("answer",) if prompts else ("response",)
     data = DataSpec(store, train, val, (lm.column,), labels, lm=lm, max_length=max_length)
     from estimator.core.recipe import ModelRecipe
 

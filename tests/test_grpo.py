@@ -6,9 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from estimator.failures import FailureKind, failure_kind
 from estimator.train.objectives.rewards import RewardFailed, Rewards, advantages
+from test_lm import llama, tokenizer  # noqa: F401 - the tiny Llama and its tokenizer
 
 
 def exact(prompts, completions, answer, **_):
@@ -150,16 +152,13 @@ def test_the_policy_loss_over_its_weight_is_trls_and_two_halves_sum_to_the_whole
     assert (whole.kl is None) == (beta == 0)
 
 
-def test_each_prompts_group_is_sampled_under_its_own_seed_whatever_is_sampled_beside_it(tmp_path):
+def test_each_prompts_group_is_sampled_under_its_own_seed_whatever_is_sampled_beside_it(llama, tokenizer):
     """k ranks sample what one process does: a prompt's completions depend on its seed only; the torch random
     state is left as it was; each completion ends at its stop."""
-    from transformers import AutoTokenizer
-
     from estimator.lm.generation import sampled_groups
-    from lm_helpers import color_facts, lm_rows, plain_causal_lm, save_pretrained_llama
+    from lm_helpers import lm_rows, plain_causal_lm
 
-    path = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
-    tokenizer, model = AutoTokenizer.from_pretrained(path), plain_causal_lm(path).eval()
+    model = plain_causal_lm(llama).eval()
     prompts = [tokenizer(p)["input_ids"] for p, _ in lm_rows(3)]
     kwargs = {"temperature": 1.5, "top_k": 0, "pad_token_id": tokenizer.pad_token_id,
               "eos_token_id": tokenizer.eos_token_id}
@@ -173,3 +172,106 @@ def test_each_prompts_group_is_sampled_under_its_own_seed_whatever_is_sampled_be
     stops = {tokenizer.eos_token_id, tokenizer(" the", add_special_tokens=False)["input_ids"][-1]}
     cut = sampled_groups(model, prompts, 4, [11, 12, 13], 10, {**kwargs, "eos_token_id": sorted(stops)}, "cpu")
     assert all(len(c) <= 10 and all(t not in stops for t in c[:-1]) for c in cut)
+
+
+def low_ids(completion_ids, **_):
+    """A reward every completion gets a different share of: its tokens' share below id 200."""
+    return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]
+
+
+def names_answer(completions, answer, **_):
+    return [1.0 if a in c else None if not c.strip() else 0.0 for c, a in zip(completions, answer)]
+
+
+def colour_rows(count):
+    from lm_helpers import color_facts
+
+    return [(p, r[len(" The "):-1].split(" is ")[1]) for p, r in color_facts()[:count]]
+
+
+def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, peft_config):
+    """The plain loop of what `ranks` ranks of `batch` prompts train (unshuffled): each prompt's group sampled under
+    its seed, scored, its advantages; the step's dapo loss over all its completion tokens. The per-epoch losses and
+    mean rewards, and the model."""
+    from estimator.lm.generation import sampled_groups
+    from estimator.lm.policy import policy_loss
+    from estimator.train.objectives.grpo import prompt_seed
+    from estimator.train.objectives.rewards import advantages
+    from lm_helpers import plain_causal_lm
+
+    model = plain_causal_lm(llama, peft_config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    half, steps, group = len(rows) // ranks, len(rows) // (ranks * batch), objective.num_generations
+    kwargs = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "temperature": objective.temperature, "top_p": 1.0, "top_k": 0}
+    losses, rewards, global_step = [], [], 0
+    for epoch in range(epochs):
+        total = weight = reward = scored = 0.0
+        for step in range(steps):
+            part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
+            prompts = [tokenizer(p)["input_ids"] for p, _ in part]
+            model.eval()
+            completions = sampled_groups(model, prompts, group, [prompt_seed(3, epoch + 1, global_step, p)
+                                                                 for p in prompts], objective.max_new_tokens,
+                                         kwargs, "cpu")
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            repeated = [part[i // group] for i in range(len(completions))]
+            scores = torch.from_numpy(objective.rewards.score([p for p, _ in repeated], texts, completions,
+                                                              {"answer": [a for _, a in repeated]}))
+            adv, found, _ = advantages(scores, torch.tensor(objective.rewards.weights, dtype=torch.float64), group,
+                                       "group")
+            model.train()
+            per_row = []
+            for i, c in enumerate(completions):
+                ids = torch.tensor([prompts[i // group] + c])
+                logits = model(input_ids=ids).logits[0, :-1].float()
+                logps = torch.log_softmax(logits, -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+                mask = torch.zeros(ids.shape[1] - 1)
+                mask[len(prompts[i // group]) - 1:] = 1
+                per_row.append((logps, mask))
+            width = max(len(lp) for lp, _ in per_row)
+            logps = torch.stack([F.pad(lp, (0, width - len(lp))) for lp, _ in per_row])
+            mask = torch.stack([F.pad(m, (0, width - len(m))) for _, m in per_row])
+            found_loss = policy_loss(logps, logps.detach(), adv.float(), mask, "dapo", 0.2, 0.2)
+            (found_loss.loss / found_loss.weight).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            global_step += 1
+            total, weight = total + float(found_loss.loss), weight + float(found_loss.weight)
+            ok = ~torch.isnan(found)
+            reward, scored = reward + float(found[ok].sum()), scored + float(ok.sum())
+        losses.append(total / weight)
+        rewards.append(reward / scored)
+    return losses, rewards, model
+
+
+def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(llama, tokenizer, store):
+    """2 ranks x 2 prompts = one process of 4: each prompt's completions sampled under its own seed, the rewards
+    and advantages within its group, the dapo loss over the step's completion tokens on all ranks; the history's
+    loss and rewards and the adapters trained are the plain loop's."""
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.checkpoint import restore
+    from estimator.train.objectives.grpo import GRPO
+    from lm_helpers import lm_train_spec, plain_causal_lm
+    from test_lm import lora
+
+    ranks, batch, epochs, lr = 2, 2, 2, 1e-2
+    objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6)
+    rows = colour_rows(ranks * batch * 2)
+    results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
+                                                lr=lr, objective=objective), ranks)
+    history = results[0].history
+    losses, rewards, plain = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, lora())
+    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    assert [row["reward"] for row in history] == pytest.approx(rewards, rel=1e-9)
+    assert {"reward_std", "rewards/low_ids/mean", "rewards/names_answer/mean", "completions/mean_length",
+            "completions/clipped_ratio", "frac_reward_zero_std", "clip_ratio/region_mean"} <= set(history[-1])
+    assert "reward_sq" not in history[-1] and history[-1]["clip_ratio/region_mean"] == 0  # ratio 1: none clipped
+    trained = plain_causal_lm(llama, lora(), seed=0)
+    restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
+    state, expected = trained.state_dict(), plain.state_dict()
+    moved = 0
+    for name in (n for n, p in plain.named_parameters() if p.requires_grad):
+        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+        moved += int("lora_B" in name and state[name].abs().max() > 0)
+    assert moved  # the adapters trained

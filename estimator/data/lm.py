@@ -143,7 +143,8 @@ class CausalLMTokenize:
         for i, (row_ids, row_labels) in enumerate(rows):
             ids[i, :len(row_ids)], labels[i, :len(row_ids)], mask[i, :len(row_ids)] = row_ids, row_labels, 1
         out[f"{spec.column}{SEP}input_ids"], out[f"{spec.column}{SEP}attention_mask"] = ids, mask
-        out[spec.labels_key] = labels
+        payload = spec.rows.payload(batch)  # prompts alone: what the rewards read, in place of token labels
+        out[spec.labels_key] = labels if payload is None else payload
         return out
 
     def rows(self, batch: Arrays) -> List[Tuple[List[int], List[int]]]:

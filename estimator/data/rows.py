@@ -7,18 +7,22 @@ labelling of every token and the packing to every format alike). numpy and the u
 - `Chat`: a column of message lists; each assistant turn's tokens are learned.
 - `Pairs`: preference pairs, a prompt with a chosen and a rejected answer (three strings or three message
   lists); a batch of b pairs is 2b rows, the chosen answers' first.
+- `Prompts`: prompts alone (a string or a message list), with the columns GRPO's rewards read carried as values
+  (`payload`); the completions are sampled on the ranks.
 
 The driver picks a format from the schema (estimator.fit.language, by the objective's `rows`); the ranks, the
-driver's checks and the balancing of packed batches ask it, and branch on none of its kinds. A new format (GRPO's
-prompts alone) is one class here and one reader there."""
+driver's checks and the balancing of packed batches ask it, and branch on none of its kinds. A new format is one
+class here and one reader there."""
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from estimator.data.lm import (IGNORE, answer_tokens, chat_tokens, eos_id, messages_of, prompt_ids, render)
+from estimator.data.lm import (IGNORE, answer_tokens, chat_tokens, eos_id, messages_of, plain_value, prompt_ids,
+                               render)
 
 Arrays = Dict[str, np.ndarray]
 Rows = List[Tuple[List[int], List[int]]]  # each row's token ids and labels (IGNORE where no loss)
@@ -68,6 +72,10 @@ class RowFormat:
     def tokens(self, tokenizer: Any, batch: Arrays) -> Rows:
         """Each row's tokens and labels, whole (before the cut at max_length)."""
         raise NotImplementedError
+
+    def payload(self, batch: Arrays) -> Optional[np.ndarray]:
+        """What the batch carries at labels_key instead of token labels (None: the token labels): prompts'."""
+        return None
 
     def starts(self, tokenizer: Any, batch: Arrays) -> np.ndarray:
         """Per row, the position of its first labelled token, or -1 for a row with none at all: a row keeps a
@@ -205,3 +213,52 @@ class Pairs(RowFormat):
             return not str(answer).strip()
         return not any(str((m.get("content") if hasattr(m, "get") else "") or "").strip() or
                        (hasattr(m, "get") and m.get("tool_calls") is not None) for m in list(answer))
+
+
+@dataclass(frozen=True)
+class Prompts(RowFormat):
+    """Prompts alone (GRPO, estimator.train.objectives.grpo): a string column, or message lists rendered up to the
+    assistant's turn (`as_messages`), and the columns the rewards read (`columns`, label_cols). No token is
+    labelled: the ranks sample the completions. The batch carries, at labels_key, each row's prompt as given and
+    its columns' values (`payload`: pickled, one row of bytes each, read back by `rows_of`)."""
+
+    columns: Tuple[str, ...] = ()
+    as_messages: bool = False
+    chat_tools: Optional[Tuple[Any, ...]] = None
+
+    @property
+    def read(self) -> Tuple[str, ...]:
+        return (self.column, *self.columns)
+
+    @property
+    def messages(self) -> bool:
+        return self.as_messages
+
+    @property
+    def tools(self) -> Optional[Tuple[Any, ...]]:
+        return self.chat_tools
+
+    def tokens(self, tokenizer: Any, batch: Arrays) -> Rows:
+        found = prompt_ids(tokenizer, self.as_messages, batch[self.column], self.column, self.chat_tools)
+        return [(ids, [IGNORE] * len(ids)) for ids in found]
+
+    def payload(self, batch: Arrays) -> np.ndarray:
+        """Each row's {'prompt': the prompt as given (a string, or its messages as dicts), column: value, ...},
+        pickled: (rows, 8 + the longest) uint8, each row's length in its first 8 bytes."""
+        blobs = [pickle.dumps({"prompt": plain_value(batch[self.column][i]),
+                               **{c: plain_value(batch[c][i]) for c in self.columns}}, protocol=4)
+                 for i in range(len(batch[self.column]))]
+        out = np.zeros((len(blobs), 8 + max((len(b) for b in blobs), default=0)), dtype=np.uint8)
+        for i, blob in enumerate(blobs):
+            out[i, :8] = np.frombuffer(np.int64(len(blob)).tobytes(), dtype=np.uint8)
+            out[i, 8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        return out
+
+
+def rows_of(payload: np.ndarray) -> List[Dict[str, Any]]:
+    """The rows a Prompts payload carries (host bytes: a tensor's .cpu().numpy())."""
+    out = []
+    for row in payload:
+        size = int(np.frombuffer(row[:8].tobytes(), dtype=np.int64)[0])
+        out.append(pickle.loads(row[8:8 + size].tobytes()))
+    return out
