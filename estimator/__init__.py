@@ -6,7 +6,8 @@ The package imports its submodules lazily: Spark's Python workers import `estima
 from typing import Any as _Any
 
 __version__ = "0.3.0.dev0"  # the one place the version is written (setup.cfg reads it)
-__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "DPO", "parameters_on_meta",
+__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "DPO", "GRPO",
+           "parameters_on_meta",
            "__version__"]
 
 
@@ -31,6 +32,10 @@ def __getattr__(name: str) -> _Any:
         from estimator.train.objectives.preference import DPO
 
         return DPO
+    if name == "GRPO":  # objective=GRPO(reward_funcs=...): reinforcement of a causal LM by rewards
+        from estimator.train.objectives.grpo import GRPO
+
+        return GRPO
     if name == "parameters_on_meta":  # for a model factory whose weights a weights_folder gives
         from estimator.core.meta import parameters_on_meta
 

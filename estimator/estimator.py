@@ -242,12 +242,13 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             if names is None:
                 names = checks.metric_names(p, losses or [make() for make in constructors])
             monitor = None if p["train_step"] is not None or objs.lightning else checks.monitor_for(
-                p, names, has_validation)
+                p, names, has_validation, own=getattr(objective, "monitor", None))
         payload = dumps(objs, "model, optimizer, losses, metrics, transformation_fn, train_step, train_fn, "
                               "lr_scheduler_fn or callbacks",
                         roots=[p["model_factory"] or objs.model, objs.optimizer_factory, *losses, *constructors,
                                *p["metrics"], p["transformation_fn"], p["train_step"], p["train_fn"], *p["callbacks"],
-                               p["lr_scheduler_fn"], p["tokenizer"], p["shard_units"], objective, strategy])
+                               p["lr_scheduler_fn"], p["tokenizer"], p["shard_units"], objective, strategy,
+                               *getattr(objective, "user_code", ())])
         num_proc = p["backend"].num_processes() if p["backend"] is not None else p["num_proc"]
         num_proc = num_proc or default_num_proc(spark)
         per_task = ranks_per_task(spark, num_proc)

@@ -275,3 +275,19 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
         assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
         moved += int("lora_B" in name and state[name].abs().max() > 0)
     assert moved  # the adapters trained
+
+
+def test_reward_functions_that_cannot_take_their_arguments_are_refused_by_name():
+    given = ("prompts", "completions", "completion_ids", "answer")
+    Rewards.of([exact, short, lambda completions, **kw: [0.0] * len(completions)]).check_arguments(given)
+
+    def no_kwargs(completions, answer):
+        return [0.0] * len(completions)
+
+    def needs_level(completions, level, **_):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"'no_kwargs' takes no \['prompts', 'completion_ids'\].*add \*\*kwargs"):
+        Rewards.of(no_kwargs).check_arguments(given)
+    with pytest.raises(ValueError, match=r"'needs_level' needs \['level'\], which nothing gives.*label_cols"):
+        Rewards.of(needs_level).check_arguments(given)

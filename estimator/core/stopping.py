@@ -67,9 +67,14 @@ class Monitor:
                 f"{waited} epochs {since}; early_stopping_patience={self.patience}")
 
 
-def default_monitor(has_validation: bool) -> str:
-    return "val_loss" if has_validation else "loss"
+def default_monitor(has_validation: bool, key: Optional[str] = None) -> str:
+    """`key` (an objective's own, GRPO's reward; else the loss), its val_ one with validation."""
+    key = key or "loss"
+    return f"val_{key}" if has_validation else key
 
 
 def default_mode(key: str) -> str:
-    return "max" if "accuracy" in key else "min"
+    """'max' for accuracies and rewards (GRPO's reward, each reward function's mean), else 'min'."""
+    bare = key[len("val_"):] if key.startswith("val_") else key
+    return "max" if "accuracy" in key or bare == "reward" or (bare.startswith("rewards/") and
+                                                              bare.endswith("/mean")) else "min"

@@ -304,10 +304,11 @@ def metric_names(p: Dict[str, Any], losses: Sequence[Any]) -> List[str]:
 
 
 def monitor_for(p: Dict[str, Any], names: Optional[Sequence[str]], has_validation: bool,
-                keys: Optional[List[str]] = None) -> Monitor:
+                keys: Optional[List[str]] = None, own: Optional[str] = None) -> Monitor:
     """The monitored history key (one the history will have: `names`, their val_ ones, data_wait, or `keys` when
-    given; names None: a train_fn's, known when it reports), its direction and the early-stopping rule."""
-    key = p["monitor"] or default_monitor(has_validation)
+    given; names None: a train_fn's, known when it reports), its direction and the early-stopping rule. Unset, the
+    loss, or the objective's `own` key (GRPO's reward); their val_ ones with validation."""
+    key = p["monitor"] or default_monitor(has_validation, own)
     if keys is None and names is not None:
         keys = list(names) + ([f"val_{n}" for n in names] if has_validation else []) + ["data_wait"]
     if keys is not None and key not in keys:

@@ -15,7 +15,7 @@ from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
-from estimator.data.rows import Chat, Pairs, PromptResponse, RowFormat, Text
+from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts, RowFormat, Text
 from estimator.data.text import length_limit
 from estimator.predict.language_checks import check_chat_fields, model_positions
 from estimator.predict.schema import is_chat
@@ -133,8 +133,36 @@ def pairs_rows(p: Mapping[str, Any], schema: StructType) -> RowFormat:
                  objective.reference_table(p))
 
 
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")  # what a reward function is given besides columns
+
+
+def prompt_rows(p: Mapping[str, Any], schema: StructType) -> RowFormat:
+    """Prompts alone (an objective whose rows are 'prompts': GRPO's): one string or message-list column, and the
+    label columns its rewards read (any types, none at all too)."""
+    objective, features, labels = p["objective"], list(p["feature_cols"]), list(p["label_cols"])
+    if len(features) != 1:
+        raise ValueError(f"objective={objective!r} samples completions of one prompt column: feature_cols=['prompt'] "
+                         f"(a string column, or a chat's messages {CHAT_TYPE}); got feature_cols={features}. Join "
+                         "the prompt's parts into one string column first (concat_ws).")
+    column, dtype = features[0], schema[features[0]].dataType
+    taken = [c for c in labels if c in REWARD_ARGUMENTS]
+    if taken:
+        raise ValueError(f"objective={objective!r}: label_cols {taken} would shadow the reward functions' own "
+                         f"arguments {list(REWARD_ARGUMENTS)}: rename those columns first (withColumnRenamed).")
+    chat = is_chat(dtype)
+    if chat:
+        message_fields(column, dtype, p)
+    elif not isinstance(dtype, StringType):
+        raise ValueError(f"objective={objective!r} reads its prompts from a string column or a chat column "
+                         f"({CHAT_TYPE}); {column!r} has type {dtype.simpleString()}.")
+    if p["chat_tools"] and not chat:
+        raise ValueError(f"objective={objective!r} with chat_tools: the prompts of {column!r} are strings, and tools "
+                         "are given to the chat template with message lists.")
+    return Prompts(column, tuple(labels), chat, tuple(p["chat_tools"]) if p["chat_tools"] else None)
+
+
 # the rows an objective reads (its `rows`), each read from the schema by its reader: a new format is a line here
-ROWS = {"sft": sft_rows, "preference": pairs_rows}
+ROWS = {"sft": sft_rows, "preference": pairs_rows, "prompts": prompt_rows}
 
 
 def packing(p: Mapping[str, Any]) -> bool:

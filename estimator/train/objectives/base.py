@@ -2,7 +2,7 @@
 mean, the model's outputs in transform, no language model's rows, and the history read from its sums' means."""
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 from estimator.train.sums import Sums
 from estimator.train.weighting import PerBatch
@@ -38,6 +38,11 @@ class BuiltIn:
     # checks read the rows, the config and shapes only, and a rank's first batch checks the forward (a LoRA fit
     # of a factory then never builds the base's weights on the driver: estimator.core.handle)
     driver_forward = True
+    # the user's functions an objective instance holds (GRPO's reward functions): pickled by value where their
+    # module exists on the driver only (estimator.core.pickling.driver_only_modules), as the loss param's are
+    user_code: Tuple[Any, ...] = ()
+    # the history key monitored where the `monitor` param is unset (its val_ one with validation); None: the loss
+    monitor: Optional[str] = None
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:

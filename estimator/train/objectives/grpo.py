@@ -11,8 +11,8 @@ surrogate loss (estimator.lm.policy), a sum over what its loss type averages ove
 With num_iterations=1 (the only one built) the sampling policy is the policy: the ratio is 1 and nothing is
 clipped, as in TRL. With beta > 0, the reference is the model with its adapters off (the KL estimate per token).
 
-Validation samples one completion per prompt greedily and reports the rewards (val_reward); it has no loss
-(val_loss is NaN). torch only, no pyspark."""
+Validation samples one completion per prompt greedily and reports the rewards (val_reward, the monitored key by
+default); it has no loss (no val_loss). torch only, no pyspark."""
 from __future__ import annotations
 
 import hashlib
@@ -75,9 +75,12 @@ class GRPO(BuiltIn):
         num_generations: Completions sampled per prompt (G, at least 2; TRL's default 8). batch_size counts
             prompts per rank.
         max_new_tokens: The most tokens a completion has (TRL's max_completion_length, 256).
-        temperature, top_p, top_k: The sampling's (TRL's: 1.0, 1.0, no top-k).
+        temperature: The sampling's temperature (TRL's 1.0).
+        top_p: The sampling's nucleus (TRL's 1.0: all tokens).
+        top_k: The sampling's top-k (TRL's None: all tokens).
         beta: The KL penalty's weight to the reference, the model with its adapters off (TRL's default 0.0).
-        epsilon, epsilon_high: The clipping's bounds, 1 - epsilon and 1 + epsilon_high (default epsilon).
+        epsilon: The clipping's lower bound is 1 - epsilon (TRL's 0.2).
+        epsilon_high: The clipping's upper bound is 1 + epsilon_high (default: epsilon).
         loss_type: 'dapo' (TRL's default: every completion token of the step alike), 'grpo' (each completion's
             mean token loss) or 'dr_grpo' (each completion's token losses over max_new_tokens).
         scale_rewards: 'group' (TRL's default: over each group's std), 'batch' or 'none' (Dr. GRPO).
@@ -89,6 +92,7 @@ class GRPO(BuiltIn):
     gradient_clip_val = 1.0  # 'auto' clips as TRL's trainers do (max_grad_norm=1.0)
     driver_forward = False
     rows = "prompts"  # prompts alone, with the rewards' columns (estimator.data.rows.Prompts)
+    monitor = "reward"  # the history key monitored by default (val_reward with validation): higher is better
 
     def __init__(self, reward_funcs: Any, reward_weights: Optional[Sequence[float]] = None, num_generations: int = 8,
                  max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
@@ -96,6 +100,7 @@ class GRPO(BuiltIn):
                  epsilon_high: Optional[float] = None, loss_type: str = "dapo", scale_rewards: str = "group",
                  num_iterations: int = 1):
         self.rewards = Rewards.of(reward_funcs, reward_weights)
+        self.user_code = self.rewards.funcs  # pickled by value to the ranks where only the driver has their module
         for name, value, ok, what in (
                 ("num_generations", num_generations, is_int(num_generations) and num_generations >= 2,
                  "an int >= 2: a group's advantages compare its completions (TRL's default 8)"),
@@ -137,6 +142,28 @@ class GRPO(BuiltIn):
     @classmethod
     def history_keys(cls, p: Mapping[str, Any]) -> List[str]:
         return list(summarize_grpo(p["objective"].layout, {}, None, keys_only=True))
+
+    @classmethod
+    def dry_run(cls, model: Any, data: Any, arrays: Any, rows: int) -> List[tuple]:
+        """No forward on the driver (transform generates text): the ranks' first step samples and scores."""
+        return []
+
+    @classmethod
+    def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
+        """What this fit cannot take, by name: packing (the completions are sampled per step), a sharded model (its
+        sampling is not built), beta > 0 without adapters (the reference is the model with them off), and reward
+        functions that cannot take the arguments they would be given (the label columns by name)."""
+        self = p["objective"]
+        for name, value, why in (("packing", p["packing"], "the completions are sampled at each step and batched "
+                                  "padded; packing is not built for them: leave packing=False"),
+                                 ("strategy", shards_checkpoints, "sampling completions from a sharded model is not "
+                                  "built yet: use strategy='ddp'"),
+                                 ("peft_config", self.beta > 0 and p["peft_config"] is None,
+                                  f"beta={self.beta} weighs the KL to the reference, the model with its adapters "
+                                  "off: set peft_config (LoraConfig(task_type='CAUSAL_LM')), or beta=0")):
+            if value:
+                raise ValueError(f"objective={self!r} with {name}={p[name]!r}: {why}.")
+        self.rewards.check_arguments(("prompts", "completions", "completion_ids", *p["label_cols"]))
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "GRPO":
@@ -262,6 +289,8 @@ def summarize_grpo(layout: Sums, train: Mapping[str, float], val: Optional[Mappi
             means = {prefix + m.key: math.nan for m in layout.means}
         else:
             means = layout.means_of(named, prefix)
+        if prefix:  # validation scores greedy completions: rewards, no loss
+            means.pop(prefix + LOSS)
         reward, square = means.get(prefix + "reward", math.nan), means.pop(prefix + "reward_sq", math.nan)
         n = named.get(weight_slot("reward"), 0.0) if not keys_only else 0.0
         spread = (square - reward ** 2) * n / (n - 1) if n > 1 else math.nan

@@ -6,6 +6,7 @@ from typing import Any, Dict, Mapping
 from estimator.train.objectives.lightning import LightningObjective
 from estimator.train.objectives.base import own_loop_param
 from estimator.train.objectives.classic import Objective
+from estimator.train.objectives.grpo import GRPO
 from estimator.train.objectives.preference import DPO
 from estimator.train.objectives.tokens import TokenObjective
 from estimator.train.objectives.step import StepObjective
@@ -15,6 +16,7 @@ OBJECTIVES: Dict[str, Any] = {
     "train_step": StepObjective,  # the user's step returns the loss and its metrics
     "lightning": LightningObjective,  # a LightningModule's training_step and logged numbers
     "preference": DPO,  # objective=DPO(...): a causal LM tuned on preference pairs
+    "grpo": GRPO,  # objective=GRPO(...): a causal LM reinforced by rewards of its sampled completions
     "tokens": TokenObjective,  # a causal LM's next-token loss over its labelled tokens
     "losses": Objective,  # the loss param's losses and metrics, or the model's own loss from labels=
 }

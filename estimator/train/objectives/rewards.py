@@ -10,6 +10,7 @@ that is not a number, fails the fit by name (RewardFailed: never retried, it wou
 only, no pyspark."""
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from dataclasses import dataclass
@@ -74,6 +75,29 @@ class Rewards:
             seen[name] = seen.get(name, 0) + 1
             names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
         return cls(funcs, weights, tuple(names))
+
+    def check_arguments(self, given: Sequence[str]) -> None:
+        """Each function takes the keyword arguments it will be given (`given`: prompts, completions, completion_ids
+        and the label columns), by their names or **kwargs, and needs none else; refused by name before any job."""
+        for func, name in zip(self.funcs, self.names):
+            try:
+                params = list(inspect.signature(func).parameters.values())
+            except (TypeError, ValueError):  # a builtin or a C function: nothing to read
+                continue
+            kinds = {p.name: p.kind for p in params}
+            if inspect.Parameter.VAR_KEYWORD not in kinds.values():
+                extra = [n for n in given if kinds.get(n) not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                   inspect.Parameter.KEYWORD_ONLY)]
+                if extra:
+                    raise ValueError(f"The reward function {name!r} takes no {extra}, and every reward function is "
+                                     f"given {list(given)} by name (prompts, completions, completion_ids and the "
+                                     "label columns): add **kwargs to its parameters.")
+            missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in given
+                       and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+            if missing:
+                raise ValueError(f"The reward function {name!r} needs {missing}, which nothing gives: it is given "
+                                 f"{list(given)} by name (prompts, completions, completion_ids and the label "
+                                 "columns). Add those columns to label_cols, or give the parameters defaults.")
 
     def score(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
               columns: Dict[str, Sequence[Any]]) -> np.ndarray:
