@@ -291,3 +291,22 @@ def test_reward_functions_that_cannot_take_their_arguments_are_refused_by_name()
         Rewards.of(no_kwargs).check_arguments(given)
     with pytest.raises(ValueError, match=r"'needs_level' needs \['level'\], which nothing gives.*label_cols"):
         Rewards.of(needs_level).check_arguments(given)
+
+
+def test_a_reward_that_raises_on_a_rank_fails_the_fit_by_name_and_is_not_retried(llama, store):
+    from estimator.failures import RankFailed
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.objectives.grpo import GRPO
+    from lm_helpers import lm_train_spec
+    from test_lm import lora
+
+    def parse(completions, **_):
+        raise KeyError("score")
+
+    spec = lm_train_spec(store, llama, colour_rows(2), batch=1, epochs=1, peft_config=lora(),
+                         objective=GRPO(parse, num_generations=2, max_new_tokens=3))
+    with pytest.raises(RankFailed, match=r"RewardFailed: The reward function 'parse' raised on a batch of 2 "
+                                         r"completions \(its first prompt: 'What color is the kettle\?'\): KeyError") \
+            as info:
+        LocalLauncher().run(spec, 1)
+    assert info.value.kind is FailureKind.USAGE and not info.value.kind.retryable
