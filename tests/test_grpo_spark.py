@@ -36,8 +36,7 @@ def grpo(llama, store, objective, **kw):
     return TorchEstimator(**params)
 
 
-def test_grpo_on_two_ranks_reports_trls_numbers_and_the_fitted_model_writes_text(spark, store):
-    llama = save_pretrained_llama(str(store.root) + "/tiny", [p + r for p, r in color_facts()])
+def test_grpo_on_two_ranks_reports_trls_numbers_and_the_fitted_model_writes_text(spark, store, llama):
     rows = [(p, r[len(" The "):-1].split(" is ")[1], i % 3) for i, (p, r) in enumerate(color_facts()[:10])]
     df = spark.createDataFrame(rows, "prompt string, answer string, level int")
     bonus = {0: 0.0, 1: 0.1, 2: 0.2}  # a closure over a dict, pickled to the executors
