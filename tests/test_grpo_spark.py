@@ -62,11 +62,12 @@ def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, 
     def needs_grade(completions, grade, **_):
         return [0.0] * len(completions)
 
-    objective = GRPO(short_words, num_generations=2)
+    objective = GRPO(short_words, num_generations=2, max_new_tokens=8)
     cases = [(dict(packing=True), objective, "packing=True: the completions are sampled at each step"),
-             (dict(peft_config=None), GRPO(short_words, beta=0.04), r"peft_config=None: beta=0.04 weighs the KL"),
-             (dict(), GRPO(needs_grade), r"'needs_grade' needs \['grade'\], which nothing gives"),
-             (dict(label_cols=["completions"]), objective, r"label_cols \['completions'\] would shadow")]
+             (dict(peft_config=None), GRPO(short_words, beta=0.04, max_new_tokens=8), r"peft_config=None: beta=0.04 weighs the KL"),
+             (dict(), GRPO(needs_grade, max_new_tokens=8), r"'needs_grade' needs \['grade'\], which nothing gives"),
+             (dict(label_cols=["completions"]), objective, r"label_cols \['completions'\] would shadow"),
+             (dict(), GRPO(short_words, max_new_tokens=64), r"max_new_tokens=64: the model has 64 positions")]
     frame = df.withColumnRenamed("answer", "completions")
     for params, given, message in cases:
         data = frame if params.get("label_cols") == ["completions"] else df

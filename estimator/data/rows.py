@@ -65,6 +65,11 @@ class RowFormat:
         None: none stored (only pairs may have one)."""
         return None
 
+    @property
+    def room(self) -> str:
+        """What a row cut at max_length before its first labelled token has no room for (the driver's message)."""
+        return "response token to learn"
+
     def blank(self, answer: Any) -> bool:
         """Whether a value of an answers column holds no text (refused by the fit)."""
         return not str(answer).strip()
@@ -229,6 +234,10 @@ class Prompts(RowFormat):
     @property
     def read(self) -> Tuple[str, ...]:
         return (self.column, *self.columns)
+
+    @property
+    def room(self) -> str:
+        return "room for a completion (the prompt fills it)"
 
     @property
     def messages(self) -> bool:

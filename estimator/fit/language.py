@@ -235,5 +235,5 @@ def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
         fixes.insert(0, f"raise max_length above {longest} (the longest prompt's tokens)" if positions is None or
                      longest < positions else f"shorten the prompts (the longest takes {longest} tokens, and the "
                      f"model has {positions} positions)")
-    raise ValueError(f"Rows of column {data.lm.column!r} leave no response token to learn after the cut at "
+    raise ValueError(f"Rows of column {data.lm.column!r} leave no {data.lm.rows.room} after the cut at "
                      f"max_length={limit}: {told}. Such a row trains nothing: {' or '.join(fixes)}.")
