@@ -126,7 +126,10 @@ def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, see
             ids = torch.tensor([list(prompt)] * group, dtype=torch.long, device=device)
             new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                  max_new_tokens=max_new_tokens, **generate_kwargs)[:, ids.shape[1]:].tolist()
-            for row in new:
-                end = next((n + 1 for n, t in enumerate(row) if t in stops), len(row))
-                out.append(row[:end])
+            out += [cut_at_stop(row, stops) for row in new]
     return out
+
+
+def cut_at_stop(tokens: Sequence[int], stops: Any) -> List[int]:
+    """The tokens up to and with the first of `stops` (all of them where none came): what a row generated."""
+    return list(tokens[:next((n + 1 for n, t in enumerate(tokens) if t in stops), len(tokens))])

@@ -15,9 +15,13 @@ from estimator.data.lm import IGNORE
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor, rows: Any = None) -> torch.Tensor:
     """Each row's answer scored: its labelled tokens' log-probabilities summed, in float32; `rows`: a packed
     batch's row of each position and its row count (row_index)."""
-    target = labels[:, 1:]
-    logps = -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
-    return answer_sums(logps * (target != IGNORE), rows)
+    return answer_sums(token_logps(logits, labels) * (labels[:, 1:] != IGNORE), rows)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of the next label (rows x positions - 1, float32; any value where the label
+    is IGNORE): DPO's answers and GRPO's completion tokens."""
+    return -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), labels[:, 1:].clamp(min=0), reduction="none")
 
 
 def answer_sums(values: torch.Tensor, rows: Any) -> torch.Tensor:

@@ -22,15 +22,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from estimator.core.adapters import base_config, can_generate
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE, eos_id, pad_id
 from estimator.data.rows import rows_of
-from estimator.lm.generation import sampled_groups
+from estimator.lm.generation import cut_at_stop, sampled_groups
+from estimator.lm.logprobs import token_logps
 from estimator.lm.policy import LOSS_TYPES, policy_loss
 from estimator.train.objectives.base import BuiltIn, built_in_loop
+from estimator.train.objectives.preference import unwrapped
 from estimator.train.objectives.rewards import SCALES, Rewards, advantages
 from estimator.train.sums import LOSS, ROWS, WEIGHT, Sums, metric_slot, weight_slot
 from estimator.train.weighting import PerWeight
@@ -205,7 +206,7 @@ class GRPO(BuiltIn):
             if self.beta > 0 and ctx.training:
                 inner = unwrapped(module)
                 with torch.no_grad(), inner.disable_adapter():
-                    sampled.reference = token_logps(inner, sampled)
+                    sampled.reference = completion_logps(inner, sampled)
         return sampled
 
     def scored(self, prompts: List[List[int]], completions: List[List[int]], rows: List[Dict[str, Any]],
@@ -254,7 +255,7 @@ class GRPO(BuiltIn):
         device = batch.input_ids.device
         mask = (batch.labels[:, 1:] != IGNORE)
         if batch.training:
-            logps = token_logps(model, batch)
+            logps = completion_logps(model, batch)
             found = policy_loss(logps, logps.detach(), batch.advantages, mask, self.loss_type, self.epsilon,
                                 self.epsilon_high, self.beta, batch.reference, self.max_new_tokens)
             loss, weight = found.loss, found.weight
@@ -327,21 +328,14 @@ def greedy(model: Any, prompts: List[List[int]], max_new_tokens: int, kwargs: Di
             ids = torch.tensor([prompt], dtype=torch.long, device=device)
             new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, **kwargs)[0, ids.shape[1]:].tolist()
-            out.append(new[:next((n + 1 for n, t in enumerate(new) if t in stops), len(new))])
+            out.append(cut_at_stop(new, stops))
     return out
 
 
-def token_logps(model: Any, batch: Sampled) -> torch.Tensor:
-    """The log-probability of each position's next token (rows x positions - 1), in float32."""
+def completion_logps(model: Any, batch: Sampled) -> torch.Tensor:
+    """The log-probability of each position's next token under `model` (rows x positions - 1), in float32."""
     features = [{"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}]
-    logits = logits_of(forward(model, features))
-    target = batch.labels[:, 1:]
-    return -F.cross_entropy(logits[:, :-1, :].float().transpose(1, 2), target.clamp(min=0), reduction="none")
-
-
-def unwrapped(model: Any) -> Any:
-    """The peft model: the model itself, or the module a wrapper holds (DDP's `.module`)."""
-    return model if hasattr(model, "disable_adapter") else getattr(model, "module", model)
+    return token_logps(logits_of(forward(model, features)), batch.labels)
 
 
 def is_int(value: Any) -> bool:
