@@ -310,3 +310,49 @@ def test_a_reward_that_raises_on_a_rank_fails_the_fit_by_name_and_is_not_retried
             as info:
         LocalLauncher().run(spec, 1)
     assert info.value.kind is FailureKind.USAGE and not info.value.kind.retryable
+
+
+def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapters(llama, store):
+    """Shuffled prompts, 3 steps an epoch, a checkpoint every 2 steps, the run cut before step 5 (inside the second
+    epoch) and resumed from step 4: the same samples (each prompt's seed is the run's, the epoch's and the step's),
+    losses, rewards and adapters as the run never cut. Validation's greedy completions are scored by the same
+    rewards (`val_reward`), here a closure over a dict, pickled by value to the ranks."""
+    import dataclasses
+
+    from estimator.core.faults import Fault
+    from estimator.failures import RankFailed
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.checkpoint import load_checkpoint
+    from estimator.train.objectives.grpo import GRPO
+    from lm_helpers import lm_train_spec
+    from test_lm import lora
+
+    bonus = {"violet": 0.5, "amber": 0.25}  # two of the four validation rows' answers
+
+    def named(completions, answer, **_):
+        return [(1.0 if a in c else 0.0) + bonus.get(a, 0.0) for c, a in zip(completions, answer)]
+
+    objective = GRPO([named, low_ids], num_generations=2, max_new_tokens=4)
+    rows = colour_rows(10)
+
+    def spec(run):
+        return lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, peft_config=lora(), run=run, shuffle=True,
+                             objective=objective, val_rows=rows[6:], checkpoint_steps=2)
+
+    LocalLauncher().run(spec("whole"), 1)
+    cut = spec("cut")
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=5),)).run(cut, 1)
+    assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 1  # step 4: the second epoch's first
+    LocalLauncher().run(dataclasses.replace(cut, resume_from=cut.run.checkpoint, attempt=1, launch_id="again"), 1)
+    whole, again = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "cut"))
+    moved = 0
+    for name, value in whole["model"].items():
+        assert torch.allclose(value, again["model"][name], atol=1e-6), name
+        moved += int("lora_B" in name and value.abs().max() > 0)
+    assert moved
+    last, resumed = whole["history"][-1], again["history"][-1]
+    for key in ("loss", "reward", "rewards/named/mean", "completions/mean_length", "val_reward"):
+        assert resumed[key] == pytest.approx(last[key], rel=1e-6), key
+    assert {"val_reward", "val_rewards/named/mean", "val_rewards/low_ids/mean"} <= set(last)
+    assert last["val_rewards/named/mean"] >= 0.75 / 4  # the dict's bonus at least: the closure reached the rank
