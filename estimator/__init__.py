@@ -6,7 +6,7 @@ The package imports its submodules lazily: Spark's Python workers import `estima
 from typing import Any as _Any
 
 __version__ = "0.3.0.dev0"  # the one place the version is written (setup.cfg reads it)
-__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "DPO", "GRPO",
+__all__ = ["TorchEstimator", "TorchModel", "TrainContext", "StepContext", "Batch", "DPO", "GRPO", "LanguageModelEvaluator",
            "parameters_on_meta",
            "__version__"]
 
@@ -36,6 +36,10 @@ def __getattr__(name: str) -> _Any:
         from estimator.train.objectives.grpo import GRPO
 
         return GRPO
+    if name == "LanguageModelEvaluator":  # perplexity, exactMatch, tokenF1: a Spark ML Evaluator
+        from estimator.evaluation import LanguageModelEvaluator
+
+        return LanguageModelEvaluator
     if name == "parameters_on_meta":  # for a model factory whose weights a weights_folder gives
         from estimator.core.meta import parameters_on_meta
 

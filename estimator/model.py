@@ -171,9 +171,11 @@ class TorchModel(DeclaredParams, Model, Persistable):
         ship_package(df.sparkSession)
         added = added_fields(predictor)
         schema = StructType([field for field, _ in added])
-        for column in p["feature_cols"]:
+        for column in predictor.input_cols():
             if column not in df.columns:
-                raise ValueError(f"Column {column!r} (from feature_cols) is not in the DataFrame. "
+                source = "feature_cols" if column in p["feature_cols"] else \
+                    f"label_cols: output_kind={p['output_kind']!r} reads it"
+                raise ValueError(f"Column {column!r} (from {source}) is not in the DataFrame. "
                                  f"Available columns: {', '.join(df.columns)}.")
             if isinstance(df.schema[column].dataType, BinaryType):
                 raise ValueError(f"Column {column!r} (from feature_cols) holds bytes: TorchModel.transform feeds "
@@ -215,7 +217,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                 predict = F.pandas_udf(make_predict_pandas(key, source, sent), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
         inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
-                  for c in p["feature_cols"]]
+                  for c in predictor.input_cols()]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"
         with_struct = df.withColumn(tmp, predict(*inputs))
         columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
@@ -239,7 +241,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
             self._model_blob()
         key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
         sent = sent_predictor(predictor, p)
-        return TorchModelPyfunc(key, blob, sent, p["feature_cols"], [(f.name, n) for f, n in added_fields(predictor)])
+        return TorchModelPyfunc(key, blob, sent, list(predictor.input_cols()), [(f.name, n) for f, n in added_fields(predictor)])
 
     def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write a folder that Hugging Face's `from_pretrained` loads (config.json, model.safetensors) with the

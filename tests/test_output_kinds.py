@@ -65,13 +65,13 @@ def test_a_new_output_kind_is_a_predictor_class_and_a_registry_line(spark, digit
 
 def test_the_registry_names_the_output_kinds_an_unknown_one_is_refused_with(monkeypatch):
     model = TorchModel(model=seeded(MLP), feature_cols=["features"], output_shapes=[[10]], output_kind="nrom")
-    with pytest.raises(ValueError, match=r"^The 'output_kind' parameter of TorchModel must be None, 'generate' or "
-                                         r"'embedding'. Got 'nrom' instead.$"):
+    with pytest.raises(ValueError, match=r"^The 'output_kind' parameter of TorchModel must be None, 'generate', "
+                                         r"'embedding' or 'score'. Got 'nrom' instead.$"):
         model.output_schema()
     monkeypatch.setitem(PREDICTORS, "norm", Norm)
     with pytest.raises(ValueError, match=r"^The 'output_kind' parameter of TorchModel must be None, 'generate', "
-                                         r"'embedding' or 'norm'. Got 'nrom' instead.$"):
+                                         r"'embedding', 'score' or 'norm'. Got 'nrom' instead.$"):
         model.output_schema()
-    with pytest.raises(ValueError, match=r"^The 'output_kind' parameter of TorchModel must be None, 'generate' or "
-                                         r"'embedding'. Got \['norm'\] instead.$"):  # the param table: None or a str
+    with pytest.raises(ValueError, match=r"^The 'output_kind' parameter of TorchModel must be None, 'generate', "
+                                         r"'embedding' or 'score'. Got \['norm'\] instead.$"):  # the param table: None or a str
         model.copy({model.output_kind: ["norm"]}).output_schema()

@@ -386,10 +386,12 @@ MODEL_PARAMS = [
     ParamSpec("output_kind", "what transform adds: None, the model's outputs (and the prediction columns of a "
               "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
               "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "
-              "model whose output is hidden states (the mean over the attention mask of the last hidden state)",
+              "model whose output is hidden states (the mean over the attention mask of the last hidden state); "
+              "'score', each row's log-likelihood under a causal LM: logprob, tokens, perplexity and truncated (the "
+              "response given the prompt where label_cols names it, a chat's assistant turns, else the whole text)",
               # only its type here: which values exist is the registry's (estimator.predict.kinds.PREDICTORS),
               # which TorchModel asks (its message lists the registry's values)
-              None, optional(is_instance(str)), "None, 'generate' or 'embedding'"),
+              None, optional(is_instance(str)), "None, 'generate', 'embedding' or 'score'"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
     TOKENIZER,

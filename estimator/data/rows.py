@@ -264,6 +264,14 @@ class Prompts(RowFormat):
         return out
 
 
+def scored(column: str, response: Optional[str], chat: bool, tools: Optional[Tuple[Any, ...]] = None) -> RowFormat:
+    """The rows transform's output_kind='score' reads (a fit's, scored on what its loss counts): a chat column's
+    conversations, a prompt with its `response` column, or a whole text."""
+    if chat:
+        return Chat(column, tools)
+    return PromptResponse(column, response) if response else Text(column)
+
+
 def rows_of(payload: np.ndarray) -> List[Dict[str, Any]]:
     """The rows a Prompts payload carries (host bytes: a tensor's .cpu().numpy())."""
     out = []

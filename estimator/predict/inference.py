@@ -79,7 +79,7 @@ def task_gpu() -> Optional[str]:
 
 
 def predict_arrow(key: str, blob: Pickled, predictor: Predictor, *columns: pa.Array) -> pa.StructArray:
-    values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(predictor.feature_cols, columns)]
+    values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(predictor.input_cols(), columns)]
     return predict_columns(key, blob, predictor, values)
 
 

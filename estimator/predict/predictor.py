@@ -62,6 +62,11 @@ class Predictor:
         accepts_chat reads them differently."""
         return self
 
+    def input_cols(self) -> Tuple[str, ...]:
+        """The DataFrame's columns the UDF is given, in the order `predict` receives them: the feature columns (a
+        kind that reads a label column too, as 'score' reads a response, adds it)."""
+        return self.feature_cols
+
     def arrow_type(self) -> pa.StructType:
         raise NotImplementedError(f"{type(self).__name__}.arrow_type")
 

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Type
 
 from estimator.predict.kinds.embedding import Embedding
 from estimator.predict.kinds.generate import Generate
+from estimator.predict.kinds.score import Score
 from estimator.predict.kinds.values import Values
 from estimator.predict.predictor import Predictor
 
@@ -16,5 +17,6 @@ PREDICTORS: Dict[Optional[str], Type[Predictor]] = {
     None: Values,  # the forward's numbers, and a classifier's or regressor's prediction columns
     "generate": Generate,  # the text a causal LM generates
     "embedding": Embedding,  # a vector per row from hidden states
+    "score": Score,  # each row's log-likelihood under a causal LM
 }
 

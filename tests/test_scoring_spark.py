@@ -1,0 +1,84 @@
+"""Scoring and evaluating language models the Spark ML way (output_kind='score', LanguageModelEvaluator): a fit's
+held-out perplexity is the evaluator's over the same rows scored by its model; a pretrained model from a factory
+scores a table with no fit; generated text against a reference (exactMatch, tokenF1); the evaluator saved and
+loaded; what it cannot read refused by name."""
+import functools
+import math
+
+import pytest
+import torch
+
+from estimator import LanguageModelEvaluator, TorchEstimator, TorchModel
+from lm_helpers import color_facts, save_pretrained_llama
+
+pytestmark = pytest.mark.spark
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_pretrained_llama(str(tmp_path_factory.mktemp("llama") / "tiny"),
+                                 [p + r for p, r in color_facts()] * 4)
+
+
+def test_a_fits_held_out_perplexity_is_the_evaluators_over_its_scored_rows(spark, store, llama, tmp_path):
+    """The validation rows (a column says which) scored by the fitted model: exp(-sum logprob / sum tokens) is the
+    history's val_perplexity of the last epoch; the base, scored by a TorchModel from its factory (no fit), is
+    worse on them. The model's generated answers against the responses: exactMatch and tokenF1 as SQuAD's script
+    computes them over the rows."""
+    from pyspark.ml.evaluation import Evaluator
+
+    from estimator.evaluation import normalized, token_f1
+
+    rows = [(p, r, i % 4 == 0) for i, (p, r) in enumerate(color_facts())]
+    df = spark.createDataFrame(rows, "prompt string, response string, held boolean")
+    factory = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, llama)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama)
+    fitted = TorchEstimator(
+        num_proc=2, store=store, model=factory, tokenizer=tokenizer, random_seed=1, verbose=0,
+        peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+        optimizer=functools.partial(torch.optim.AdamW, lr=5e-3), feature_cols=["prompt"], label_cols=["response"],
+        batch_size=4, epochs=4, max_new_tokens=10, validation="held").fit(df)
+    held = df.filter("held").drop("held")
+    scored = fitted.copy({fitted.output_kind: "score"}).transform(held)
+    assert [f.name for f in scored.schema.fields][-4:] == ["logprob", "tokens", "perplexity", "truncated"]
+    evaluator = LanguageModelEvaluator()  # metricName='perplexity'
+    assert isinstance(evaluator, Evaluator) and not evaluator.isLargerBetter()
+    perplexity = evaluator.evaluate(scored)
+    assert perplexity == pytest.approx(fitted.getHistory()[-1]["val_perplexity"], rel=1e-4)
+    base = TorchModel(model=factory, tokenizer=tokenizer, feature_cols=["prompt"], label_cols=["response"],
+                      output_kind="score")
+    assert evaluator.evaluate(base.transform(held)) > 1.5 * perplexity
+
+    answers = fitted.transform(held).select("prediction", "response").collect()
+    for name, per_row in (("exactMatch", lambda p, r: float(normalized(p) == normalized(r))), ("tokenF1", token_f1)):
+        metric = LanguageModelEvaluator(metricName=name, labelCol="response")
+        assert metric.isLargerBetter()
+        want = sum(per_row(a.prediction, a.response) for a in answers) / len(answers)
+        assert metric.evaluate(fitted.transform(held)) == pytest.approx(want)
+    assert 0 < want < 1  # some words right, not all: the rows' scores differ
+
+    evaluator.setMetricName("tokenF1").setLabelCol("response")
+    evaluator.write().save(str(tmp_path / "evaluator"))
+    loaded = LanguageModelEvaluator.load(str(tmp_path / "evaluator"))
+    assert (loaded.uid, loaded.getMetricName(), loaded.getOrDefault("labelCol")) == (evaluator.uid, "tokenF1",
+                                                                                     "response")
+    with pytest.raises(ValueError, match=r"metricName='perplexity'\) reads the columns 'logprob' and 'tokens'.*"
+                                         r"output_kind='score'"):
+        LanguageModelEvaluator().evaluate(fitted.transform(held))
+    with pytest.raises(ValueError, match=r"Column 'response' \(from label_cols: output_kind='score' reads it\) is "
+                                         r"not in the DataFrame"):
+        base.transform(held.drop("response"))
+
+
+def test_squads_normalization_and_f1():
+    from estimator.evaluation import normalized, token_f1
+
+    assert normalized(" The Kettle, is  TEAL! ") == "kettle is teal"
+    assert token_f1("the kettle is teal", "A kettle is red.") == pytest.approx(2 * (2 / 3) * (2 / 3) / (4 / 3))
+    assert (token_f1("", ""), token_f1("teal", ""), token_f1("red", "teal")) == (1.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"'metricName' parameter of LanguageModelEvaluator is 'bleu'; use one of "
+                                         r"'perplexity', 'exactMatch', 'tokenF1'"):
+        LanguageModelEvaluator(metricName="bleu")
+    assert math.isfinite(token_f1(None, "x"))
