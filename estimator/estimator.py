@@ -24,7 +24,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from estimator.compression import compression_name
 from estimator.core.handle import ModelHandle, on_meta, trainable_on_cpu
 from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
-from estimator.core.params import DeclaredParams, declare
+from estimator.core.params import DeclaredParams, declare, one_of, param_error
 from estimator.core.pickling import dumps, user_objects
 from estimator.core.spec import DataSpec, LMSpec, ReaderSpec, TrainSpec, UserObjects
 from estimator.core.stopping import Monitor
@@ -45,6 +45,7 @@ from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
 from estimator.predict.language_checks import (check_generation_batching, check_max_length, check_max_new_tokens,
                                                check_vocabulary, effective_max_length)
+from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.train.checkpoint import RunState, load_checkpoint, restore
 from estimator.train.lightning import optimizer_for
@@ -196,9 +197,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                               p["weights_folder"], p["optimizer"])
             p = MappingProxyType({**p, "model": model})
         checks.check_params(p, objective)
+        if p["output_kind"] is not None and p["output_kind"] not in PREDICTORS:  # the fitted model's: the registry's
+            raise ValueError(param_error("TorchEstimator", "output_kind", one_of(list(PREDICTORS)), p["output_kind"]))
         check_max_length(p)
         check_vocabulary(p)
-        if checks.language_model(objective):
+        if checks.language_model(objective) and PREDICTORS[output_kind(p, objective)].generates:  # (its transform
+            # checks them again: a model switched to generate later)
             check_max_new_tokens(p)
             check_generation_batching(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
@@ -384,9 +388,16 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                           best_epoch=best,
                           use_gpu=p["use_gpu"], loss_kinds=[loss_kind(fn) for fn in objs.build_losses()],
                           tokenizer=p["tokenizer"],
-                          output_kind=objs.objective.transform_output if objs.objective is not None else None,
                           **{**{s.name: p[s.name] for s in TRAINING_PARAMS},
-                             "inference_batch_size": inference_rows(p, objs.objective)})
+                             "inference_batch_size": inference_rows(p, objs.objective),
+                             "output_kind": output_kind(p, objs.objective)})
+
+
+def output_kind(p: Mapping[str, Any], objective: Any) -> Optional[str]:
+    """The fitted model's output_kind: the estimator's, else the objective's (a causal LM's: 'generate')."""
+    if p["output_kind"] is not None:
+        return p["output_kind"]
+    return objective.transform_output if objective is not None else None
 
 
 def inference_rows(p: Mapping[str, Any], objective: Any) -> Optional[int]:

@@ -82,3 +82,26 @@ def test_squads_normalization_and_f1():
                                          r"'perplexity', 'exactMatch', 'tokenF1'"):
         LanguageModelEvaluator(metricName="bleu")
     assert math.isfinite(token_f1(None, "x"))
+
+
+def test_train_validation_split_picks_the_fine_tune_with_the_lower_held_out_perplexity(spark, store, llama):
+    """output_kind='score' set on the estimator reaches each fitted model, so that the evaluator reads it inside
+    TrainValidationSplit; of a grid over lr, the one that learns wins, an unknown kind refused before any job."""
+    from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
+
+    df = spark.createDataFrame(color_facts(), "prompt string, response string")
+    est = TorchEstimator(
+        num_proc=2, store=store, model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, llama),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(llama), random_seed=1, verbose=0,
+        peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+        optimizer=functools.partial(torch.optim.AdamW), feature_cols=["prompt"], label_cols=["response"],
+        batch_size=4, epochs=2, output_kind="score")
+    grid = ParamGridBuilder().addGrid(est.lr, [1e-6, 5e-3]).build()
+    tvs = TrainValidationSplit(estimator=est, estimatorParamMaps=grid, evaluator=LanguageModelEvaluator(),
+                               trainRatio=0.75, seed=2)
+    best = tvs.fit(df)
+    assert best.bestModel.getLr() == pytest.approx(5e-3) and best.bestModel.getOutputKind() == "score"
+    assert best.validationMetrics[1] < 0.8 * best.validationMetrics[0], best.validationMetrics
+    with pytest.raises(ValueError, match=r"'output_kind' parameter of TorchEstimator must be None, 'generate', "
+                                         r"'embedding' or 'score'. Got 'scores'"):
+        est.copy({est.output_kind: "scores"}).fit(df)

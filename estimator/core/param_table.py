@@ -304,6 +304,17 @@ ESTIMATOR_PARAMS = [
               "the template never reads is refused before any job", None,
               lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(t, dict) for t in v)),
               "a list of dicts or None"),
+    ParamSpec("output_kind", "what transform adds (set on the estimator: its fitted model's, "
+              "so that a tuning's evaluator reads it; unset there, a causal LM's fit gives 'generate'): None, the "
+              "model's outputs (and the prediction columns of a "
+              "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
+              "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "
+              "model whose output is hidden states (the mean over the attention mask of the last hidden state); "
+              "'score', each row's log-likelihood under a causal LM: logprob, tokens, perplexity and truncated (the "
+              "response given the prompt where label_cols names it, a chat's assistant turns, else the whole text)",
+              # only its type here: which values exist is the registry's (estimator.predict.kinds.PREDICTORS),
+              # which TorchModel asks (its message lists the registry's values)
+              None, optional(is_instance(str)), "None, 'generate', 'embedding' or 'score'"),
     ParamSpec("inference_batch_size", "rows per forward() or generate() call in transform (set on the estimator: "
               "its fitted model's). None: 1,024 rows (a fit's model: the larger of val_batch_size or batch_size "
               "and 256); with output_kind='generate', as many prompts, shortest first, as keep rows x (their "
@@ -383,15 +394,6 @@ MODEL_PARAMS = [
               "a string or None"),
     ParamSpec("best_epoch", "the best epoch (1-based) by the estimator's `monitor`, also when restore_best is False",
               None, optional(is_int(1)), "an int >= 1 or None"),
-    ParamSpec("output_kind", "what transform adds: None, the model's outputs (and the prediction columns of a "
-              "classifier or regressor); 'generate', the text a causal LM generates for the prompt (or chat) column, "
-              "as strings in prediction_col (and the label's output column); 'embedding', a vector per row from a "
-              "model whose output is hidden states (the mean over the attention mask of the last hidden state); "
-              "'score', each row's log-likelihood under a causal LM: logprob, tokens, perplexity and truncated (the "
-              "response given the prompt where label_cols names it, a chat's assistant turns, else the whole text)",
-              # only its type here: which values exist is the registry's (estimator.predict.kinds.PREDICTORS),
-              # which TorchModel asks (its message lists the registry's values)
-              None, optional(is_instance(str)), "None, 'generate', 'embedding' or 'score'"),
     ParamSpec("use_gpu", "None: a GPU when the executor has one; False: CPU", None,
               optional(lambda v: isinstance(v, bool)), "True, False or None"),
     TOKENIZER,
@@ -413,7 +415,7 @@ TOPICS = (
       "early_stopping_patience", "monitor", "monitor_mode", "min_delta", "restore_best", "callbacks")),
     ("Language models", "Fine-tuning and generation of causal LMs ([Language models](language-models.md)).",
      ("peft_config", "packing", "completion_only_loss", "chat_tools", "objective", "max_new_tokens",
-      "generate_kwargs", "generation_batching", "inference_batch_size")),
+      "generate_kwargs", "generation_batching", "inference_batch_size", "output_kind")),
     ("GPUs and large models", "Devices, precision, sharding and memory ([GPUs and clusters](gpus.md)).",
      ("use_gpu", "backend", "precision", "compile", "strategy", "shard_units", "reshard_after_forward",
       "weights_folder", "gradient_checkpointing", "gradient_compression", "shared_memory_allreduce")),

@@ -42,6 +42,7 @@ class Predictor:
     tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
 
     accepts_chat: ClassVar[bool] = False  # a chat column (array<struct<role, content>>) is this kind's input
+    generates: ClassVar[bool] = False  # it generates text (max_new_tokens and generation_batching apply)
 
     @classmethod
     def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Predictor":
