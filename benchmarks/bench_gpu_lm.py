@@ -485,6 +485,76 @@ def embedding_rows(args, bench, path, words):
     free(args.device)
 
 
+def score_rows(args, bench, path, words):
+    """Issue 67: each text's log-likelihood (output_kind='score', whole texts: every token after the first and
+    the EOS) against a hand loop over batches of 64 texts sorted by length, padded, the vocabulary's log-softmax
+    over every position at once."""
+    import pyarrow as pa
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from estimator.data.rows import Text
+    from estimator.data.text import Tokenize
+    from estimator.predict import inference
+    from estimator.predict.kinds.score import Score
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if args.device == "cuda"
+                                                 else torch.float32).to(args.device).eval()
+    texts = texts_of(words, args.texts, 16, 512, seed=5)
+    encoded = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    tokens = sum(len(e) - 1 for e in encoded)
+    found = {}
+
+    def ours():
+        layout = Score(feature_cols=("text",), batch_size=1024, use_gpu=args.device == "cuda",
+                       tokenize=Tokenize(tokenizer, ()), rows=Text("text"))
+        key = f"bench-score-{id(model)}"
+        inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
+        column = pa.array(texts, pa.string())
+        inference.predict_arrow(key, b"", layout, column.slice(0, 8))
+        synchronize(args.device)
+        started = time.perf_counter()
+        out = inference.predict_arrow(key, b"", layout, column)
+        seconds = time.perf_counter() - started
+        found["ours"] = np.array(out.field("logprob").to_pylist())
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
+
+    def hand():
+        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
+        logprob = np.zeros(len(texts))
+
+        def run(rows):
+            width = max(len(encoded[i]) for i in rows)
+            ids = torch.tensor([encoded[i] + [tokenizer.pad_token_id] * (width - len(encoded[i])) for i in rows],
+                               device=args.device)
+            mask = torch.tensor([[1] * len(encoded[i]) + [0] * (width - len(encoded[i])) for i in rows],
+                                device=args.device)
+            logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+            picked = logp.gather(2, ids[:, 1:, None]).squeeze(2) * mask[:, 1:]
+            return picked.sum(1).double().cpu().numpy()
+
+        with torch.inference_mode():
+            run(order[:8])
+            synchronize(args.device)
+            started = time.perf_counter()
+            for s in range(0, len(order), 64):
+                logprob[order[s:s + 64]] = run(order[s:s + 64])
+            synchronize(args.device)
+        seconds = time.perf_counter() - started
+        found["hand"] = logprob
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
+
+    bench.row("scores", "ours", ours)
+    bench.row("scores", "hand, sorted batches of 64", hand)
+    if len(found) == 2:
+        bench.results["scores_max_relative_difference"] = float(
+            np.max(np.abs(found["ours"] - found["hand"]) / np.maximum(np.abs(found["hand"]), 1.0)))
+    bench.results["score_texts"], bench.results["score_tokens"] = len(texts), tokens
+    model = None  # noqa: F841 - the GPU's memory back for the next rows
+    inference._CACHE.clear()
+    free(args.device)
+
+
 # ---------------------------------------------------------------- the run
 class Bench:
     """Rows tried one by one, each recorded (or its error), the JSON rewritten after each."""
@@ -542,7 +612,7 @@ def main(argv=None):
     parser.add_argument("--stop-every", type=int, default=64, help="one word in this many stops a generated row")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: lora,generation,full,"
-                                                   "embeddings")
+                                                   "embeddings,scores")
     parser.add_argument("--json")
     parser.add_argument("--work")
     parser.add_argument("--trl-child", action="store_true")
@@ -607,6 +677,8 @@ def main(argv=None):
             bench.row(section, "TRL + Liger", lambda: trl_sft(args, path, full, True), flops, tokens)
     if "embeddings" not in skip:
         embedding_rows(args, bench, path, words)
+    if "scores" not in skip:
+        score_rows(args, bench, path, words)
     if "lora" not in skip and gpu:
         bench.row("lora", "ours, float32 base", lambda: ours_sft(args, path, rows, False, torch.float32),
                   train_flops(path, lengths, False), tokens)
