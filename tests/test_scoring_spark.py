@@ -72,6 +72,22 @@ def test_a_fits_held_out_perplexity_is_the_evaluators_over_its_scored_rows(spark
         base.transform(held.drop("response"))
 
 
+@pytest.mark.connect
+def test_the_evaluator_on_a_table_of_its_own_saved_and_loaded(spark, tmp_path):
+    """On classic Spark and through Spark Connect: perplexity token-weighted (not a mean of the rows'), exactMatch
+    and tokenF1 over the rows, the evaluator saved and loaded."""
+    df = spark.createDataFrame([(-2.0, 1, "The kettle is teal.", "the kettle is TEAL"),
+                                (-6.0, 4, "a red drum", "The drum is red.")],
+                               "logprob double, tokens long, prediction string, label string")
+    assert LanguageModelEvaluator().evaluate(df) == pytest.approx(math.exp(8 / 5))
+    assert LanguageModelEvaluator(metricName="exactMatch").evaluate(df) == pytest.approx(0.5)
+    f1 = LanguageModelEvaluator(metricName="tokenF1")
+    assert f1.evaluate(df) == pytest.approx((1.0 + 2 * (2 / 2) * (2 / 3) / (1 + 2 / 3)) / 2)
+    f1.write().save(str(tmp_path / "f1"))
+    loaded = LanguageModelEvaluator.load(str(tmp_path / "f1"))
+    assert (loaded.uid, loaded.getMetricName(), loaded.isLargerBetter()) == (f1.uid, "tokenF1", True)
+
+
 def test_squads_normalization_and_f1():
     from estimator.evaluation import normalized, token_f1
 
