@@ -52,9 +52,7 @@ def rows():
 
 def build_base(folder):
     """The base: the tiny Llama fine-tuned on three colours per noun (its own and two others), saved."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from grpo_example import trained_plainly
     from sft_example import COLORS, color_facts, save_pretrained_llama
 
     facts = color_facts()
@@ -64,26 +62,7 @@ def build_base(folder):
         noun, colour = response[len(" The "):-1].split(" is ")
         others = rng.sample([c for c in COLORS if c != colour], 2)
         texts += [(prompt, f" The {noun} is {c}.") for c in [colour, *others]]
-    path = save_pretrained_llama(folder + "-init", [p + r for p, r in texts])
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    encoded = [tokenizer(p + r)["input_ids"] + [tokenizer.eos_token_id] for p, r in texts]
-    for _ in range(40):
-        random.Random(_).shuffle(encoded)
-        for start in range(0, len(encoded), 8):
-            part = encoded[start:start + 8]
-            width = max(len(e) for e in part)
-            ids = torch.tensor([e + [tokenizer.pad_token_id] * (width - len(e)) for e in part])
-            labels = torch.tensor([e + [-100] * (width - len(e)) for e in part])
-            loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return trained_plainly(save_pretrained_llama(folder, [p + r for p, r in texts]), texts, 40)
 
 
 def greedy_right(model, tokenizer, table):

@@ -47,16 +47,21 @@ def questions(seed=0):
 
 def unsure_base(folder):
     """The base: a tiny Llama trained on every noun with both colours, saved with save_pretrained."""
+    texts = [(p, r.replace(r.split(" is ")[1], f"{c}.")) for p, r in color_facts() for c in PAIR]
+    return trained_plainly(save_pretrained_llama(folder, [p + r for p, r in texts]), texts, 30)
+
+
+def trained_plainly(path, texts, epochs):
+    """The model saved at `path` trained on the (prompt, response) `texts` whole in a plain loop (AdamW at 3e-3,
+    batches of 8), saved back."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    texts = [(p, r.replace(r.split(" is ")[1], f"{c}.")) for p, r in color_facts() for c in PAIR]
-    path = save_pretrained_llama(folder, [p + r for p, r in texts])
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = [tokenizer(p + r)["input_ids"] + [tokenizer.eos_token_id] for p, r in texts]
-    for epoch in range(30):
+    for epoch in range(epochs):
         random.Random(epoch).shuffle(rows)
         for start in range(0, len(rows), 8):
             part = rows[start:start + 8]
