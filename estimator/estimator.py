@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union, overload
 
 from pyspark.ml import Estimator
+from pyspark.ml.base import _FitMultipleIterator
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -34,13 +35,14 @@ from estimator.fit import checks
 from estimator.fit.attempts import launch_with_retries
 from estimator.fit.direct import direct_source, head
 from estimator.fit.dry_run import HEAD_ROWS, dry_lightning, dry_run, dry_step, feature_sizes
+from estimator.fit.grid import Grid, GridPoint
 from estimator.fit.materialize import finish, materialize
 from estimator.fit.language import check_room, lm_spec
 from estimator.fit.recipes import check_optimizer, check_quantized, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.fit.strategy import check_shared_gpus, strategy_class
-from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus
+from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus, task_slots
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
 from estimator.predict.language_checks import (check_generation_batching, check_max_length, check_max_new_tokens,
@@ -88,6 +90,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         model = est.fit(train_df)
         predictions = model.transform(test_df)"""
 
+    _grid_point: Optional[GridPoint] = None  # set on a grid's fit by fitMultiple
+
     def __init__(self, **params: Any):
         """Args:
             **params: Any params of the [param reference](params.md), by name (`model`, `feature_cols`, ...).
@@ -119,6 +123,20 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                 API reference's 'Failures'.
         """
         return super().fit(dataset, params)
+
+    def fitMultiple(self, dataset: DataFrame, paramMaps: Any) -> Any:
+        """Spark ML's fit of a grid (TrainValidationSplit and CrossValidator call it): a thread-safe iterator of
+        (index, model), each param map's fit a run of its own, `<run_id>-grid<index>` in the store and a child
+        of the MLflow run active here (estimator.fit.grid)."""
+        estimator, grid = self.copy(), Grid.here()
+
+        def fit_point(index: int) -> TorchModel:
+            point = estimator.copy(paramMaps[index])
+            point._grid_point = GridPoint(grid, index)
+            with grid.fitting():
+                return point._fit(dataset)
+
+        return _FitMultipleIterator(fit_point, len(paramMaps))
 
     def _fit(self, df: DataFrame) -> TorchModel:
         checks.check_dataframe(df)
@@ -265,7 +283,10 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         store = p["store"] or default_store()
         store.check_writable()  # a dead endpoint or missing credentials fail here, in seconds
         ship_package(spark)
-        run_id = p["run_id"] or new_run_id()
+        point = self._grid_point
+        run_id = point.run_id(p["run_id"] or new_run_id()) if point is not None else p["run_id"] or new_run_id()
+        if point is not None:
+            point.grid.check_slots(num_proc // per_task, task_slots(spark))
         seed, split_seed = p["random_seed"], p["random_seed"]
         if seed is None and p["run_id"]:  # a refit of a named run keeps its split and shuffles
             known = run_metadata(store, run_id)
@@ -322,7 +343,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         facts = model_facts(p["model"], p["optimizer"], run.objs.build_losses(), num_proc,
                             data.train_rows if source is None else None, data.val_rows if source is None else None)
         facts["optimizer_lr"] = p["lr"] or facts["optimizer_lr"]
-        tracked = MlflowLog.open(p["mlflow"], {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}, facts)
+        grid = self._grid_point.grid if self._grid_point is not None else Grid()
+        tracked = MlflowLog.open(p["mlflow"], {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}, facts,
+                                 run_id, grid.parent_run, grid.experiment)
         launched = time.perf_counter()
         try:
             results = launch_with_retries(p, run, spec, spark, source,

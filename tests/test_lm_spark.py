@@ -429,16 +429,19 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
                                                                                           tmp_path, monkeypatch):
     """objective=DPO(...) over a (prompt, chosen, rejected) table on 2 ranks, in a Pipeline: the history holds the
     loss and the rewards (TRL's names) for training and validation, and MLflow the same; the chosen answers'
-    reward rises above the rejected ones'; transform writes text, also from the saved pipeline; and what DPO cannot
-    take is refused by name before any job."""
+    reward rises above the rejected ones'; the held-out pairs scored by the fitted model (output_kind='score') give
+    the last epoch's val_rewards/accuracies through LanguageModelEvaluator and its val_rewards/margins as beta x the
+    log-ratios' difference; transform writes text, also from the saved pipeline; and what DPO cannot take is
+    refused by name before any job."""
     from pyspark.ml import Pipeline, PipelineModel
 
-    from estimator import DPO
+    from estimator import DPO, LanguageModelEvaluator
 
     rows = colour_pairs()
-    df = spark.createDataFrame(rows, "prompt string, chosen string, rejected string")
+    df = spark.createDataFrame([(*row, i % 4 == 1) for i, row in enumerate(rows)],
+                               "prompt string, chosen string, rejected string, held boolean")
     est = sft(llama, store, objective=DPO(beta=0.5), label_cols=["chosen", "rejected"], epochs=4,
-              validation=0.25, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+              validation="held", optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
     for change, message in (({est.peft_config: None, est.data_mode: "direct"},
                              r"objective=DPO\(beta=0.5, loss_type='sigmoid'\) with data_mode='direct': the "
                              r"precomputed reference log-probabilities are kept beside the materialized rows"),
@@ -470,6 +473,12 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     assert keys | {"val_" + k for k in keys} <= set(history[-1])
     assert history[-1]["loss"] < history[0]["loss"] < math.log(2) + 0.05  # DPO starts at log 2 (policy = reference)
     assert history[-1]["rewards/margins"] > 0 and history[-1]["rewards/accuracies"] > 0.8
+    table = fitted.copy({fitted.output_kind: "score"}).transform(df.filter("held")).cache()
+    accuracy, scored = LanguageModelEvaluator(metricName="rewardAccuracy").evaluate(table), table.collect()
+    assert accuracy == pytest.approx(history[-1]["val_rewards/accuracies"]) and 0 < accuracy
+    margins = [0.5 * (r.chosen_logratio - r.rejected_logratio) for r in scored]
+    assert sum(margins) / len(margins) == pytest.approx(history[-1]["val_rewards/margins"], rel=1e-4)
+    assert len(scored) == len(rows) // 4 and len(set(margins)) == len(margins)
     prompts = df.select("prompt").limit(4)
     out = [r.prediction for r in fitted.transform(prompts).orderBy("prompt").collect()]
     assert all(isinstance(text, str) for text in out) and len(out) == 4

@@ -1,7 +1,7 @@
 """output_kind='score' on an executor's worker, without Spark (estimator.predict.kinds.score, estimator.lm.scoring):
 each row's summed log-probability of the tokens a fit's loss counts, equal to a hand computation with the model,
-one row at a time, for a prompt and its response, a whole text, a chat's assistant turns, with LoRA adapters and
-through the model's own logits; rows longer than max_length cut as a fit cuts them and flagged."""
+one row at a time, for a prompt and its response, a whole text, a chat's assistant turns, a preference pair's two
+answers (and their log-ratios to the adapters off), with LoRA adapters and through the model's own logits; rows longer than max_length cut as a fit cuts them and flagged."""
 import functools
 import math
 
@@ -107,12 +107,46 @@ def test_a_chats_assistant_turns_are_scored_and_a_row_with_nothing_scored_has_no
     assert tokens[1] == 0 and logprob[1] == 0.0 and perplexity[1] is None
 
 
+def test_a_pairs_answers_are_scored_given_the_prompt_with_their_log_ratios_to_the_adapters_off(  # noqa: F811
+        llama, tokenizer):
+    """label_cols=[chosen, rejected]: each answer as a response alone; the log-ratio is the answer's log-probability
+    with the adapters less that with them off (DPO's reference), null for a model without adapters."""
+    from lm_helpers import plain_causal_lm
+
+    rows = [("What color is the kettle?", " The kettle is teal.", " The kettle is a very red thing."),
+            ("Say it:", " Blue.", " Red, and then a longer answer than the chosen one.")]
+    pred = predictor(llama, tokenizer, ["chosen", "rejected"], batch_size=3)
+    assert pred.input_cols() == ("prompt", "chosen", "rejected")
+    assert [a.name for a in pred.added] == ["chosen_logprob", "rejected_logprob", "chosen_tokens", "rejected_tokens",
+                                            "chosen_logratio", "rejected_logratio", "truncated"]
+    model = plain_causal_lm(llama, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM")).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    got = dict(zip([a.name for a in pred.added], score(pred, model, rows)))
+    for i, (prompt, *answers) in enumerate(rows):
+        p = tokenizer(prompt)["input_ids"]
+        for side, answer in zip(("chosen", "rejected"), answers):
+            r = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            want, count = by_hand(model, p + r, [-100] * len(p) + r)
+            with model.disable_adapter():
+                reference, _ = by_hand(model, p + r, [-100] * len(p) + r)
+            assert got[f"{side}_tokens"][i] == count and got[f"{side}_logprob"][i] == pytest.approx(want, abs=1e-4)
+            assert got[f"{side}_logratio"][i] == pytest.approx(want - reference, abs=1e-4)
+            assert abs(want - reference) > 0.1, (i, side)  # the adapters change the numbers
+    plain = dict(zip([a.name for a in pred.added], score(pred, plain_causal_lm(llama).eval(), rows)))
+    assert plain["chosen_logratio"] == plain["rejected_logratio"] == [None, None]
+    assert plain["truncated"] == [False, False]
+
+
 def test_what_score_cannot_read_is_refused_by_name(llama, tokenizer):  # noqa: F811
     from estimator import TorchModel
 
     with pytest.raises(ValueError, match=r"output_kind='score' scores one response column .* got label_cols=\['a', "
-                                         r"'b'\]"):
-        predictor(llama, tokenizer, ["a", "b"])
+                                         r"'b', 'c'\]"):
+        predictor(llama, tokenizer, ["a", "b", "c"])
     encoder = TorchModel(model=functools.partial(transformers.AutoModel.from_pretrained, llama), tokenizer=tokenizer,
                          feature_cols=["prompt"], output_kind="score")
     with pytest.raises(ValueError, match=r"output_kind='score' needs a causal LM"):

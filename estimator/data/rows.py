@@ -264,12 +264,15 @@ class Prompts(RowFormat):
         return out
 
 
-def scored(column: str, response: Optional[str], chat: bool, tools: Optional[Tuple[Any, ...]] = None) -> RowFormat:
-    """The rows transform's output_kind='score' reads (a fit's, scored on what its loss counts): a chat column's
-    conversations, a prompt with its `response` column, or a whole text."""
+def scored(column: str, answers: Tuple[str, ...], chat: bool, tools: Optional[Tuple[Any, ...]] = None) -> RowFormat:
+    """The rows transform's output_kind='score' reads (a fit's, scored on what its loss counts): preference pairs
+    (`answers`: the chosen and the rejected column; strings, or message lists where `chat`), a chat column's
+    conversations, a prompt with its response column (`answers`: that one), or a whole text (none)."""
+    if len(answers) == 2:
+        return Pairs(column, answers[0], answers[1], as_messages=chat, chat_tools=tools)
     if chat:
         return Chat(column, tools)
-    return PromptResponse(column, response) if response else Text(column)
+    return PromptResponse(column, answers[0]) if answers else Text(column)
 
 
 def rows_of(payload: np.ndarray) -> List[Dict[str, Any]]:

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 log = logging.getLogger("estimator")
+RUN_TAG = "estimator.run_id"  # the store's run (store.run(run_id)), on each MLflow run a fit logs into
 
 
 def check_mlflow(setting: Optional[bool]) -> None:
@@ -72,24 +73,33 @@ class MlflowLog:
     look for (the model's class and parameter count, the optimizer's class and lr, the loss, the ranks, the rows);
     each epoch's history row as the driver learns it (step = epoch: a long run is watched in the MLflow UI); at
     `finish` the rows not logged yet, the best epoch and the trained module. mlflow=None logs only into an active
-    run; True starts one when none is; False never. Tracking never costs a trained model: a failure is a
+    run; True starts one when none is; False never. A grid's fit (estimator.fit.grid) logs into a child run of
+    the tuning's active run. The store's run_id is the tag RUN_TAG, and the name of a run the fit starts. Tracking never costs a trained model: a failure is a
     warning, and logging stops for the rest of the fit."""
 
     def __init__(self, run: Any, started: bool):
         self.run, self.started, self.logged, self.failed = run, started, set(), False
 
     @classmethod
-    def open(cls, setting: Optional[bool], params: Dict[str, Any], about: Dict[str, Any]) -> Optional["MlflowLog"]:
+    def open(cls, setting: Optional[bool], params: Dict[str, Any], about: Dict[str, Any], run_id: str,
+             parent: Optional[str] = None, experiment: Optional[str] = None) -> Optional["MlflowLog"]:
+        """The fit's run: a child of `parent` (a grid's fit under the tuning's active run, in `experiment`), else
+        the active run, else one started (named as the store's run, `run_id`, as a child is)."""
         if setting is False or importlib.util.find_spec("mlflow") is None:
             return None
         import mlflow
 
         active = mlflow.active_run()
-        if active is None and not setting:
+        if parent is not None:
+            tracked = cls(mlflow.start_run(run_name=run_id, nested=True, parent_run_id=parent,
+                                           experiment_id=experiment), True)
+        elif active is None and not setting:
             return None
-        tracked = cls(active or mlflow.start_run(), active is None)
+        else:
+            tracked = cls(active or mlflow.start_run(run_name=run_id), active is None)
         tracked._try("its params", lambda: mlflow.log_params(
             {key: _param_text(value) for key, value in {**params, **about}.items() if value is not None}))
+        tracked._try("its run's name", lambda: mlflow.set_tag(RUN_TAG, run_id))
         return tracked
 
     @property

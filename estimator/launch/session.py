@@ -22,6 +22,13 @@ def is_connect(spark: Any) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+def metadata_session(io: Any) -> Any:
+    """What pyspark's params metadata writer and reader take, for an MLWriter or MLReader `io`: the session on Spark
+    Connect (pyspark 4 writes the metadata with a DataFrame then), else the SparkContext (pyspark 3.5 takes only
+    that)."""
+    return io.sparkSession if is_connect(io.sparkSession) else io.sc
+
+
 def conf(spark: Any, key: str) -> Optional[str]:
     """A Spark conf value, or None when it is unset or the session may not read it."""
     try:

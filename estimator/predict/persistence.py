@@ -26,7 +26,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 
 from estimator.core.handle import ModelHandle, held, on_meta
 from estimator.core.pickling import dumps, rebind_optimizer
-from estimator.launch.session import is_connect
+from estimator.launch.session import metadata_session
 from estimator.predict.weights import load_module, save_module, standalone_base
 from store import Store
 
@@ -47,7 +47,7 @@ class ParamsWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:
         json_params, objects = split_params(self.instance)
-        DefaultParamsWriter.saveMetadata(self.instance, path, _metadata_session(self), paramMap=json_params)
+        DefaultParamsWriter.saveMetadata(self.instance, path, metadata_session(self), paramMap=json_params)
         fs, root = url_to_fs(path)
         handle = objects.pop("model_handle", None)  # rebuilt at load from the adapters saved
         model = objects.pop("model") if isinstance(objects.get("model"), nn.Module) else None
@@ -78,7 +78,7 @@ class ParamsReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, _metadata_session(self))
+        metadata = DefaultParamsReader.loadMetadata(path, metadata_session(self))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
@@ -144,12 +144,6 @@ class Persistable(MLReadable, MLWritable):
         """
         self.write().save(path)
 
-
-
-def _metadata_session(io: Any) -> Any:
-    """What pyspark's metadata writer and reader take: the session on Spark Connect (pyspark 4 writes the
-    metadata with a DataFrame then), else the SparkContext (pyspark 3.5 takes only that)."""
-    return io.sparkSession if is_connect(io.sparkSession) else io.sc
 
 
 def split_params(instance: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -2,6 +2,12 @@
 `logprob` (the scored tokens' log-probabilities summed), `tokens` (how many were scored), `perplexity` (exp of
 minus logprob over tokens; null where none was) and `truncated` (the row was cut at max_length).
 
+A preference table (`label_cols=[chosen, rejected]`, as a DPO fit names it) has each answer scored given the
+prompt: `chosen_logprob`, `rejected_logprob`, `chosen_tokens`, `rejected_tokens`, and each answer's log-ratio to
+the reference DPO trains against, the model with its adapters off (`chosen_logratio`, `rejected_logratio`: DPO's
+implicit rewards over beta, whose comparison is TRL's rewards/accuracies; null for a model without adapters, whose
+reference is not kept), and `truncated` (either answer cut).
+
 The rows are read as a fit reads them (estimator.data.rows), and scored on the tokens its loss counts: with a
 string label column (`label_cols=[response]`, as an SFT fit names it) the response given the prompt, and its EOS;
 a chat column, each assistant turn; a text column and no label, every token after the first, and the EOS. A row
@@ -16,7 +22,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
-from estimator.core.adapters import can_generate
+from estimator.core.adapters import can_generate, is_adapted
 from estimator.data.lm import pad_id
 from estimator.data.rows import scored
 from estimator.data.text import Tokenize
@@ -27,6 +33,10 @@ from estimator.predict.predictor import Added, Predictor
 
 COLUMNS = (("logprob", pa.float64(), False), ("tokens", pa.int64(), False), ("perplexity", pa.float64(), True),
            ("truncated", pa.bool_(), False))
+PAIR_COLUMNS = (("chosen_logprob", pa.float64(), False), ("rejected_logprob", pa.float64(), False),
+                ("chosen_tokens", pa.int64(), False), ("rejected_tokens", pa.int64(), False),
+                ("chosen_logratio", pa.float64(), True), ("rejected_logratio", pa.float64(), True),
+                ("truncated", pa.bool_(), False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +54,10 @@ class Score(Predictor):
             raise ValueError(f"TorchModel with output_kind='score' needs a causal LM (AutoModelForCausalLM): it "
                              f"scores each row's tokens by the model's next-token probabilities; "
                              f"{type(p['model']).__name__} is not one.")
-        if len(p["label_cols"] or ()) > 1:
+        if len(p["label_cols"] or ()) > 2:
             raise ValueError(f"TorchModel with output_kind='score' scores one response column given the prompt "
-                             f"(label_cols=[response]), or the whole text (label_cols=[]); got label_cols="
+                             f"(label_cols=[response]), the two answers of a preference pair (label_cols=[chosen, "
+                             f"rejected]), or the whole text (label_cols=[]); got label_cols="
                              f"{list(p['label_cols'])}.")
         check_max_length(p, "TorchModel")
         check_vocabulary(p, "TorchModel")
@@ -55,20 +66,21 @@ class Score(Predictor):
     def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Score":
         cls.check(p)
         tools = tuple(p["chat_tools"]) if p["chat_tools"] else None
-        rows = scored(p["feature_cols"][0], p["label_cols"][0] if p["label_cols"] else None, False, tools)
-        added = [Added(name, name, nullable=nullable) for name, _, nullable in COLUMNS]
+        rows = scored(p["feature_cols"][0], tuple(p["label_cols"] or ()), False, tools)
+        added = [Added(name, name, nullable=nullable) for name, _, nullable in columns_of(rows)]
         tokenize = Tokenize(p["tokenizer"], (), None)
         return cls(**cls.shared(p, added, torch_threads, tokenize), rows=rows, max_length=effective_max_length(p),
                    chat_tools=tools)
 
     def bind_chat(self, chat: bool) -> "Score":
-        return dataclasses.replace(self, rows=scored(self.rows.column, None, True, self.chat_tools)) if chat else self
+        return dataclasses.replace(self, rows=scored(self.rows.column, self.rows.answers, True, self.chat_tools)) \
+            if chat else self
 
     def input_cols(self) -> Tuple[str, ...]:
         return self.rows.read
 
     def arrow_type(self) -> pa.StructType:
-        return pa.struct([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable in COLUMNS])
+        return pa.struct([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable in columns_of(self.rows)])
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
         tokenizer = self.tokenize.tokenizer
@@ -76,8 +88,33 @@ class Score(Predictor):
         limit = self.max_length
         cut = [(ids[:limit], labels[:limit]) if limit else (ids, labels) for ids, labels in whole]
         logprob, tokens = score_rows(model, cut, pad_id(tokenizer), self.batch_size, device)
+        truncated = np.array([bool(limit) and len(ids) > limit for ids, _ in whole], dtype=bool)
+        if self.rows.answers:  # pairs: the chosen answers' rows, then the rejected ones'
+            return pair_arrays(model, cut, logprob, tokens, truncated, self, device)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             perplexity = np.exp(-logprob / tokens)
-        truncated = np.array([bool(limit) and len(ids) > limit for ids, _ in whole], dtype=bool)
         return [pa.array(logprob, pa.float64()), pa.array(tokens, pa.int64()),
                 pa.array(perplexity, pa.float64(), mask=tokens == 0), pa.array(truncated, pa.bool_())]
+
+
+def columns_of(rows: Any) -> Tuple[Tuple[str, pa.DataType, bool], ...]:
+    """The added columns (name, Arrow type, nullable) for rows of this format: pairs' or one answer's."""
+    return PAIR_COLUMNS if rows.answers else COLUMNS
+
+
+def pair_arrays(model: Any, cut: Any, logprob: np.ndarray, tokens: np.ndarray, truncated: np.ndarray,
+                kind: Score, device: str) -> List[pa.Array]:
+    """PAIR_COLUMNS' arrays from the 2n rows' scores (the chosen answers first); the log-ratios from the same rows
+    scored again with the adapters off (none without adapters)."""
+    pairs = len(cut) // 2
+    ratios: Any = None
+    if is_adapted(model):
+        with model.disable_adapter():
+            reference, _ = score_rows(model, cut, pad_id(kind.tokenize.tokenizer), kind.batch_size, device)
+        ratios = logprob - reference
+    nulls = np.ones(pairs, dtype=bool)
+    logratio = [pa.array(np.zeros(pairs), pa.float64(), mask=nulls) if ratios is None
+                else pa.array(ratios[half], pa.float64()) for half in (slice(0, pairs), slice(pairs, None))]
+    return [pa.array(logprob[:pairs], pa.float64()), pa.array(logprob[pairs:], pa.float64()),
+            pa.array(tokens[:pairs], pa.int64()), pa.array(tokens[pairs:], pa.int64()), *logratio,
+            pa.array(truncated[:pairs] | truncated[pairs:], pa.bool_())]
