@@ -425,7 +425,6 @@ def generation_rows(args, bench, path, words):
 
 
 def embedding_rows(args, bench, path, words):
-    import pyarrow as pa
     from transformers import AutoModel, AutoTokenizer
 
     from estimator.data.text import Tokenize
@@ -442,37 +441,19 @@ def embedding_rows(args, bench, path, words):
     def ours():
         layout = Embedding(feature_cols=("text",), batch_size=1024, use_gpu=args.device == "cuda",
                            tokenize=Tokenize(tokenizer, ()))
-        key = f"bench-{id(model)}"
-        inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
-        column = pa.array(texts, pa.string())
-        inference.predict_arrow(key, b"", layout, column.slice(0, 8))
-        synchronize(args.device)
-        started = time.perf_counter()
-        out = inference.predict_arrow(key, b"", layout, column)
-        synchronize(args.device)
-        seconds = time.perf_counter() - started
+        seconds, out = timed_predictor(args, model, layout, texts)
         vectors["ours"] = np.array(out.field(0).to_pylist(), dtype=np.float32)
         return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
 
     def hand():
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        found = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
-
         def run(rows):
             batch = tokenizer([texts[i] for i in rows], padding=True, return_tensors="pt").to(args.device)
             hidden = model(**batch).last_hidden_state.float()
             mask = batch["attention_mask"].unsqueeze(-1).float()
             return ((hidden * mask).sum(1) / mask.sum(1)).cpu().numpy()
 
-        with torch.inference_mode():
-            run(order[:8])
-            synchronize(args.device)
-            started = time.perf_counter()
-            for s in range(0, len(order), 64):
-                found[order[s:s + 64]] = run(order[s:s + 64])
-            synchronize(args.device)
-        seconds = time.perf_counter() - started
-        vectors["hand"] = found
+        vectors["hand"] = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
+        seconds = timed_sorted_batches(args, [len(t) for t in texts], run, vectors["hand"])
         return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
 
     bench.row("embeddings", "ours", ours)
@@ -489,7 +470,6 @@ def score_rows(args, bench, path, words):
     """Issue 67: each text's log-likelihood (output_kind='score', whole texts: every token after the first and
     the EOS) against a hand loop over batches of 64 texts sorted by length, padded, the vocabulary's log-softmax
     over every position at once."""
-    import pyarrow as pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from estimator.data.rows import Text
@@ -508,21 +488,11 @@ def score_rows(args, bench, path, words):
     def ours():
         layout = Score(feature_cols=("text",), batch_size=1024, use_gpu=args.device == "cuda",
                        tokenize=Tokenize(tokenizer, ()), rows=Text("text"))
-        key = f"bench-score-{id(model)}"
-        inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
-        column = pa.array(texts, pa.string())
-        inference.predict_arrow(key, b"", layout, column.slice(0, 8))
-        synchronize(args.device)
-        started = time.perf_counter()
-        out = inference.predict_arrow(key, b"", layout, column)
-        seconds = time.perf_counter() - started
+        seconds, out = timed_predictor(args, model, layout, texts)
         found["ours"] = np.array(out.field("logprob").to_pylist())
         return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
 
     def hand():
-        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
-        logprob = np.zeros(len(texts))
-
         def run(rows):
             width = max(len(encoded[i]) for i in rows)
             ids = torch.tensor([encoded[i] + [tokenizer.pad_token_id] * (width - len(encoded[i])) for i in rows],
@@ -533,15 +503,8 @@ def score_rows(args, bench, path, words):
             picked = logp.gather(2, ids[:, 1:, None]).squeeze(2) * mask[:, 1:]
             return picked.sum(1).double().cpu().numpy()
 
-        with torch.inference_mode():
-            run(order[:8])
-            synchronize(args.device)
-            started = time.perf_counter()
-            for s in range(0, len(order), 64):
-                logprob[order[s:s + 64]] = run(order[s:s + 64])
-            synchronize(args.device)
-        seconds = time.perf_counter() - started
-        found["hand"] = logprob
+        found["hand"] = np.zeros(len(texts))
+        seconds = timed_sorted_batches(args, [len(e) for e in encoded], run, found["hand"])
         return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts_per_s": len(texts) / seconds}
 
     bench.row("scores", "ours", ours)
@@ -553,6 +516,38 @@ def score_rows(args, bench, path, words):
     model = None  # noqa: F841 - the GPU's memory back for the next rows
     inference._CACHE.clear()
     free(args.device)
+
+
+def timed_predictor(args, model, layout, texts):
+    """transform's UDF body (an output kind's predictor) over `texts`, the model cached as an executor's Python
+    worker holds it, after a warm-up on 8 texts: (seconds, the Arrow struct it returned)."""
+    import pyarrow as pa
+
+    from estimator.predict import inference
+
+    key = f"bench-{type(layout).__name__}-{id(model)}"
+    inference._CACHE[(key, inference.device_for(layout.use_gpu))] = model
+    column = pa.array(texts, pa.string())
+    inference.predict_arrow(key, b"", layout, column.slice(0, 8))
+    synchronize(args.device)
+    started = time.perf_counter()
+    out = inference.predict_arrow(key, b"", layout, column)
+    synchronize(args.device)
+    return time.perf_counter() - started, out
+
+
+def timed_sorted_batches(args, lengths, run, out):
+    """A hand loop: `run(rows)` over the rows sorted by `lengths`, 64 at a time (a warm-up on the 8 shortest
+    first), each batch's results written at its rows of `out`: the seconds."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    with torch.inference_mode():
+        run(order[:8])
+        synchronize(args.device)
+        started = time.perf_counter()
+        for s in range(0, len(order), 64):
+            out[order[s:s + 64]] = run(order[s:s + 64])
+        synchronize(args.device)
+    return time.perf_counter() - started
 
 
 # ---------------------------------------------------------------- the run

@@ -33,7 +33,8 @@ from pyspark.sql.types import DoubleType
 from estimator.launch.session import metadata_session
 from estimator.launch.shipping import ship_package
 
-METRICS = {"perplexity": False, "exactMatch": True, "tokenF1": True, "rewardAccuracy": True}  # each metric's isLargerBetter
+# each metric's isLargerBetter
+METRICS = {"perplexity": False, "exactMatch": True, "tokenF1": True, "rewardAccuracy": True}
 
 
 class LanguageModelEvaluator(Evaluator, MLReadable, MLWritable):

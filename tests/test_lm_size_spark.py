@@ -1,7 +1,8 @@
 """A LoRA fit of a real-sized base (a ~100M-parameter Llama built and saved here, ~400 MB of weights): the driver
 never holds the base's weights (its peak RSS during fit and transform, sampled), transform sends the adapters and
 the factory, not the base (the bytes pickled for Spark and the files added, counted), each executor's Python
-worker builds the base once (a second transform builds nothing), and the generations are model.generate's, also
+worker builds the base once (a second transform, and scoring, build nothing), the generations are
+model.generate's and the scores (output_kind='score') a hand computation's, also
 after save/load (estimator.core.handle); a TorchModel of a from_pretrained factory without a fit likewise."""
 import functools
 import os
@@ -130,6 +131,13 @@ def test_a_lora_fit_of_a_sized_base_keeps_its_weights_off_the_driver_and_out_of_
     assert first >= 1  # the executors built the base (one Python worker per task at most)
     again = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
     assert again == got and len(open(log).read().split()) - builds == first  # the workers kept it: no build
+    sent.pickled.clear(), sent.files.clear()
+    with PeakRss() as score_rss:  # output_kind='score' sends and caches the model as generation does
+        scores = {r.prompt: (r.logprob, r.tokens) for r in fitted.copy({fitted.output_kind: "score"}).transform(
+            df.filter(df.prompt.isin(prompts[:2]))).collect()}
+    assert score_rss.above <= 0.15 * weights and 0 < sent.total <= 2 * 2**20 + 1.5 * len(handle.trained), (
+        score_rss.above, sent.pickled, sent.files)
+    assert len(open(log).read().split()) - builds == first  # the workers' cached model scored: no build
 
     model = fitted.getModel()  # built here, on demand: loads the base into the driver, and is the model from now on
     assert fitted.getModelHandle() is None and fitted.getModel() is model
@@ -141,6 +149,13 @@ def test_a_lora_fit_of_a_sized_base_keeps_its_weights_off_the_driver_and_out_of_
                                     eos_token_id=tokenizer.eos_token_id)
             expected.append(tokenizer.decode(tokens[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
     assert [got[p] for p in prompts] == expected
+    for prompt, response in rows[:2]:  # the scores: the response's tokens and EOS given the prompt, by hand
+        p = tokenizer(prompt)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0].double(), -1)
+        want = sum(float(logp[len(p) + i - 1, t]) for i, t in enumerate(r))
+        assert scores[prompt][1] == len(r) and scores[prompt][0] == pytest.approx(want, abs=1e-3)
 
     path = str(tmp_path / "saved")
     fitted.write().overwrite().save(path)
