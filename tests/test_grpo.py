@@ -191,8 +191,9 @@ def colour_rows(count):
 
 def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, peft_config):
     """The plain loop of what `ranks` ranks of `batch` prompts train (unshuffled): each prompt's group sampled under
-    its seed, scored, its advantages; the step's dapo loss over all its completion tokens. The per-epoch losses and
-    mean rewards, and the model."""
+    its seed, scored, its advantages; the step's dapo loss over all its completion tokens, num_iterations steps on
+    each sample (the first step's log-probabilities the old policy's). The per-epoch losses and mean rewards, and
+    the model."""
     from estimator.lm.generation import sampled_groups
     from estimator.lm.policy import policy_loss
     from estimator.train.objectives.grpo import prompt_seed
@@ -204,7 +205,7 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
     half, steps, group = len(rows) // ranks, len(rows) // (ranks * batch), objective.num_generations
     kwargs = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
               "temperature": objective.temperature, "top_p": 1.0, "top_k": 0}
-    losses, rewards, global_step = [], [], 0
+    losses, rewards, global_step, clipped = [], [], 0, 0.0
     for epoch in range(epochs):
         total = weight = reward = scored = 0.0
         for step in range(steps):
@@ -221,34 +222,41 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
             adv, found, _ = advantages(scores, torch.tensor(objective.rewards.weights, dtype=torch.float64), group,
                                        "group")
             model.train()
-            per_row = []
-            for i, c in enumerate(completions):
-                ids = torch.tensor([prompts[i // group] + c])
-                logits = model(input_ids=ids).logits[0, :-1].float()
-                logps = torch.log_softmax(logits, -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
-                mask = torch.zeros(ids.shape[1] - 1)
-                mask[len(prompts[i // group]) - 1:] = 1
-                per_row.append((logps, mask))
-            width = max(len(lp) for lp, _ in per_row)
-            logps = torch.stack([F.pad(lp, (0, width - len(lp))) for lp, _ in per_row])
-            mask = torch.stack([F.pad(m, (0, width - len(m))) for _, m in per_row])
-            found_loss = policy_loss(logps, logps.detach(), adv.float(), mask, "dapo", 0.2, 0.2)
-            (found_loss.loss / found_loss.weight).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            global_step += 1
-            total, weight = total + float(found_loss.loss), weight + float(found_loss.weight)
+            old = None
+            for _ in range(objective.num_iterations):
+                per_row = []
+                for i, c in enumerate(completions):
+                    ids = torch.tensor([prompts[i // group] + c])
+                    logits = model(input_ids=ids).logits[0, :-1].float()
+                    logps = torch.log_softmax(logits, -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+                    mask = torch.zeros(ids.shape[1] - 1)
+                    mask[len(prompts[i // group]) - 1:] = 1
+                    per_row.append((logps, mask))
+                width = max(len(lp) for lp, _ in per_row)
+                logps = torch.stack([F.pad(lp, (0, width - len(lp))) for lp, _ in per_row])
+                mask = torch.stack([F.pad(m, (0, width - len(m))) for _, m in per_row])
+                old = logps.detach() if old is None else old
+                found_loss = policy_loss(logps, old, adv.float(), mask, "dapo", objective.epsilon,
+                                         objective.epsilon_high)
+                (found_loss.loss / found_loss.weight).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                global_step += 1
+                total, weight = total + float(found_loss.loss), weight + float(found_loss.weight)
+                clipped += float(found_loss.region_clipped)
             ok = ~torch.isnan(found)
             reward, scored = reward + float(found[ok].sum()), scored + float(ok.sum())
         losses.append(total / weight)
         rewards.append(reward / scored)
-    return losses, rewards, model
+    return losses, rewards, model, clipped
 
 
-def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(llama, tokenizer, store):
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(llama, tokenizer, store, iterations):
     """2 ranks x 2 prompts = one process of 4: each prompt's completions sampled under its own seed, the rewards
     and advantages within its group, the dapo loss over the step's completion tokens on all ranks; the history's
-    loss and rewards and the adapters trained are the plain loop's."""
+    loss and rewards and the adapters trained are the plain loop's. With num_iterations=2, two steps on each
+    sample, the second's ratio to the sampling policy clipped at 1 +- epsilon (some tokens are)."""
     from estimator.launch.local import LocalLauncher
     from estimator.train.checkpoint import restore
     from estimator.train.objectives.grpo import GRPO
@@ -256,17 +264,21 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
     from test_lm import lora
 
     ranks, batch, epochs, lr = 2, 2, 2, 1e-2
-    objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6)
+    objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6,
+                     num_iterations=iterations, epsilon=0.05)
     rows = colour_rows(ranks * batch * 2)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
                                                 lr=lr, objective=objective), ranks)
     history = results[0].history
-    losses, rewards, plain = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, lora())
+    losses, rewards, plain, clipped = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective,
+                                                     lora())
     assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5, abs=1e-7)
     assert [row["reward"] for row in history] == pytest.approx(rewards, rel=1e-9)
     assert {"reward_std", "rewards/low_ids/mean", "rewards/names_answer/mean", "completions/mean_length",
             "completions/clipped_ratio", "frac_reward_zero_std", "clip_ratio/region_mean"} <= set(history[-1])
-    assert "reward_sq" not in history[-1] and history[-1]["clip_ratio/region_mean"] == 0  # ratio 1: none clipped
+    assert "reward_sq" not in history[-1]
+    assert (clipped > 0 and history[-1]["clip_ratio/region_mean"] > 0) if iterations > 1 else (
+        clipped == 0 and history[-1]["clip_ratio/region_mean"] == 0)  # once: ratio 1, none clipped
     trained = plain_causal_lm(llama, lora(), seed=0)
     restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
     state, expected = trained.state_dict(), plain.state_dict()

@@ -62,7 +62,9 @@ def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, 
              (dict(peft_config=None), GRPO(short_words, beta=0.04, max_new_tokens=8), r"peft_config=None: beta=0.04 weighs the KL"),
              (dict(), GRPO(needs_grade, max_new_tokens=8), r"'needs_grade' needs \['grade'\], which nothing gives"),
              (dict(label_cols=["completions"]), objective, r"label_cols \['completions'\] would shadow"),
-             (dict(), GRPO(short_words, max_new_tokens=64), r"max_new_tokens=64: the model has 64 positions")]
+             (dict(), GRPO(short_words, max_new_tokens=64), r"max_new_tokens=64: the model has 64 positions"),
+             (dict(backward_passes_per_step=2), GRPO(short_words, max_new_tokens=8, num_iterations=2),
+              r"backward_passes_per_step=2: num_iterations=2 steps on each sampled batch; accumulating")]
     frame = df.withColumnRenamed("answer", "completions")
     for params, given, message in cases:
         data = frame if params.get("label_cols") == ["completions"] else df
@@ -70,5 +72,7 @@ def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, 
             assert jobs_run_by(spark, lambda: grpo(llama, store, given, **params).fit(data)) == []
     with pytest.raises(ValueError, match=r"GRPO\(num_generations=1\): an int >= 2"):
         GRPO(short_words, num_generations=1)
+    with pytest.raises(ValueError, match=r"GRPO\(num_iterations=0\): an int >= 1"):
+        GRPO(short_words, num_iterations=0)
     with pytest.raises(ValueError, match=r"item 0, 'x', is not callable"):
         GRPO(["x"])

@@ -75,29 +75,31 @@ class TrainLoop:
             stepping = (step + 1) % every == 0 or last  # a partial accumulation still steps at epoch end
             this_ctx = dataclasses.replace(step_ctx, batch_idx=step, global_step=self.global_step)
             batch = self.objective.prepare(self.generation, batch, this_ctx)  # before the weighting counts it
-            weighting.begin(self.objective, batch)
-            with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none while accumulating
-                with self.autocast():
-                    loss, batch_sums = self.objective.on_batch(self.ddp, batch, this_ctx)
-                self.finite.loss(loss, epoch, step)
-                self.precision.backward(weighting.scale(loss))
-            sums += batch_sums
-            weighting.add(batch_sums)
+            before = self.global_step
+            for _ in range(self.objective.iterations):  # steps on the same prepared batch (accumulation: one)
+                weighting.begin(self.objective, batch)
+                with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none accumulating
+                    with self.autocast():
+                        loss, batch_sums = self.objective.on_batch(self.ddp, batch, this_ctx)
+                    self.finite.loss(loss, epoch, step)
+                    self.precision.backward(weighting.scale(loss))
+                sums += batch_sums
+                weighting.add(batch_sums)
+                if stepping:
+                    weighting.before_step(gradients)
+                    self.step()
+                    if self.after_step is not None:
+                        self.after_step()
+                    self.global_step += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.on_step is not None:
+                        self.on_step(self.global_step, weighting.step_loss(loss, batch_sums))
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, layout.named(sums) if self.steps_report.due(step + 1)
                                         else None)
-            if stepping:
-                weighting.before_step(gradients)
-                self.step()
-                if self.after_step is not None:
-                    self.after_step()
-                self.global_step += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.on_step is not None:
-                    self.on_step(self.global_step, weighting.step_loss(loss, batch_sums))
-                steps = self.spec.checkpoint_steps
-                if steps and self.global_step % steps == 0 and not last and self.checkpoint is not None:
-                    self.checkpoint(epoch, step + 1, sums)
+            steps = self.spec.checkpoint_steps  # at a batch's end (a resume starts at a batch): a step due within
+            if steps and self.global_step // steps > before // steps and not last and self.checkpoint is not None:
+                self.checkpoint(epoch, step + 1, sums)
         self.finite.flush(epoch)
         return sums
 

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import pickle
 import time
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -90,17 +90,18 @@ def optimization(objs: UserObjects, model: nn.Module, spec: Optional[TrainSpec] 
         scheduler, monitor, interval = lightning.scheduler_config(objs.lr_scheduler_fn(optimizer), "lr_scheduler_fn")
     if scheduler is None and spec is not None:  # lr_schedule (its conflicts are refused on the driver)
         scheduler = built_in_schedule(optimizer, spec.lr_schedule, spec.warmup_steps, spec.warmup_ratio,
-                                      run_optimizer_steps(spec, world_size))
+                                      run_optimizer_steps(spec, world_size, objs.objective))
         interval, reports = "step", scheduler is not None
         return optimizer, Schedule(scheduler, monitor, interval, reports_lr=reports)
     return optimizer, Schedule(scheduler, monitor, interval)
 
 
-def run_optimizer_steps(spec: TrainSpec, world_size: int) -> int:
-    """The run's optimizer steps, as the driver counted them (the direct mode: over the largest shard)."""
+def run_optimizer_steps(spec: TrainSpec, world_size: int, objective: Any = None) -> int:
+    """The run's optimizer steps, as the driver counted them (the direct mode: over the largest shard), times the
+    objective's steps on each batch (GRPO's num_iterations)."""
     total = spec.data.train_rows if spec.data.local is None else spec.data.largest_shard * world_size
     return optimizer_steps(total, world_size, spec.batch_size, spec.train_steps_per_epoch, spec.drop_last,
-                           spec.backward_passes_per_step, spec.epochs)
+                           spec.backward_passes_per_step, spec.epochs) * getattr(objective, "iterations", 1)
 
 
 def build_optimizer(objs: UserObjects, model: nn.Module) -> torch.optim.Optimizer:

@@ -38,6 +38,8 @@ class BuiltIn:
     # checks read the rows, the config and shapes only, and a rank's first batch checks the forward (a LoRA fit
     # of a factory then never builds the base's weights on the driver: estimator.core.handle)
     driver_forward = True
+    # optimizer steps the loop takes on each batch prepare() made (GRPO's num_iterations reuses its samples)
+    iterations = 1
     # the user's functions an objective instance holds (GRPO's reward functions): pickled by value where their
     # module exists on the driver only (estimator.core.pickling.driver_only_modules), as the loss param's are
     user_code: Tuple[Any, ...] = ()

@@ -8,8 +8,10 @@ process does, estimator.lm.generation.sampled_groups), scored by the reward func
 (estimator.train.objectives.rewards), each completion's advantage taken within its prompt's group (a group is
 never split across ranks). `on_batch` scores the completion tokens under the policy and takes the clipped
 surrogate loss (estimator.lm.policy), a sum over what its loss type averages over (`weighting = PerWeight`).
-With num_iterations=1 (the only one built) the sampling policy is the policy: the ratio is 1 and nothing is
-clipped, as in TRL. With beta > 0, the reference is the model with its adapters off (the KL estimate per token).
+With num_iterations=1 the sampling policy is the policy: the ratio is 1 and nothing is clipped, as in TRL. With
+num_iterations=mu (TRL's), the loop takes mu optimizer steps on each sampled batch (`iterations`): the first
+forward's log-probabilities, under the weights that sampled, are the old policy's for the ratio of the next ones
+(clipped at 1 +- epsilon); the rewards are counted once a batch, the loss and clipping at every step. With beta > 0, the reference is the model with its adapters off (the KL estimate per token).
 
 Validation samples one completion per prompt greedily and reports the rewards (val_reward, the monitored key by
 default); it has no loss (no val_loss). torch only, no pyspark."""
@@ -63,6 +65,7 @@ class Sampled:
     known: Dict[str, float]
     reference: Optional[torch.Tensor] = None
     training: bool = True
+    old: Optional[torch.Tensor] = None  # the sampling policy's log-probabilities (set by the batch's first forward)
 
 
 class GRPO(BuiltIn):
@@ -85,7 +88,9 @@ class GRPO(BuiltIn):
         loss_type: 'dapo' (TRL's default: every completion token of the step alike), 'grpo' (each completion's
             mean token loss) or 'dr_grpo' (each completion's token losses over max_new_tokens).
         scale_rewards: 'group' (TRL's default: over each group's std), 'batch' or 'none' (Dr. GRPO).
-        num_iterations: Policy steps per sampling (TRL's mu); only 1 is built.
+        num_iterations: Optimizer steps on each sampled batch (TRL's mu, default 1): the steps after the first
+            weigh each token by its probability now over its probability when sampled, clipped at 1 +- epsilon.
+            Each step counts as one (schedules, checkpoint_steps, train_steps_per_epoch counts batches).
     """
 
     weighting = PerWeight
@@ -115,8 +120,8 @@ class GRPO(BuiltIn):
                  "a number > 0, or None (epsilon)"),
                 ("loss_type", loss_type, loss_type in LOSS_TYPES, f"one of {list(LOSS_TYPES)}"),
                 ("scale_rewards", scale_rewards, scale_rewards in SCALES, f"one of {list(SCALES)}"),
-                ("num_iterations", num_iterations, num_iterations == 1,
-                 "1: more policy steps per sampling (TRL's num_iterations) are not built yet")):
+                ("num_iterations", num_iterations, is_int(num_iterations) and num_iterations >= 1,
+                 "an int >= 1: the optimizer steps on each sampled batch (TRL's default 1)")):
             if not ok:
                 raise ValueError(f"GRPO({name}={value!r}): {what}.")
         self.num_generations, self.max_new_tokens = int(num_generations), int(max_new_tokens)
@@ -133,7 +138,8 @@ class GRPO(BuiltIn):
 
     def __repr__(self) -> str:
         return (f"GRPO(reward_funcs={list(self.rewards.names)}, num_generations={self.num_generations}, "
-                f"beta={self.beta!r}, loss_type={self.loss_type!r})")
+                f"beta={self.beta!r}, loss_type={self.loss_type!r}"
+                + (f", num_iterations={self.num_iterations}" if self.num_iterations > 1 else "") + ")")
 
     @classmethod
     def applies(cls, p: Mapping[str, Any]) -> bool:
@@ -155,7 +161,11 @@ class GRPO(BuiltIn):
         sampling is not built), beta > 0 without adapters (the reference is the model with them off), and reward
         functions that cannot take the arguments they would be given (the label columns by name)."""
         self = p["objective"]
-        for name, value, why in (("packing", p["packing"], "the completions are sampled at each step and batched "
+        for name, value, why in (("backward_passes_per_step", self.num_iterations > 1 and p["backward_passes_per_step"]
+                                  > 1, f"num_iterations={self.num_iterations} steps on each sampled batch; "
+                                  "accumulating batches under it is not built: set backward_passes_per_step=1 and a "
+                                  "larger batch_size"),
+                                 ("packing", p["packing"], "the completions are sampled at each step and batched "
                                   "padded; packing is not built for them: leave packing=False"),
                                  ("strategy", shards_checkpoints, "sampling completions from a sharded model is not "
                                   "built yet: use strategy='ddp'"),
@@ -245,6 +255,11 @@ class GRPO(BuiltIn):
         return Sampled(input_ids.to(device), attention.to(device), labels.to(device),
                        found.to(device=device, dtype=torch.float32), known, training=training)
 
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps the loop takes on each prepared batch (num_iterations)."""
+        return self.num_iterations
+
     def weight_of(self, batch: Sampled) -> torch.Tensor:
         """What the batch's loss sums over: its completion tokens ('dapo') or its completions."""
         if self.loss_type == "dapo":
@@ -254,10 +269,14 @@ class GRPO(BuiltIn):
     def on_batch(self, model: Any, batch: Sampled, ctx: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         device = batch.input_ids.device
         mask = (batch.labels[:, 1:] != IGNORE)
+        first = batch.old is None  # the batch's first step (num_iterations: its later ones reuse the samples)
         if batch.training:
             logps = completion_logps(model, batch)
-            found = policy_loss(logps, logps.detach(), batch.advantages, mask, self.loss_type, self.epsilon,
-                                self.epsilon_high, self.beta, batch.reference, self.max_new_tokens)
+            if first and self.num_iterations > 1:
+                batch.old = logps.detach()
+            found = policy_loss(logps, logps.detach() if first else batch.old, batch.advantages, mask,
+                                self.loss_type, self.epsilon, self.epsilon_high, self.beta, batch.reference,
+                                self.max_new_tokens)
             loss, weight = found.loss, found.weight
             counted = {"clip_ratio/low_mean": found.low_clipped, "clip_ratio/high_mean": found.high_clipped,
                        "clip_ratio/region_mean": found.region_clipped}
@@ -268,7 +287,7 @@ class GRPO(BuiltIn):
             loss = torch.zeros((), device=device)
             weight = torch.zeros((), device=device)
             counted, tokens = {}, mask.sum()
-        named = dict(batch.known)
+        named = dict(batch.known) if first else dict.fromkeys(batch.known, 0.0)  # the rewards: once a batch
         count = named.pop("count")
         values: Dict[str, Any] = {LOSS: loss.detach(), WEIGHT: weight, ROWS: count}
         for key in ("reward", "reward_sq", *[f"rewards/{n}/mean" for n in self.rewards.names]):
