@@ -324,11 +324,15 @@ def test_a_reward_that_raises_on_a_rank_fails_the_fit_by_name_and_is_not_retried
     assert info.value.kind is FailureKind.USAGE and not info.value.kind.retryable
 
 
-def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapters(llama, store):
-    """Shuffled prompts, 3 steps an epoch, a checkpoint every 2 steps, the run cut before step 5 (inside the second
-    epoch) and resumed from step 4: the same samples (each prompt's seed is the run's, the epoch's and the step's),
-    losses, rewards and adapters as the run never cut. Validation's greedy completions are scored by the same
-    rewards (`val_reward`), here a closure over a dict, pickled by value to the ranks."""
+@pytest.mark.parametrize("iterations, every, cut, batches", [(1, 2, 5, 1), (2, 3, 11, 2)])
+def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapters(llama, store, iterations, every,
+                                                                                   cut, batches):
+    """Shuffled prompts, 3 batches an epoch, a checkpoint every 2 steps, the run cut before step 5 (inside the
+    second epoch) and resumed after its first batch; with num_iterations=2 (2 steps a batch) and a checkpoint every
+    3 steps, due inside a batch and taken at its end, cut before step 11 and resumed after the second epoch's
+    second batch: the same samples (each prompt's seed is the run's, the epoch's and the step's), losses, rewards
+    and adapters as the run never cut. Validation's greedy completions are scored by the same rewards (`val_reward`), here a closure over a
+    dict, pickled by value to the ranks."""
     import dataclasses
 
     from estimator.core.faults import Fault
@@ -344,19 +348,22 @@ def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapte
     def named(completions, answer, **_):
         return [(1.0 if a in c else 0.0) + bonus.get(a, 0.0) for c, a in zip(completions, answer)]
 
-    objective = GRPO([named, low_ids], num_generations=2, max_new_tokens=4)
+    objective = GRPO([named, low_ids], num_generations=2, max_new_tokens=4, num_iterations=iterations)
     rows = colour_rows(10)
 
     def spec(run):
         return lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, peft_config=lora(), run=run, shuffle=True,
-                             objective=objective, val_rows=rows[6:], checkpoint_steps=2)
+                             objective=objective, val_rows=rows[6:], checkpoint_steps=every)
 
     LocalLauncher().run(spec("whole"), 1)
-    cut = spec("cut")
+    cut_run = spec("cut")
     with pytest.raises(RankFailed):
-        LocalLauncher(faults=(Fault("step", 0, "raise", step=5),)).run(cut, 1)
-    assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 1  # step 4: the second epoch's first
-    LocalLauncher().run(dataclasses.replace(cut, resume_from=cut.run.checkpoint, attempt=1, launch_id="again"), 1)
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=cut),)).run(cut_run, 1)
+    checkpoint = load_checkpoint(store, cut_run.run.checkpoint)
+    assert checkpoint["position"]["step"] == batches  # after the second epoch's first (second) batch
+    assert checkpoint["global_step"] == (3 + batches) * iterations
+    LocalLauncher().run(dataclasses.replace(cut_run, resume_from=cut_run.run.checkpoint, attempt=1,
+                                            launch_id="again"), 1)
     whole, again = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "cut"))
     moved = 0
     for name, value in whole["model"].items():
