@@ -289,6 +289,35 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
     assert moved  # the adapters trained
 
 
+@pytest.mark.timeout(300)  # a rank stepped by transformers' synced_gpus hangs on the other's collectives
+def test_grpo_sharded_by_fsdp_trains_what_ddp_does_with_a_kl_term_and_uneven_validation(llama, store):
+    """strategy='fsdp': each rank samples from the gathered weights (no collective per token: transformers'
+    synced_gpus off), the reference is the adapters off, and 3 validation prompts on 2 ranks (one rank generates
+    twice, the other once) do not hang; the history and the adapters are ddp's."""
+    from estimator.launch.local import LocalLauncher
+    from estimator.train.checkpoint import restore
+    from estimator.train.objectives.grpo import GRPO
+    from lm_helpers import lm_train_spec, plain_causal_lm
+    from test_lm import lora
+
+    rows, models, histories = colour_rows(9), {}, {}
+    for strategy in ("ddp", "fsdp"):
+        objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6,
+                         beta=0.04)
+        spec = lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, peft_config=lora(), lr=1e-2, run=strategy,
+                             objective=objective, strategy=strategy, val_rows=rows[6:], collective_timeout=120.0)
+        histories[strategy] = LocalLauncher().run(spec, 2)[0].history
+        models[strategy] = plain_causal_lm(llama, lora(), seed=0)
+        restore(store, store.run(strategy), store.run(strategy).checkpoint, models[strategy], None)
+    for key in ("loss", "reward", "kl", "val_reward", "val_rewards/low_ids/mean"):
+        assert [r[key] for r in histories["fsdp"]] == pytest.approx([r[key] for r in histories["ddp"]], rel=1e-5), key
+    assert histories["ddp"][-1]["kl"] > 0
+    ddp, fsdp = (m.state_dict() for m in models.values())
+    for name in (n for n in ddp if "lora_" in n):
+        assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), name
+    assert any(fsdp[n].abs().max() > 0 for n in fsdp if "lora_B" in n)
+
+
 def test_reward_functions_that_cannot_take_their_arguments_are_refused_by_name():
     given = ("prompts", "completions", "completion_ids", "answer")
     Rewards.of([exact, short, lambda completions, **kw: [0.0] * len(completions)]).check_arguments(given)

@@ -51,6 +51,31 @@ def test_the_example_teaches_the_right_colours_by_reward_alone_and_reports_trls_
     assert all(answer.startswith(" The ") for _, _, answer in result["answers"]), result["answers"]
 
 
+@pytest.mark.connect
+def test_grpo_fits_saves_and_generates_through_either_kind_of_session(spark, store, llama, tmp_path):
+    """On classic Spark and through Spark Connect: a reward closed over a dict, reading a label column by name, is
+    pickled to the ranks; the history carries its mean; the fitted model saves and loads through the session and
+    writes the same text."""
+    from estimator import TorchModel
+
+    bonus = {1: 0.0, 2: 0.5}
+
+    def levelled(completions, level, **_):
+        return [bonus[lv] for lv in level]
+
+    df = spark.createDataFrame([(p, r, 1 + i % 2) for i, (p, r) in enumerate(color_facts()[:4])],
+                               "prompt string, answer string, level int")
+    fitted = grpo(llama, store, GRPO([levelled, short_words], num_generations=2, max_new_tokens=6)).fit(df)
+    last = fitted.getHistory()[-1]
+    assert {"reward", "rewards/short_words/mean", "completions/mean_length"} <= set(last)
+    assert last["rewards/levelled/mean"] == pytest.approx(0.25)  # the dict's bonus for levels 1, 2, 1, 2
+    fitted.write().save(str(tmp_path / "grpo"))
+    prompts = df.select("prompt").orderBy("prompt")
+    written = [r.prediction for r in fitted.transform(prompts).collect()]
+    assert [r.prediction for r in TorchModel.load(str(tmp_path / "grpo")).transform(prompts).collect()] == written
+    assert all(isinstance(t, str) for t in written) and len(written) == 4
+
+
 def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, llama):
     df = spark.createDataFrame([("What colour is it?", "red", 1)], "prompt string, answer string, level int")
 

@@ -157,8 +157,8 @@ class GRPO(BuiltIn):
 
     @classmethod
     def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
-        """What this fit cannot take, by name: packing (the completions are sampled per step), a sharded model (its
-        sampling is not built), beta > 0 without adapters (the reference is the model with them off), and reward
+        """What this fit cannot take, by name: accumulation under num_iterations > 1, packing (the completions are
+        sampled per step), beta > 0 without adapters (the reference is the model with them off), and reward
         functions that cannot take the arguments they would be given (the label columns by name)."""
         self = p["objective"]
         for name, value, why in (("backward_passes_per_step", self.num_iterations > 1 and p["backward_passes_per_step"]
@@ -167,8 +167,6 @@ class GRPO(BuiltIn):
                                   "larger batch_size"),
                                  ("packing", p["packing"], "the completions are sampled at each step and batched "
                                   "padded; packing is not built for them: leave packing=False"),
-                                 ("strategy", shards_checkpoints, "sampling completions from a sharded model is not "
-                                  "built yet: use strategy='ddp'"),
                                  ("peft_config", self.beta > 0 and p["peft_config"] is None,
                                   f"beta={self.beta} weighs the KL to the reference, the model with its adapters "
                                   "off: set peft_config (LoraConfig(task_type='CAUSAL_LM')), or beta=0")):
@@ -193,7 +191,11 @@ class GRPO(BuiltIn):
 
     def sampling_kwargs(self, training: bool) -> Dict[str, Any]:
         tokenizer = self._tokenizer
-        kwargs: Dict[str, Any] = {"pad_token_id": pad_id(tokenizer), "eos_token_id": eos_id(tokenizer)}
+        # synced_gpus off: the strategy's generation() gathers a sharded model's weights first, so each rank's
+        # forwards need no collective and may run as many generate() calls, of any lengths, as its rows need
+        # (transformers would otherwise step every rank until all stop, hanging where their calls differ)
+        kwargs: Dict[str, Any] = {"pad_token_id": pad_id(tokenizer), "eos_token_id": eos_id(tokenizer),
+                                  "synced_gpus": False}
         if training:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0)
         return kwargs
