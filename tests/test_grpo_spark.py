@@ -52,10 +52,11 @@ def test_the_example_teaches_the_right_colours_by_reward_alone_and_reports_trls_
 
 
 @pytest.mark.connect
-def test_grpo_fits_saves_and_generates_through_either_kind_of_session(spark, store, llama, tmp_path):
-    """On classic Spark and through Spark Connect: a reward closed over a dict, reading a label column by name, is
-    pickled to the ranks; the history carries its mean; the fitted model saves and loads through the session and
-    writes the same text."""
+@pytest.mark.connect_only  # on classic Spark: the example's test above
+def test_grpo_fits_saves_and_generates_through_spark_connect(spark, store, llama, tmp_path):
+    """Through Spark Connect: a reward closed over a dict, reading a label column by name, is pickled to the ranks;
+    the history carries its mean; the fitted model saves and loads through the session and writes the same
+    text."""
     from estimator import TorchModel
 
     bonus = {1: 0.0, 2: 0.5}
