@@ -75,7 +75,7 @@ def trained_plainly(path, texts, epochs):
     return path
 
 
-def run(spark, workdir, epochs=30):
+def run(spark, workdir, epochs=30, seed=0):
     """The base's greedy answers, the GRPO fit, the fitted model's answers: the share right before and after, the
     history and a few answers."""
     from peft import LoraConfig
@@ -109,6 +109,7 @@ def run(spark, workdir, epochs=30):
         # the prompt, and the column the reward reads
         feature_cols=["prompt"], label_cols=["answer"],
         batch_size=2, epochs=epochs, max_new_tokens=8, lr_schedule="linear",
+        random_seed=seed,  # the completions' sampling: a run to repeat
     )
     fitted = est.fit(table)
     # greedy answers, as for any fitted causal LM
