@@ -302,9 +302,9 @@ def test_grpo_sharded_by_fsdp_trains_what_ddp_does_with_a_kl_term_and_uneven_val
 
     rows, models, histories = colour_rows(9), {}, {}
     for strategy in ("ddp", "fsdp"):
-        objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6,
+        objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=2, max_new_tokens=6,
                          beta=0.04)
-        spec = lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, peft_config=lora(), lr=1e-2, run=strategy,
+        spec = lm_train_spec(store, llama, rows[:6], batch=2, epochs=1, peft_config=lora(), lr=1e-2, run=strategy,
                              objective=objective, strategy=strategy, val_rows=rows[6:], collective_timeout=120.0)
         histories[strategy] = LocalLauncher().run(spec, 2)[0].history
         models[strategy] = plain_causal_lm(llama, lora(), seed=0)
