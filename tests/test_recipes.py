@@ -179,3 +179,34 @@ def test_a_base_models_folder_fills_a_model_with_a_head_as_from_pretrained_reads
                                          r"classifier.weight, classifier.bias\. Build those with values"):
         model_of(functools.partial(on_meta, functools.partial(BertForSequenceClassification, config)),
                  str(tmp_path / "base"))
+
+
+def test_parameters_on_meta_in_one_thread_leaves_the_modules_other_threads_build_and_ends_whole():
+    """Fits of a grid build their skeletons side by side (estimator.fit.grid): a thread inside parameters_on_meta
+    puts only its own modules' parameters on meta, and when every thread has left, register_parameter is
+    nn.Module's own (before, two overlapping blocks could leave it patched: every later model on meta)."""
+    import threading
+
+    from estimator.core.meta import parameters_on_meta
+
+    original, inside, left = nn.Module.register_parameter, threading.Event(), threading.Event()
+    built = {}
+
+    def on_meta():
+        with parameters_on_meta():
+            built["first"] = nn.Linear(2, 2)
+            inside.set()
+            left.wait(10)  # the other thread enters and builds while this one is inside
+        built["after"] = nn.Linear(2, 2)
+
+    thread = threading.Thread(target=on_meta)
+    thread.start()
+    inside.wait(10)
+    plain = nn.Linear(2, 2)  # this thread, outside any block
+    with parameters_on_meta():
+        second = nn.Linear(2, 2)
+        left.set()
+        thread.join(10)
+    assert built["first"].weight.is_meta and second.weight.is_meta
+    assert not plain.weight.is_meta and not built["after"].weight.is_meta
+    assert nn.Module.register_parameter is original and not nn.Linear(2, 2).weight.is_meta

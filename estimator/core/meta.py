@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -28,24 +29,40 @@ HOW = ("build the parameters on the meta device with estimator.parameters_on_met
        "and name the folder of their weights with weights_folder")
 
 
+_ORIGINAL_REGISTER = nn.Module.register_parameter
+_BUILDING = threading.local()  # this thread's depth inside parameters_on_meta
+_USERS_LOCK = threading.Lock()
+_users = 0  # threads inside parameters_on_meta: nn.Module.register_parameter is patched while any is
+
+
+def _register_on_meta(module: nn.Module, name: str, param: "nn.Parameter | None") -> None:
+    _ORIGINAL_REGISTER(module, name, param)
+    if getattr(_BUILDING, "depth", 0) and param is not None and not param.is_meta:
+        module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Every parameter a module registers inside this block goes to the meta device (its initialization then
-    costs nothing); buffers keep their values (a non-persistent buffer, such as a transformer's position ids, is
-    in no weights file: on meta it could not be restored). Patches nn.Module.register_parameter while it runs:
-    build the model in one thread."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: "nn.Parameter | None") -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    """Every parameter a module registers inside this block, in this thread, goes to the meta device (its
+    initialization then costs nothing); buffers keep their values (a non-persistent buffer, such as a transformer's
+    position ids, is in no weights file: on meta it could not be restored). nn.Module.register_parameter is
+    patched while any thread is inside; other threads' modules (fits of a grid side by side) keep their weights,
+    and the original is back when the last one leaves."""
+    global _users
+    with _USERS_LOCK:
+        if _users == 0:
+            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign]
+        _users += 1
+    depth = getattr(_BUILDING, "depth", 0)
+    _BUILDING.depth = depth + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _BUILDING.depth = depth
+        with _USERS_LOCK:
+            _users -= 1
+            if _users == 0:
+                nn.Module.register_parameter = _ORIGINAL_REGISTER  # type: ignore[method-assign]
 
 
 def meta_tensors(model: nn.Module) -> List[List[str]]:
