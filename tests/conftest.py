@@ -60,6 +60,23 @@ def spark(spark_kind):
 
 
 @pytest.fixture
+def mlflow_file_store(tmp_path, monkeypatch):
+    """mlflow, tracking to a local file store of the test's own, in an experiment of its own. What mlflow keeps past
+    a test (the tracking URI, the active experiment's id: a module global and MLFLOW_EXPERIMENT_ID) is put back, so
+    that a later test in the same worker does not start its run in an experiment of a store that is gone."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import fluent
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow.set_experiment(tmp_path.name)
+    yield mlflow
+    mlflow.set_tracking_uri(None)
+    fluent._active_experiment_id = None
+
+
+@pytest.fixture
 def store(tmp_path):
     from store import Store
 

@@ -282,7 +282,7 @@ def built_here(folder, log):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on_the_driver(spark, store, llama,
                                                                                         tmp_path, strategy,
-                                                                                        monkeypatch):
+                                                                                        mlflow_file_store):
     """A full fine-tune (no peft_config: the checkpoint is the whole model and AdamW's state) and fsdp's shards:
     the driver builds the factory's model on the meta device only (each call in its process is logged), the
     TorchModel holds where the run's checkpoint is, and transform reads it on the executors (only the model's
@@ -294,7 +294,7 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
 
     log = str(tmp_path / "builds.log")
     df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
-    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
+    mlflow = mlflow_file_store
     fitted = sft(llama, store, model=functools.partial(built_here, llama, log), peft_config=None, strategy=strategy,
                  optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full",
                  mlflow=True).fit(df)
@@ -360,15 +360,6 @@ def test_dpo_on_pairs_of_message_lists_fits_and_generates(spark, store, llama):
     assert all(isinstance(r.prediction, str) for r in fitted.transform(chats.select("prompt").limit(2)).collect())
 
 
-def logging_to_mlflow(tmp_path, monkeypatch):
-    """mlflow, tracking to a local file store of the test's own, in an experiment of its own."""
-    mlflow = pytest.importorskip("mlflow")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
-    mlflow.set_experiment("lm")
-    return mlflow
-
-
 @pytest.fixture(autouse=True)
 def no_tracking_left():
     yield
@@ -385,12 +376,12 @@ def logged_pyfunc(mlflow):
 
 
 def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfunc_generates_transforms_text(
-        spark, store, llama, tmp_path, monkeypatch):
+        spark, store, llama, tmp_path, mlflow_file_store):
     """With mlflow, the fit logs the handle as a pyfunc model (estimator.predict.pyfunc), not a module built on the
     driver: the driver's process builds the base on the meta device only, and the pyfunc loaded back writes
     transform's text for each prompt (the base built where it is loaded)."""
     log = str(tmp_path / "builds.log")
-    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
+    mlflow = mlflow_file_store
     df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
     fitted = sft(llama, store, model=functools.partial(built_here, llama, log), epochs=2, mlflow=True,
                  inference_batch_size=3).fit(df)
@@ -426,7 +417,7 @@ def test_whole_texts_without_a_label_train_every_token_and_held_out_perplexity_f
 
 
 def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_generates(spark, store, llama,
-                                                                                          tmp_path, monkeypatch):
+                                                                                          tmp_path, mlflow_file_store):
     """objective=DPO(...) over a (prompt, chosen, rejected) table on 2 ranks, in a Pipeline: the history holds the
     loss and the rewards (TRL's names) for training and validation, and MLflow the same; the chosen answers'
     reward rises above the rejected ones'; the held-out pairs scored by the fitted model (output_kind='score') give
@@ -461,7 +452,7 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     with pytest.raises(ValueError, match=r"Preference pairs with an empty answer: 1 of [0-9]+ training rows in "
                                          r"column 'chosen'\. Each pair compares two answers"):
         est.copy({est.validation: None}).fit(blank)
-    mlflow = logging_to_mlflow(tmp_path, monkeypatch)
+    mlflow = mlflow_file_store
     pipeline = Pipeline(stages=[est.copy({est.mlflow: True})]).fit(df)
     fitted = pipeline.stages[-1]
     history = fitted.getHistory()

@@ -119,8 +119,8 @@ def test_squads_normalization_and_f1():
 
 
 @pytest.mark.connect
-def test_train_validation_split_picks_the_fine_tune_with_the_lower_held_out_perplexity(spark, store, llama, tmp_path,
-                                                                                          monkeypatch):
+def test_train_validation_split_picks_the_fine_tune_with_the_lower_held_out_perplexity(spark, store, llama,
+                                                                                          mlflow_file_store):
     """output_kind='score' set on the estimator reaches each fitted model, so that the evaluator reads it inside
     TrainValidationSplit; of a grid over lr, the one that learns wins. The grid's fits run side by side
     (parallelism=2, a barrier task each on 2 slots), each a run of its own in the store and a child of the MLflow
@@ -128,9 +128,7 @@ def test_train_validation_split_picks_the_fine_tune_with_the_lower_held_out_perp
     before any job."""
     from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
 
-    mlflow = pytest.importorskip("mlflow")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow = mlflow_file_store
     df = spark.createDataFrame(color_facts(), "prompt string, response string")
     est = TorchEstimator(
         num_proc=1, store=store, model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, llama),

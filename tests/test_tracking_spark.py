@@ -49,14 +49,10 @@ def test_tensorboard_event_files_hold_every_epoch_key_and_the_step_loss(spark, s
 
 
 def test_mlflow_run_holds_params_metric_histories_best_epoch_and_the_model(spark, store, digits, tmp_path,
-                                                                          monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
-    import mlflow.pytorch
+                                                                          monkeypatch, mlflow_file_store):
+    import mlflow.pytorch  # mlflow_file_store: a local file store; no server
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local file store; no server
-    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
-    mlflow.set_experiment("spark-torch-estimator-tests")
     df = digits_frame(spark, digits)
     client = MlflowClient()
     # every epoch of rank 0 takes a second longer: the epochs reach MLflow while the fit runs
@@ -122,14 +118,9 @@ def test_a_tracking_store_that_cannot_be_used_is_named_before_training(spark, st
 
 
 @pytest.mark.connect
-def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, store, digits, tmp_path,
-                                                                      monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+def test_a_tracking_failure_after_training_warns_and_returns_the_model(spark, store, digits, monkeypatch,
+                                                                      mlflow_file_store):
     import mlflow.pytorch
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
-    mlflow.set_experiment("tracking-failure")
 
     def refuse(*args, **kwargs):
         raise ConnectionError("the tracking server went away")
