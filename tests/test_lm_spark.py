@@ -368,10 +368,10 @@ def no_tracking_left():
 
 
 def logged_pyfunc(mlflow):
-    """The pyfunc model of the experiment's last run (what the fit logged as 'model')."""
+    """The pyfunc model of the active experiment's last run (what the fit logged as 'model')."""
     import mlflow.pyfunc
 
-    runs = mlflow.search_runs(experiment_names=["lm"], order_by=["start_time DESC"], max_results=1)
+    runs = mlflow.search_runs(order_by=["start_time DESC"], max_results=1)  # in the active experiment
     return mlflow.pyfunc.load_model(f"runs:/{runs.run_id.iloc[0]}/model")
 
 
@@ -456,7 +456,7 @@ def test_dpo_on_preference_pairs_trains_the_adapters_reports_trls_numbers_and_ge
     pipeline = Pipeline(stages=[est.copy({est.mlflow: True})]).fit(df)
     fitted = pipeline.stages[-1]
     history = fitted.getHistory()
-    run = mlflow.search_runs(experiment_names=["lm"], order_by=["start_time DESC"], max_results=1).run_id.iloc[0]
+    run = mlflow.search_runs(order_by=["start_time DESC"], max_results=1).run_id.iloc[0]
     for key in ("rewards/margins", "val_rewards/accuracies"):
         logged = sorted(mlflow.MlflowClient().get_metric_history(run, key), key=lambda m: m.step)
         assert [m.value for m in logged] == pytest.approx([row[key] for row in history]), key
