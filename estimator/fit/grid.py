@@ -52,9 +52,10 @@ class Grid:
         """Warns once where the fits running now need more barrier tasks (`num_proc_tasks` each) than the
         application's `slots`: the tuning's parallelism then buys nothing for them."""
         with self.lock:
-            running, warned = self.running, self.warned
-            self.warned = warned or bool(slots and running * num_proc_tasks > slots)
-        if warned or not slots or running * num_proc_tasks <= slots:
+            running = self.running
+            tell = bool(slots) and running * num_proc_tasks > slots and not self.warned
+            self.warned = self.warned or tell
+        if not tell:
             return
         side_by_side = max(slots // num_proc_tasks, 1)
         message = (f"{running} fits of the grid run at once (the tuning's parallelism), each of {num_proc_tasks} "
