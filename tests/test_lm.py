@@ -424,6 +424,24 @@ def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_anothe
     assert texts() == texts()  # greedy without a seed
 
 
+def test_a_prompt_that_leaves_no_room_for_max_new_tokens_in_the_positions_is_refused_by_its_row(
+        llama, tokenizer, monkeypatch):
+    """Past max_position_embeddings transformers only warns and writes garbage: a prompt's tokens plus
+    max_new_tokens up to the positions generate, one more is refused with the longest prompt and both fixes."""
+    from estimator.lm.generation import generate_texts
+
+    model = plain_causal_lm(llama).eval()
+    long = "What is " + "the very long and winding thing " * 2 + "?"
+    prompts = [p for p, _ in lm_rows(4)] + [long]
+    tokens = len(tokenizer(long)["input_ids"])
+    monkeypatch.setattr(model.config, "max_position_embeddings", tokens + 4)
+    assert len(generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 4, None)) == 5
+    with pytest.raises(ValueError, match=rf"1 of the 5 prompts of column 'prompt' leave no room for "
+                       rf"max_new_tokens=5 in the model's {tokens + 4} positions .*'What is the very.* takes "
+                       rf"{tokens} tokens.*at most {tokens - 1} tokens, or lower max_new_tokens to 4 or less"):
+        generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 5, None)
+
+
 def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_writes_each_prompts_own_text(
         llama, tokenizer, monkeypatch):
     """inference_batch_size=None: each generate() call takes the shortest prompts left while rows x (their longest
@@ -432,7 +450,7 @@ def test_generation_batched_by_tokens_keeps_each_call_within_the_bound_and_write
     from estimator.lm import generation
 
     model = plain_causal_lm(llama).eval()
-    prompts = [p for p, _ in lm_rows(10)] + ["What is " + "the very long and winding thing " * 4 + "?"]
+    prompts = [p for p, _ in lm_rows(10)] + ["What is " + "the very long and winding thing " * 2 + "?"]
     shapes = []
     real = model.generate
 

@@ -103,3 +103,10 @@ def base_config(model: Any) -> Optional[Any]:
     """The transformers config of the (adapted) model, or None."""
     inner = model.get_base_model() if is_adapted(model) else model
     return getattr(inner, "config", None)
+
+
+def model_positions(model: Any) -> Optional[int]:
+    """The positions of the (adapted) model's transformers config, prompt and generated tokens together, or None."""
+    config = base_config(model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return positions if isinstance(positions, int) else None

@@ -12,12 +12,13 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 from pyspark.sql.types import ArrayType, MapType, StringType, StructType
 
+from estimator.core.adapters import model_positions
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts, RowFormat, Text
 from estimator.data.text import length_limit
-from estimator.predict.language_checks import check_chat_fields, model_positions
+from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.schema import is_chat
 from estimator.train.losses import loss_kind
 from estimator.train.objectives.base import built_in_loop

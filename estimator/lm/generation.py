@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from estimator.core.adapters import base_config, model_positions
 from estimator.data.lm import eos_id, pad_id, prompt_ids
 from estimator.lm.continuous import continuous_ids, continuous_refusal, unsupported
 
@@ -64,6 +65,7 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     """The text generated for each row of `values` (prompts, or chats: rendered with `tools`), as an object array
     of str."""
     prompts = prompt_ids(tokenizer, chat, values, column, tools)
+    check_positions(model, prompts, values, column, max_new_tokens)
     kwargs = dict(generate_kwargs or {})
     kwargs.setdefault("do_sample", False)
     pad = pad_id(tokenizer)
@@ -82,6 +84,29 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     result = np.empty(len(texts), dtype=object)
     result[:] = texts
     return result
+
+
+def check_positions(model: Any, prompts: Sequence[Sequence[int]], values: Sequence[Any], column: str,
+                    max_new_tokens: int) -> None:
+    """Each prompt's tokens plus max_new_tokens within the model's positions: past them transformers only warns,
+    then writes garbage (rotary positions) or fails deep in the position embedding (learned ones). Refused, naming
+    the row, rather than a plausible wrong text."""
+    positions = model_positions(model)
+    if positions is None:
+        return
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    if longest is None or len(prompts[longest]) + max_new_tokens <= positions:
+        return
+    over, room = sum(len(p) + max_new_tokens > positions for p in prompts), positions - len(prompts[longest])
+    shown = str(values[longest])
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    fix = f"shorten those prompts to at most {positions - max_new_tokens} tokens" + (
+        f", or lower max_new_tokens to {room} or less" if room >= 1 else "")
+    raise ValueError(f"{over} of the {len(prompts)} prompts of column {column!r} leave no room for "
+                     f"max_new_tokens={max_new_tokens} in the model's {positions} positions "
+                     f"({type(base_config(model)).__name__}.max_position_embeddings): the longest, {shown!r}, "
+                     f"takes {len(prompts[longest])} tokens. Past the positions the text is garbage or the model "
+                     f"fails: {fix}.")
 
 
 def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Sequence[int], texts: List[str],

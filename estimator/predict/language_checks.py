@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from estimator.core.adapters import base_config
+from estimator.core.adapters import base_config, model_positions
 from estimator.data.text import length_limit
 from estimator.lm.continuous import continuous_refusal, unsupported
 
@@ -61,12 +61,6 @@ def check_max_new_tokens(p: Dict[str, Any], owner: str = OWNER) -> None:
         raise ValueError(f"The 'max_new_tokens' parameter of {owner} is {p['max_new_tokens']}, and the model has "
                          f"{positions} positions for the prompt and the generated tokens together: set "
                          f"max_new_tokens < {positions} (at most {positions} minus the longest prompt's tokens).")
-
-
-def model_positions(model: Any) -> Optional[int]:
-    config = base_config(model)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    return positions if isinstance(positions, int) else None
 
 
 def check_text_column(p: Dict[str, Any], owner: str = "TorchModel") -> None:
