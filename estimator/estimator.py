@@ -309,7 +309,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                 plan_steps(data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], True)
         checked = time.perf_counter()
         if data.lm is not None and source is None:  # the whole table (the direct mode's: its first rows)
-            check_room(data, p["tokenizer"], p["model"])
+            check_room(data, p["tokenizer"], p["model"], getattr(p["objective"], "completion_tokens", 0))
         output_shapes = dry_run(run.objs, data, first_rows)
         sizes = feature_sizes(run.objs, data, first_rows)
         step_metrics, val_metrics = (dry_step(run.objs, data, first_rows) if p["train_step"] is not None else ()), ()

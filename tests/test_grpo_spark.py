@@ -96,6 +96,11 @@ def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, 
         data = frame if params.get("label_cols") == ["completions"] else df
         with pytest.raises(ValueError, match=message):
             assert jobs_run_by(spark, lambda: grpo(llama, store, given, **params).fit(data)) == []
+    # the longest prompt and a completion's max_new_tokens within the positions: counted over the stored table
+    four = spark.createDataFrame([(p, r, 1) for p, r in color_facts()[:4]], "prompt string, answer string, level int")
+    with pytest.raises(ValueError, match=r"The longest prompt of column 'prompt' takes \d+ tokens, and a completion "
+                                         r"of max_new_tokens=60 after it passes the model's 64 positions"):
+        grpo(llama, store, GRPO(short_words, num_generations=2, max_new_tokens=60)).fit(four)
     with pytest.raises(ValueError, match=r"GRPO\(num_generations=1\): an int >= 2"):
         GRPO(short_words, num_generations=1)
     with pytest.raises(ValueError, match=r"GRPO\(num_iterations=0\): an int >= 1"):

@@ -221,6 +221,14 @@ def test_rows_left_without_a_response_token_are_counted_over_the_whole_table(lla
                                          r"max_length above \d+ \(the longest prompt's tokens\) or drop those rows"):
         check_room(data, tokenizer, None)
     check_room(dataclasses.replace(data, max_length=None), tokenizer, None)  # the tokenizer's 64: room in each
+    # a completion sampled on the ranks (GRPO's max_new_tokens) after the longest prompt, within the positions
+    model, whole = plain_causal_lm(llama), dataclasses.replace(data, max_length=None)
+    longest = rows_without_room(whole, whole.train, tokenizer, None)[3]
+    check_room(whole, tokenizer, model, 64 - longest)
+    with pytest.raises(ValueError, match=rf"The longest prompt of column 'prompt' takes {longest} tokens, and a "
+                       rf"completion of max_new_tokens={65 - longest} after it passes the model's 64 positions: .* "
+                       rf"longer than {longest - 1} tokens, or set max_new_tokens to at most {64 - longest}\."):
+        check_room(whole, tokenizer, model, 65 - longest)
     user = {"role": "user", "content": "What color is the kettle?"}
     chats = [[user, {"role": "assistant", "content": "teal"}], [user], [user, {"role": "user", "content": "Well?"}]]
     chat = lm_train_spec(store, llama, chats, batch=4, epochs=1, chat=True, run="c").data

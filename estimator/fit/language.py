@@ -211,20 +211,30 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     return rows, short, unanswered, longest, empty
 
 
-def check_room(data: DataSpec, tokenizer: Any, model: Any) -> None:
+def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: int = 0) -> None:
     """Every training and validation row keeps a response token after the cut at max_length (estimator.data.lm),
     counted over the whole table in the store before any rank starts: a row without one trains nothing, and a user
     who set max_length for the responses' sake would not know. Reads and tokenizes the prompt column only, on the
-    driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer)."""
-    limit, found, blanks = length_limit(tokenizer, data.max_length), [], []
+    driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer).
+    `completion_tokens`: what a completion sampled on the ranks may add to a prompt (the objective's), within the
+    model's positions with the longest prompt."""
+    limit, found, blanks, longest_of_all = length_limit(tokenizer, data.max_length), [], [], 0
     for name, pieces in (("training", data.train), ("validation", data.val)):
         rows, short, unanswered, longest, empty = rows_without_room(data, pieces, tokenizer, limit)
+        longest_of_all = max(longest_of_all, longest)
         if short:
             found.append((name, rows, short, unanswered, longest))
         blanks += [f"{n} of {rows} {name} rows in column {c!r}" for c, n in empty.items() if n]
     if blanks:  # preference pairs: an empty answer compares nothing the prompt asked
         raise ValueError(f"Preference pairs with an empty answer: {'; '.join(blanks)}. Each pair compares two "
                          "answers to its prompt: drop those rows first.")
+    positions = model_positions(model)
+    if not found and completion_tokens and positions is not None and longest_of_all + completion_tokens > positions:
+        fixes = f"Drop or shorten the prompts longer than {positions - completion_tokens} tokens" + (
+            f", or set max_new_tokens to at most {positions - longest_of_all}" if positions > longest_of_all else "")
+        raise ValueError(f"The longest prompt of column {data.lm.column!r} takes {longest_of_all} tokens, and a "
+                         f"completion of max_new_tokens={completion_tokens} after it passes the model's {positions} "
+                         f"positions: past them the completions are garbage or the model fails. {fixes}.")
     if not found:
         return
     told = "; ".join(f"{short} of {rows} {name} rows" + (f" ({unanswered} of them chats with no assistant turn)"

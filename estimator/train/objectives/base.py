@@ -31,6 +31,9 @@ class BuiltIn:
     # a prompt and its response, a chat or a text; 'preference' pairs of answers), which gives their format
     # (estimator.data.rows: how they are tokenized and labelled); None: no language model's rows
     rows: Optional[str] = None
+    # the tokens a row's completion, sampled on the ranks, may add to its prompt (GRPO's max_new_tokens): the
+    # driver checks the longest prompt plus these within the model's positions (estimator.fit.language.check_room)
+    completion_tokens = 0
     # the global gradient norm gradient_clip_val='auto' (its default) clips at: none for a classic fit; a causal LM's
     # objectives clip at 1.0, as Hugging Face's Trainer does by default under TRL (max_grad_norm=1.0)
     gradient_clip_val: Optional[float] = None

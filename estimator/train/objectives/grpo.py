@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from estimator.core.adapters import base_config, can_generate
+from estimator.core.adapters import can_generate, model_positions
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE, eos_id, pad_id
 from estimator.data.rows import rows_of
@@ -172,13 +172,17 @@ class GRPO(BuiltIn):
                                   "off: set peft_config (LoraConfig(task_type='CAUSAL_LM')), or beta=0")):
             if value:
                 raise ValueError(f"objective={self!r} with {name}={p[name]!r}: {why}.")
-        positions = getattr(base_config(p["model"]), "max_position_embeddings", None)
-        if isinstance(positions, int) and self.max_new_tokens >= positions:
+        positions = model_positions(p["model"])
+        if positions is not None and self.max_new_tokens >= positions:
             raise ValueError(f"objective={self!r} with max_new_tokens={self.max_new_tokens}: the model has "
                              f"{positions} positions, which a prompt and its completion share: set "
                              f"GRPO(max_new_tokens=...) below {positions} (at most {positions} minus the longest "
                              "prompt's tokens).")
         self.rewards.check_arguments(("prompts", "completions", "completion_ids", *p["label_cols"]))
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.max_new_tokens
 
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "GRPO":
