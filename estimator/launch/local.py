@@ -5,9 +5,9 @@ On a machine without a GPU the rank processes are forked from multiprocessing's 
 torch, the rank code, transformers and peft once (PRELOAD): a fresh process spends about 4 s of CPU importing
 them, at every run of every rank (on 2 cores, tests/test_preference.py and test_grpo.py, 41 tests of mostly
 two-rank runs: 66 s spawned, 27 s forked). Each rank takes the caller's environment and working folder as a
-spawned process does; its output goes where the caller's went when the forkserver started (the first run). The server (about 480 MB resident, its pages shared with the
-ranks it forks) stays until the caller exits. With a GPU (CUDA must not be initialized before a fork), and
-where there is no forkserver, they are spawned."""
+spawned process does; its output goes where the caller's went when the forkserver started (the first run).
+The server (about 480 MB resident, its pages shared with the ranks it forks) stays until the caller exits.
+With a GPU (CUDA must not be initialized before a fork), and where there is no forkserver, they are spawned."""
 from __future__ import annotations
 
 import multiprocessing
