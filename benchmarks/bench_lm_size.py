@@ -6,12 +6,16 @@ process of its own (local[2], two ranks), after a warm-up fit and transform of a
 a first fit costs whatever the model: imports, Spark's first jobs). Numbers, not assertions (RESULTS.md).
 
     SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/bench_lm_size.py [--sizes 512:12,1024:12] [--json F]
-                                                                       [--full] [--strategy fsdp]
+                                                                       [--full] [--strategy fsdp] [--built-save]
 
 `--full`: a full fine-tune (no peft_config: each checkpoint is the whole model and AdamW's state, left in the run
 and read where the model is built); `--strategy`: the fit's (fsdp: the checkpoint a folder of shards); `--dpo`:
 preference tuning (issue 56: objective=DPO(beta=0.1) on (prompt, chosen, rejected) rows, the chosen answer the
 fact, the rejected one another colour; the reference the adapters off, or with --full precomputed by the ranks).
+Then `save` and `save_pretrained` of the fitted model and `TorchModel.load` of the saved one, the driver's peak
+RSS and anonymous memory (RssAnon: a mapped file's pages are reclaimable, not counted there) during each;
+`--built-save`: a full fine-tune saved as before (the model built whole on the driver) and the saved optimizer
+read whole at load.
 
 A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
 save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
@@ -47,8 +51,10 @@ class Peak:
         return self
 
     def sample(self):
+        self.anon_start = self.anon_peak = anonymous()
         while not self.done:
             self.peak = max(self.peak, self.process.memory_info().rss)
+            self.anon_peak = max(self.anon_peak, anonymous())
             time.sleep(0.005)
 
     def __exit__(self, *exc):
@@ -60,15 +66,27 @@ class Peak:
     def mb(self):
         return (self.peak - self.start) / 2 ** 20
 
+    @property
+    def anon_mb(self):
+        """The peak of the anonymous part (RssAnon: what a file's mapped pages are not) above its start."""
+        return (self.anon_peak - self.anon_start) / 2 ** 20
 
-def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp", dpo: bool = False
-             ) -> dict:
+
+def anonymous() -> int:
+    """This process's resident anonymous memory in bytes (/proc/self/status RssAnon)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp", dpo: bool = False,
+             built_save: bool = False) -> dict:
     import torch
     import transformers
     from peft import LoraConfig
     from pyspark import serializers
     from pyspark.sql import SparkSession
 
+    import estimator
     import estimator.model
     from estimator import DPO, TorchEstimator
     from sft_example import COLORS, color_facts, save_pretrained_llama
@@ -124,12 +142,31 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
             fitted.transform(asked).collect()
             seconds.append(time.perf_counter() - started)
     handle = getattr(fitted, "getModelHandle", lambda: None)()  # None: a release before the handle
+    if built_save:  # save and load as before: the model built whole on the driver, the run's state read into
+        import io  # it; a saved optimizer read whole
+
+        import estimator.predict.weights
+        from estimator.core.handle import ModelHandle
+        ModelHandle.mapped = lambda self, skeleton, optimizer: None
+        estimator.predict.weights.mapped_file = lambda fs, path: torch.load(io.BytesIO(fs.cat(path)),
+                                                                           weights_only=True)
+    with Peak() as saving:
+        fitted.write().save(os.path.join(work, "saved"))
+    with Peak() as exporting:
+        fitted.save_pretrained(os.path.join(work, "exported"))
+    del fitted
+    with Peak() as loading:
+        estimator.TorchModel.load(os.path.join(work, "saved"))
     spark.stop()
     return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "dpo": dpo,
             "weights_mb": weights / 2 ** 20, "fit_s": fitting.seconds,
             "fit_driver_peak_mb": fitting.mb, "transform_driver_peak_mb": transforming.mb,
             "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20 if handle and handle.trained else None,
-            "first_transform_s": seconds[0], "second_transform_s": seconds[1]}
+            "first_transform_s": seconds[0], "second_transform_s": seconds[1], "built_save": built_save,
+            "save_s": saving.seconds, "save_driver_peak_mb": saving.mb, "save_driver_anon_mb": saving.anon_mb,
+            "save_pretrained_s": exporting.seconds, "save_pretrained_driver_peak_mb": exporting.mb,
+            "save_pretrained_driver_anon_mb": exporting.anon_mb, "load_s": loading.seconds,
+            "load_driver_peak_mb": loading.mb, "load_driver_anon_mb": loading.anon_mb}
 
 
 def main() -> None:
@@ -139,18 +176,22 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="a full fine-tune: no peft_config")
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--dpo", action="store_true", help="preference tuning: objective=DPO(beta=0.1)")
+    parser.add_argument("--built-save", action="store_true",
+                        help="save a full fine-tune as before: the model built whole on the driver")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         hidden, layers = map(int, args.one.split(":"))
         with tempfile.TemporaryDirectory() as work:
-            print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy, args.dpo)),
+            print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy, args.dpo,
+                                                        args.built_save)),
                   flush=True)
         return
     results = []
     for size in args.sizes.split(","):
         out = subprocess.run([sys.executable, __file__, "--one", size, "--strategy", args.strategy,
-                              *(["--full"] if args.full else []), *(["--dpo"] if args.dpo else [])],
+                              *(["--full"] if args.full else []), *(["--dpo"] if args.dpo else []),
+                              *(["--built-save"] if args.built_save else [])],
                              capture_output=True, text=True, check=True,
                              cwd=tempfile.gettempdir())
         results.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))

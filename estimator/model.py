@@ -253,6 +253,10 @@ class TorchModel(DeclaredParams, Model, Persistable):
         is merged into in its stored precision (the factory without its quantization_config): the folder holds
         no quantized weight."""
         handle = self._held()
+        state = handle.mapped(self.getOrDefault("model"), None) if handle is not None else None
+        if state is not None:  # a full fine-tune's weights, mapped from its run's checkpoint: the model not built
+            save_pretrained_to(self.getOrDefault("model"), self.getTokenizer(), path, state[0])
+            return
         if handle is None or not merged:
             model = self.getOrDefault("model") if handle is not None else self.getModel()  # the adapters: no base
         else:  # built here, not kept (a base loaded quantized, QLoRA's, in its stored precision: not rounded)

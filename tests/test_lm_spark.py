@@ -315,12 +315,21 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
     assert list(logged_pyfunc(mlflow).predict(pd.DataFrame({"prompt": prompts}))["prediction"]) == \
         [got[p] for p in prompts]  # MLflow holds the handle, the run's checkpoint read where it is loaded
 
+    # save and save_pretrained write the checkpoint's tensors, mapped from it: the model is not built here
+    builds = len(open(log).read().splitlines())
     fitted.write().overwrite().save(str(tmp_path / "model"))  # stands alone: the weights in it
+    fitted.save_pretrained(str(tmp_path / "exported"))
+    assert len(open(log).read().splitlines()) == builds
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
+    assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in exported.state_dict().items())
     loaded = TorchModel.load(str(tmp_path / "model"))
     assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
     model = fitted.getModel()
     assert fitted.getModelHandle() is None and fitted.getOptimizer().state  # AdamW's state read back too
     assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in model.state_dict().items())
+    built, saved = fitted.getOptimizer().state_dict(), loaded.getOptimizer().state_dict()
+    assert built["param_groups"] == saved["param_groups"] and sorted(built["state"]) == sorted(saved["state"])
+    assert all(torch.equal(v, saved["state"][i][k]) for i, s in built["state"].items() for k, v in s.items())
 
     if strategy == "ddp":  # a store that removes each run's folder after the fit: the model read whole here
         kept = Store.create(str(tmp_path / "nothing-kept"), save_runs=False)

@@ -95,6 +95,71 @@ def test_tied_weights_are_stored_once_and_stay_tied(memory):
     assert loaded.out.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)
 
 
+class Stored:
+    """A run's trained state as estimator.train.checkpoint.RunState maps it: the model's tensors, the optimizer's
+    state (by parameter name here, as fsdp's shards hold it)."""
+
+    key = "stored"
+
+    def __init__(self, tensors, optimizer_state):
+        self.tensors, self.optimizer_state = tensors, optimizer_state
+
+    def mapped(self, optimizer=True):
+        return self.tensors, self.optimizer_state if optimizer else None
+
+
+def test_a_full_fine_tunes_state_is_saved_from_its_tensors_without_building_the_model(memory):
+    """A full fine-tune held as a handle: save writes the run's tensors for the skeleton (a tied matrix saved
+    under either name, a dtype cast to the skeleton's, the optimizer's state by name put in the driver's
+    optimizer's order), and the load is the trained model and optimizer; other names or shapes: None (the
+    model is then built whole)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from estimator import parameters_on_meta
+    from estimator.core.handle import ModelHandle
+
+    fs, root = memory
+    model = seeded(Tied)
+    model.head = nn.Linear(20, 3)
+    optimizer = torch.optim.AdamW([{"params": model.head.parameters()}, {"params": [model.embed.weight],
+                                                                          "lr": 0.5}], lr=0.01)
+    torch.manual_seed(1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model.head(model(torch.randint(0, 20, (4, 5)))).square().mean().backward()
+        optimizer.step()
+    with parameters_on_meta():
+        skeleton = Tied()
+        skeleton.head = nn.Linear(20, 3)
+    driver = torch.optim.AdamW([{"params": skeleton.head.parameters()}, {"params": [skeleton.embed.weight],
+                                                                          "lr": 0.5}], lr=0.01)
+    tensors = {k: v.to(torch.bfloat16) if k == "head.bias" else v for k, v in model.state_dict().items()
+               if k != "embed.weight"}  # the tied matrix under its other name; one tensor in another dtype
+    handle = ModelHandle(Tied, None, b"", stored=Stored(tensors, get_optimizer_state_dict(model, optimizer)))
+    state = handle.mapped(skeleton, driver)
+    assert state is not None and state[0]["head.bias"].dtype == torch.float32
+    save_module(skeleton, driver, None, fs, root, state=state)
+
+    def factory():
+        built = Tied()
+        built.head = nn.Linear(20, 3)
+        return built
+
+    loaded, restored = load_module(fs, root, factory)
+    assert loaded.out.weight is loaded.embed.weight and torch.equal(loaded.embed.weight, model.embed.weight)
+    assert torch.equal(loaded.head.weight, model.head.weight)
+    assert torch.equal(loaded.head.bias, model.head.bias.to(torch.bfloat16).float())
+    assert [g["lr"] for g in restored.param_groups] == [0.01, 0.5]
+    for a, b in zip(restored.state_dict()["state"].values(), optimizer.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["step"] == b["step"]
+    assert restored.state[loaded.embed.weight]["exp_avg"].shape == (20, 8)
+
+    other = {**tensors, "head.bias": torch.zeros(4)}
+    assert ModelHandle(Tied, None, b"", stored=Stored(other, None)).mapped(skeleton, None) is None
+    assert ModelHandle(Tied, None, b"", stored=Stored({**tensors, "extra": torch.zeros(1)}, None)).mapped(
+        skeleton, None) is None
+
+
 def test_a_hugging_face_model_saves_its_own_folder_with_the_tokenizer(tmp_path, memory):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -111,6 +111,63 @@ class ModelHandle:
         if self.stored is not None:  # the checkpoint read once: the model's part and the optimizer's
             self.stored.load_into(built, optimizer)
         return built.eval(), optimizer
+
+
+    def mapped(self, skeleton: nn.Module, optimizer: Optional[torch.optim.Optimizer]
+               ) -> Optional[Tuple[Dict[str, torch.Tensor], Optional[dict]]]:
+        """(the trained model's state_dict, `optimizer`'s state_dict) of a full fine-tune whose state is in its run's
+        checkpoint, their tensors mapped from files, not read: what save and save_pretrained write without building
+        the model (estimator.predict.weights). None where the state is adapters, or not `skeleton`'s names and
+        shapes: the model is then built whole. A tensor in another dtype than the skeleton's is cast, as
+        load_state_dict would (that one is then in memory)."""
+        if self.stored is None or self.peft_config is not None or not hasattr(self.stored, "mapped"):
+            return None
+        found = self.stored.mapped(optimizer is not None)
+        tensors = found and of_skeleton(found[0], skeleton)
+        if tensors is None:
+            return None
+        if optimizer is None:
+            return tensors, None
+        try:
+            return tensors, by_position(found[1], optimizer, skeleton)
+        except KeyError:  # a parameter the run's optimizer names that this one has not
+            return None
+
+
+def of_skeleton(tensors: Dict[str, torch.Tensor], skeleton: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """`tensors` by the names of `skeleton`'s state_dict, in its dtypes (a tensor tied under two names may be saved
+    under either); None where a name is missing or extra, or a shape differs."""
+    wanted = skeleton.state_dict(keep_vars=True)
+    names: Dict[int, list] = {}
+    for name, tensor in wanted.items():
+        names.setdefault(id(tensor), []).append(name)
+    if set(tensors) - set(wanted):
+        return None
+    out, cast = {}, {}
+    for name, tensor in wanted.items():
+        value = next((tensors[n] for n in names[id(tensor)] if n in tensors), None)
+        if value is None or value.shape != tensor.shape:
+            return None
+        if value.dtype != tensor.dtype:
+            value = cast.setdefault(id(tensor), value.to(tensor.dtype))
+        out[name] = value
+    return out
+
+
+def by_position(state: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """An optimizer's state_dict as `optimizer.state_dict()` keys it, by each parameter's position in its groups:
+    from one keyed so already (returned as it is), or by parameter name (torch.distributed.checkpoint's, fsdp's
+    shards). KeyError for a name that is not one of `optimizer`'s parameters."""
+    if not any(isinstance(name, str) for group in state["param_groups"] for name in group["params"]):
+        return state
+    names: Dict[int, list] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    position = {name: i for i, param in enumerate(p for g in optimizer.param_groups for p in g["params"])
+                for name in names.get(id(param), [])}
+    return {"state": {position[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
+                             for group in state["param_groups"]]}
 
 
 class BaseUnavailable(RuntimeError):

@@ -54,17 +54,20 @@ class ParamsWriter(MLWriter):
         # write().option("standalone", "true"): a model with adapters saved with its base (estimator.predict.weights)
         standalone = str(getattr(self, "optionMap", {}).get("standalone", "false")).lower() == "true"
         handle = held(model, handle)
+        state = None  # a full fine-tune's state, mapped from its run's checkpoint: written, the model not built
         if handle is not None and (not handle.trained or standalone):  # saved whole
-            model, optimizer = handle.built_with(objects.get("optimizer"), model)  # the run's state read here
-            if "optimizer" in objects:
-                objects["optimizer"] = optimizer
+            state = handle.mapped(model, objects.get("optimizer"))
+            if state is None:
+                model, optimizer = handle.built_with(objects.get("optimizer"), model)  # the run's state read here
+                if "optimizer" in objects:
+                    objects["optimizer"] = optimizer
         built_by_factory = model is not None and objects.get("model_factory") is not None
         optimizer = objects.pop("optimizer", None) if built_by_factory else None
         if isinstance(objects.get("store"), Store):
             objects["store"] = objects["store"].without_credentials()
         _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values(), for_executors=False))
         if built_by_factory:
-            save_module(model, optimizer, objects.get("tokenizer"), fs, root, standalone)
+            save_module(model, optimizer, objects.get("tokenizer"), fs, root, standalone, state)
         elif model is not None:
             _write(fs, posixpath.join(root, "model.pkl"), dumps(model, "model", roots=[model], for_executors=False))
             buffer = io.BytesIO()

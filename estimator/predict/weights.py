@@ -15,14 +15,13 @@ the pickle layout of earlier releases (persistence). Hugging Face's and safetens
 from __future__ import annotations
 
 import importlib
-import io
 import json
 import logging
 import os
 import posixpath
 import re
 import tempfile
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,10 +50,14 @@ def is_hugging_face_model(model: Any) -> bool:
 
 
 def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], tokenizer: Any, fs: Any,
-                root: str, standalone: bool = False) -> None:
+                root: str, standalone: bool = False,
+                state: Optional[Tuple[Dict[str, torch.Tensor], Optional[dict]]] = None) -> None:
     """Write the trained weights, the optimizer and `module.json` under `root`. `standalone`: a model with adapters
     also writes its base (BASE_FOLDER, a Hugging Face folder), which a load then builds it on instead of calling
-    the fit's factory."""
+    the fit's factory. `state`: (the model's tensors, the optimizer's state_dict) written for `model`, a
+    skeleton, and `optimizer`, made over it: a full fine-tune's, mapped from its run's checkpoint
+    (estimator.core.handle.ModelHandle.mapped), the model never built here."""
+    tensors, optimizer_state = state if state is not None else (None, None)
     with tempfile.TemporaryDirectory() as local, hf_bars_off():
         if is_adapted(model):  # the adapters alone (peft's folder); the base is rebuilt by the factory
             model.save_pretrained(local)
@@ -65,23 +68,36 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
                 put_folder(os.path.join(local, BASE_FOLDER), fs, posixpath.join(root, BASE_FOLDER))
                 kind.update(base=BASE_FOLDER, base_class=qualified_name(type(base)))
         elif is_hugging_face_model(model):
-            save_pretrained_folder(model, tokenizer, local)
+            save_pretrained_folder(model, tokenizer, local, tensors)
             put_folder(local, fs, posixpath.join(root, HUGGING_FACE_FOLDER))
             kind = {"format": "hugging_face", "folder": HUGGING_FACE_FOLDER, "class": qualified_name(type(model))}
         else:
-            from safetensors.torch import save_model
-
-            save_model(model, os.path.join(local, WEIGHTS_FILE))
+            save_weights(model, tensors, os.path.join(local, WEIGHTS_FILE))
             fs.put_file(os.path.join(local, WEIGHTS_FILE), posixpath.join(root, WEIGHTS_FILE))
             kind = {"format": "safetensors", "file": WEIGHTS_FILE, "class": qualified_name(type(model))}
     if optimizer is not None:
-        buffer = io.BytesIO()
-        torch.save({"class": qualified_name(type(optimizer)), "groups": optimizer_groups(optimizer, model),
-                    "defaults": plain(constructor_defaults(optimizer)), "state": optimizer.state_dict()}, buffer)
-        with fs.open(posixpath.join(root, OPTIMIZER_FILE), "wb") as f:
-            f.write(buffer.getvalue())
+        with tempfile.TemporaryDirectory() as local:  # written to a file: mapped tensors are read as they go
+            torch.save({"class": qualified_name(type(optimizer)), "groups": optimizer_groups(optimizer, model),
+                        "defaults": plain(constructor_defaults(optimizer)),
+                        "state": optimizer.state_dict() if optimizer_state is None else optimizer_state},
+                       os.path.join(local, OPTIMIZER_FILE))
+            fs.put_file(os.path.join(local, OPTIMIZER_FILE), posixpath.join(root, OPTIMIZER_FILE))
     with fs.open(posixpath.join(root, MODULE_FILE), "w") as f:
         json.dump(kind, f)
+
+
+def save_weights(model: nn.Module, tensors: Optional[Dict[str, torch.Tensor]], path: str) -> None:
+    """`model`'s state_dict as safetensors at `path` (a tensor tied under several names, once), or `tensors`, the
+    state_dict given for it by name."""
+    from safetensors.torch import save_file, save_model
+
+    if tensors is None:
+        save_model(model, path)
+        return
+    kept: Dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        kept.setdefault(id(tensor), name)
+    save_file({name: tensors[name] for name in kept.values()}, path, metadata={"format": "pt"})
 
 
 def save_base(model: nn.Module, folder: str) -> nn.Module:
@@ -175,8 +191,7 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
     optimizer_path = posixpath.join(root, OPTIMIZER_FILE)
     if not fs.exists(optimizer_path):
         return model, None
-    with fs.open(optimizer_path, "rb") as f:
-        saved = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+    saved = mapped_file(fs, optimizer_path)
     try:
         cls = class_named(saved["class"])
     except (ImportError, AttributeError) as exc:  # a class defined in the saving notebook: the model still loads
@@ -184,6 +199,19 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
                     "optimizer (getOptimizer() is None).", saved["class"], exc)
         return model, None
     return model, rebuild_optimizer(cls, saved["groups"], saved["defaults"], saved["state"], model)
+
+
+def mapped_file(fs: Any, path: str) -> Any:
+    """What torch.save wrote at `path`, its tensors mapped from the file (copy-on-write: the file never changes),
+    not read into this process's memory (an optimizer's state is twice the weights, for AdamW); a remote file
+    is copied to a local one first. Tensors and plain values only (weights_only)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    with tempfile.NamedTemporaryFile(suffix=".pt") as local:  # mapped, the file may go: its pages stay
+        fs.get_file(path, local.name)
+        return torch.load(local.name, map_location="cpu", weights_only=True, mmap=True)
 
 
 def saved_adapters(folder: str) -> Any:
@@ -209,29 +237,32 @@ def adapted_skeleton(model: nn.Module, folder: str) -> Optional[nn.Module]:
     return model
 
 
-def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str) -> None:
-    """Hugging Face's own folder: the model's save_pretrained, and the tokenizer's when it has one."""
+def save_pretrained_folder(model: nn.Module, tokenizer: Any, folder: str,
+                           tensors: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Hugging Face's own folder: the model's save_pretrained (of `tensors`, its state_dict given by name, when
+    given: a skeleton's), and the tokenizer's when it has one."""
     if not is_hugging_face_model(model):
         raise TypeError(f"save_pretrained writes a Hugging Face folder, and this model is a {type(model).__name__}, "
                         "not a transformers PreTrainedModel: save it with TorchModel.save(path) (weights as "
                         "safetensors), or torch.save(model.getModel().state_dict(), path).")
     with hf_bars_off():
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=None if tensors is None else dict(tensors))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(folder)
 
 
-def save_pretrained_to(model: nn.Module, tokenizer: Any, url: str) -> None:
+def save_pretrained_to(model: nn.Module, tokenizer: Any, url: str,
+                       tensors: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """save_pretrained_folder to a local path or an fsspec URL (written locally, then copied)."""
     from fsspec.core import url_to_fs
     from fsspec.implementations.local import LocalFileSystem
 
     fs, root = url_to_fs(url)
     if isinstance(fs, LocalFileSystem):
-        save_pretrained_folder(model, tokenizer, root)
+        save_pretrained_folder(model, tokenizer, root, tensors)
         return
     with tempfile.TemporaryDirectory() as local:
-        save_pretrained_folder(model, tokenizer, local)
+        save_pretrained_folder(model, tokenizer, local, tensors)
         put_folder(local, fs, root)
 
 

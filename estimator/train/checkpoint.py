@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from estimator.core.adapters import is_adapted, load_trainable, trainable_state
 from estimator.core.numbers import plain
 from estimator.failures import FailureKind
-from estimator.train.sharded_checkpoint import SHARDED, folder, load_shards
+from estimator.train.sharded_checkpoint import SHARDED, folder, load_shards, mapped_shards
 
 CHECKPOINT_FORMAT = 2  # 2: "position" (a checkpoint inside an epoch)
 TRAINABLE = "trainable"  # "contents" of a checkpoint holding only the trainable parameters (adapters)
@@ -253,12 +253,28 @@ class RunState:
         return f"{self.store.url(self.path)}@{self.written}"
 
     def load_into(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        self._present()
+        restore(self.store, self.run, self.path, model, optimizer, lazy=True)
+
+    def mapped(self, optimizer: bool = True) -> Optional[Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]]:
+        """(the model's state_dict, the optimizer's, or None without `optimizer`) of a whole model's checkpoint, a
+        full fine-tune's, their tensors mapped from files, not read: the checkpoint itself (ddp), or fsdp's shards
+        read into files of a temporary folder (estimator.train.sharded_checkpoint.mapped_shards). What a save
+        writes without building the model. None for a checkpoint of adapters."""
+        self._present()
+        state = load_checkpoint(self.store, self.path, lazy=True)
+        if state.get("contents") == TRAINABLE:
+            return None
+        if state.get(SHARDED):
+            return mapped_shards(self.store, folder(self.run, state[SHARDED]), optimizer)
+        return state["model"], state["optimizer"] if optimizer else None
+
+    def _present(self) -> None:
         if not self.store.exists(self.path):
             raise RunStateGone(
                 f"The fitted model's weights are read from its run's checkpoint, {self.store.url(self.path)}, and "
                 "it is gone (the store's run budget, save_top_k of a refit or a hand removed it). Save a model you "
                 "keep with model.save(path) (it holds its weights), or fit it again.")
-        restore(self.store, self.run, self.path, model, optimizer, lazy=True)
 
 
 class RunStateGone(FileNotFoundError):

@@ -6,10 +6,12 @@ or the new one, never half of one. Loading reshards: a folder written by 2 ranks
 the driver's plain module (the TorchModel). torch only, no pyspark."""
 from __future__ import annotations
 
+import math
+import os
 import posixpath
 import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -91,6 +93,49 @@ def load_shards(store: Any, path: str, model: nn.Module, optimizer: Optional[tor
     set_model_state_dict(model, states["model"], options=StateDictOptions(strict=not is_adapted(model)))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states["optimizer"])
+
+
+def mapped_shards(store: Any, path: str, optimizer: bool = True
+                  ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
+    """(the model's state_dict, the optimizer's state by parameter name: "state" and "param_groups" as
+    torch.distributed.checkpoint.state_dict's optimizer state; None without `optimizer`) of the folder of a model
+    trained whole, read into files of a temporary folder and mapped from them: what it holds is the page cache's,
+    not this process's memory (a save of a model too large for the driver). The folder goes when this returns;
+    its files stay while their tensors live."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = storage_reader(store, path)
+    entries = reader.read_metadata().state_dict_metadata
+    flat: Dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="spark-torch-estimator-shards-") as local:
+        for i, (key, entry) in enumerate(entries.items()):
+            if not optimizer and not key.startswith("model."):
+                continue
+            if isinstance(entry, TensorStorageMetadata):
+                size, dtype = tuple(entry.size), entry.properties.dtype
+                flat[key] = torch.from_file(os.path.join(local, str(i)), shared=True, size=max(1, math.prod(size)),
+                                            dtype=dtype).reshape(size)
+            else:  # a group's hyperparameter, or its list of parameter names: read as a value
+                flat[key] = None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(flat, storage_reader=reader, no_dist=True)
+    model = {key[len("model."):]: value for key, value in flat.items() if key.startswith("model.")}
+    if not optimizer:
+        return model, None
+    state: Dict[str, Dict[str, Any]] = {}
+    groups: Dict[int, Dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("optimizer.state."):
+            name, _, entry = key[len("optimizer.state."):].rpartition(".")
+            state.setdefault(name, {})[entry] = value
+        elif key.startswith("optimizer.param_groups."):
+            index, _, entry = key[len("optimizer.param_groups."):].partition(".")
+            groups.setdefault(int(index), {})[entry] = value
+    return model, {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}
 
 
 def remove_unused(store: Any, run: Any, keep: Iterable[str]) -> None:
