@@ -251,12 +251,15 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
     return losses, rewards, model, clipped
 
 
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(llama, tokenizer, store, iterations):
+@pytest.mark.parametrize("iterations, accumulated", [(1, 1), (2, 1), (2, 2)])
+def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(llama, tokenizer, store, iterations,
+                                                                             accumulated):
     """2 ranks x 2 prompts = one process of 4: each prompt's completions sampled under its own seed, the rewards
     and advantages within its group, the dapo loss over the step's completion tokens on all ranks; the history's
     loss and rewards and the adapters trained are the plain loop's. With num_iterations=2, two steps on each
-    sample, the second's ratio to the sampling policy clipped at 1 +- epsilon (some tokens are)."""
+    sample, the second's ratio to the sampling policy clipped at 1 +- epsilon (some tokens are). With
+    backward_passes_per_step=2 over batches of 1 prompt, the same: both batches sampled before the first step,
+    and each of the two steps accumulated over both."""
     from estimator.launch.local import LocalLauncher
     from estimator.train.checkpoint import restore
     from estimator.train.objectives.grpo import GRPO
@@ -267,8 +270,9 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
     objective = GRPO([low_ids, names_answer], reward_weights=[1.0, 0.5], num_generations=4, max_new_tokens=6,
                      num_iterations=iterations, epsilon=0.05)
     rows = colour_rows(ranks * batch * 2)
-    results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
-                                                lr=lr, objective=objective), ranks)
+    results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch // accumulated, epochs=epochs,
+                                                peft_config=lora(), lr=lr, objective=objective,
+                                                backward_passes_per_step=accumulated), ranks)
     history = results[0].history
     losses, rewards, plain, clipped = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective,
                                                      lora())

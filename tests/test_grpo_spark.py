@@ -88,9 +88,7 @@ def test_what_grpo_cannot_train_is_refused_by_name_before_any_job(spark, store, 
              (dict(peft_config=None), GRPO(short_words, beta=0.04, max_new_tokens=8), r"peft_config=None: beta=0.04 weighs the KL"),
              (dict(), GRPO(needs_grade, max_new_tokens=8), r"'needs_grade' needs \['grade'\], which nothing gives"),
              (dict(label_cols=["completions"]), objective, r"label_cols \['completions'\] would shadow"),
-             (dict(), GRPO(short_words, max_new_tokens=64), r"max_new_tokens=64: the model has 64 positions"),
-             (dict(backward_passes_per_step=2), GRPO(short_words, max_new_tokens=8, num_iterations=2),
-              r"backward_passes_per_step=2: num_iterations=2 steps on each sampled batch; accumulating")]
+             (dict(), GRPO(short_words, max_new_tokens=64), r"max_new_tokens=64: the model has 64 positions")]
     frame = df.withColumnRenamed("answer", "completions")
     for params, given, message in cases:
         data = frame if params.get("label_cols") == ["completions"] else df

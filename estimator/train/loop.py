@@ -68,6 +68,11 @@ class TrainLoop:
         # what an uninterrupted one did, wherever it resumed.
         base = int(epoch_seed(self.spec.seed, epoch, self.ctx.rank).generate_state(1, np.uint64)[0]) >> 2
         step_ctx = self.step_context(epoch, training=True)
+        # several steps on each prepared batch (GRPO's num_iterations) with accumulation: the window's batches are
+        # all prepared first (sampled from the same policy), then each step accumulates over all of them (TRL's
+        # generation batch)
+        windowed = self.objective.iterations > 1 and every > 1
+        window: List[Tuple[int, Any, StepContext]] = []
         for step, (batch, last) in enumerate(self.on_device(batches), start=start):
             self.strategy.remember(batch)
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
@@ -76,24 +81,17 @@ class TrainLoop:
             this_ctx = dataclasses.replace(step_ctx, batch_idx=step, global_step=self.global_step)
             batch = self.objective.prepare(self.generation, batch, this_ctx)  # before the weighting counts it
             before = self.global_step
-            for _ in range(self.objective.iterations):  # steps on the same prepared batch (accumulation: one)
-                weighting.begin(self.objective, batch)
-                with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none accumulating
-                    with self.autocast():
-                        loss, batch_sums = self.objective.on_batch(self.ddp, batch, this_ctx)
-                    self.finite.loss(loss, epoch, step)
-                    self.precision.backward(weighting.scale(loss))
-                sums += batch_sums
-                weighting.add(batch_sums)
+            if windowed:
+                window.append((step, batch, this_ctx))
                 if stepping:
-                    weighting.before_step(gradients)
-                    self.step()
-                    if self.after_step is not None:
-                        self.after_step()
-                    self.global_step += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if self.on_step is not None:
-                        self.on_step(self.global_step, weighting.step_loss(loss, batch_sums))
+                    for _ in range(self.objective.iterations):
+                        for i, (at, ready, ready_ctx) in enumerate(window):
+                            sums += self.backward(ready, ready_ctx, i == len(window) - 1, weighting, gradients,
+                                                  epoch, at)
+                    window = []
+            else:
+                for _ in range(self.objective.iterations):  # steps on the same prepared batch (accumulation: one)
+                    sums += self.backward(batch, this_ctx, stepping, weighting, gradients, epoch, step)
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, layout.named(sums) if self.steps_report.due(step + 1)
                                         else None)
@@ -102,6 +100,28 @@ class TrainLoop:
                 self.checkpoint(epoch, step + 1, sums)
         self.finite.flush(epoch)
         return sums
+
+    def backward(self, batch: Any, ctx: StepContext, stepping: bool, weighting: Any, gradients: Callable[[], Any],
+                 epoch: int, step: int) -> torch.Tensor:
+        """One forward and backward of a prepared batch (its gradients accumulated, not synced, unless
+        `stepping`), then with `stepping` the optimizer step; returns the batch's sums."""
+        weighting.begin(self.objective, batch)
+        with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none accumulating
+            with self.autocast():
+                loss, batch_sums = self.objective.on_batch(self.ddp, batch, ctx)
+            self.finite.loss(loss, epoch, step)
+            self.precision.backward(weighting.scale(loss))
+        weighting.add(batch_sums)
+        if stepping:
+            weighting.before_step(gradients)
+            self.step()
+            if self.after_step is not None:
+                self.after_step()
+            self.global_step += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.on_step is not None:
+                self.on_step(self.global_step, weighting.step_loss(loss, batch_sums))
+        return batch_sums
 
     def count_step(self) -> None:
         """A step taken outside train_epoch (a train_fn's batch)."""

@@ -11,7 +11,10 @@ surrogate loss (estimator.lm.policy), a sum over what its loss type averages ove
 With num_iterations=1 the sampling policy is the policy: the ratio is 1 and nothing is clipped, as in TRL. With
 num_iterations=mu (TRL's), the loop takes mu optimizer steps on each sampled batch (`iterations`): the first
 forward's log-probabilities, under the weights that sampled, are the old policy's for the ratio of the next ones
-(clipped at 1 +- epsilon); the rewards are counted once a batch, the loss and clipping at every step. With beta > 0, the reference is the model with its adapters off (the KL estimate per token).
+(clipped at 1 +- epsilon); the rewards are counted once a batch, the loss and clipping at every step. With
+backward_passes_per_step=k as well, the loop samples k batches before it steps, then each of the mu steps
+accumulates over all k (TRL's generation batch: estimator.train.loop). With beta > 0, the reference is the
+model with its adapters off (the KL estimate per token).
 
 Validation samples one completion per prompt greedily and reports the rewards (val_reward, the monitored key by
 default); it has no loss (no val_loss). torch only, no pyspark."""
@@ -157,15 +160,11 @@ class GRPO(BuiltIn):
 
     @classmethod
     def check_fit(cls, p: Mapping[str, Any], shards_checkpoints: bool) -> None:
-        """What this fit cannot take, by name: accumulation under num_iterations > 1, packing (the completions are
-        sampled per step), beta > 0 without adapters (the reference is the model with them off), and reward
-        functions that cannot take the arguments they would be given (the label columns by name)."""
+        """What this fit cannot take, by name: packing (the completions are sampled per step), beta > 0 without
+        adapters (the reference is the model with them off), and reward functions that cannot take the arguments
+        they would be given (the label columns by name)."""
         self = p["objective"]
-        for name, value, why in (("backward_passes_per_step", self.num_iterations > 1 and p["backward_passes_per_step"]
-                                  > 1, f"num_iterations={self.num_iterations} steps on each sampled batch; "
-                                  "accumulating batches under it is not built: set backward_passes_per_step=1 and a "
-                                  "larger batch_size"),
-                                 ("packing", p["packing"], "the completions are sampled at each step and batched "
+        for name, value, why in (("packing", p["packing"], "the completions are sampled at each step and batched "
                                   "padded; packing is not built for them: leave packing=False"),
                                  ("peft_config", self.beta > 0 and p["peft_config"] is None,
                                   f"beta={self.beta} weighs the KL to the reference, the model with its adapters "
