@@ -357,14 +357,17 @@ def test_a_reward_that_raises_on_a_rank_fails_the_fit_by_name_and_is_not_retried
     assert info.value.kind is FailureKind.USAGE and not info.value.kind.retryable
 
 
-@pytest.mark.parametrize("iterations, every, cut, batches", [(1, 2, 5, 1), (2, 3, 11, 2)])
+@pytest.mark.parametrize("iterations, every, cut, batches, accumulated, steps",
+                         [(1, 2, 5, 1, 1, 4), (2, 3, 11, 2, 1, 10), (2, 2, 9, 2, 2, 8)])
 def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapters(llama, store, iterations, every,
-                                                                                   cut, batches):
+                                                                                   cut, batches, accumulated, steps):
     """Shuffled prompts, 3 batches an epoch, a checkpoint every 2 steps, the run cut before step 5 (inside the
     second epoch) and resumed after its first batch; with num_iterations=2 (2 steps a batch) and a checkpoint every
     3 steps, due inside a batch and taken at its end, cut before step 11 and resumed after the second epoch's
     second batch: the same samples (each prompt's seed is the run's, the epoch's and the step's), losses, rewards
-    and adapters as the run never cut. Validation's greedy completions are scored by the same rewards (`val_reward`), here a closure over a
+    and adapters as the run never cut. With batches of 1 prompt and backward_passes_per_step=2 as well (a window
+    of 2 batches, then 2 steps over both), cut before step 9 and resumed after the window that ended at step 8.
+    Validation's greedy completions are scored by the same rewards (`val_reward`), here a closure over a
     dict, pickled by value to the ranks."""
     import dataclasses
 
@@ -385,8 +388,9 @@ def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapte
     rows = colour_rows(10)
 
     def spec(run):
-        return lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, peft_config=lora(), run=run, shuffle=True,
-                             objective=objective, val_rows=rows[6:], checkpoint_steps=every)
+        return lm_train_spec(store, llama, rows[:6], batch=2 // accumulated, epochs=2, peft_config=lora(), run=run,
+                             shuffle=True, objective=objective, val_rows=rows[6:], checkpoint_steps=every,
+                             backward_passes_per_step=accumulated)
 
     LocalLauncher().run(spec("whole"), 1)
     cut_run = spec("cut")
@@ -394,7 +398,7 @@ def test_a_grpo_run_cut_inside_an_epoch_resumes_to_the_uninterrupted_runs_adapte
         LocalLauncher(faults=(Fault("step", 0, "raise", step=cut),)).run(cut_run, 1)
     checkpoint = load_checkpoint(store, cut_run.run.checkpoint)
     assert checkpoint["position"]["step"] == batches  # after the second epoch's first (second) batch
-    assert checkpoint["global_step"] == (3 + batches) * iterations
+    assert checkpoint["global_step"] == steps
     LocalLauncher().run(dataclasses.replace(cut_run, resume_from=cut_run.run.checkpoint, attempt=1,
                                             launch_id="again"), 1)
     whole, again = (load_checkpoint(store, store.run(r).checkpoint) for r in ("whole", "cut"))
