@@ -187,3 +187,32 @@ def test_a_hugging_face_model_saves_its_own_folder_with_the_tokenizer(tmp_path, 
     assert fs.exists(root + "/hf/config.json") and fs.exists(root + "/hf/tokenizer_config.json")
     with pytest.raises(TypeError, match="MLP, not a transformers PreTrainedModel: save it with TorchModel.save"):
         save_pretrained_to(MLP(), None, str(tmp_path / "no"))
+
+
+def test_a_saved_optimizer_is_mapped_at_load_and_read_whole_where_its_file_cannot_be_mapped(tmp_path, monkeypatch):
+    """load maps optimizer.pt (AdamW's state is twice the weights); a mount that cannot map a file (some FUSE
+    ones) has it read whole, the same state."""
+    fs = fsspec.filesystem("file")
+    model = seeded(MLP)
+    model, optimizer = trained(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    save_module(model, optimizer, None, fs, str(tmp_path))
+    calls, load = [], torch.load
+
+    def mapped_or_not(*args, **kwargs):
+        calls.append(bool(kwargs.get("mmap")))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", mapped_or_not)
+    first = load_module(fs, str(tmp_path), MLP)[1]
+    assert calls == [True]
+
+    def unmappable(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("mmap is not supported on this file system")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", unmappable)
+    second = load_module(fs, str(tmp_path), MLP)[1]
+    for a, b in zip(first.state_dict()["state"].values(), second.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert second.state_dict()["state"] and len(second.state_dict()["state"]) == len(first.state_dict()["state"])

@@ -208,7 +208,10 @@ def mapped_file(fs: Any, path: str) -> Any:
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(fs, LocalFileSystem):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, RuntimeError):  # a mount that cannot map its files (some FUSE ones): read whole
+            return torch.load(path, map_location="cpu", weights_only=True)
     with tempfile.NamedTemporaryFile(suffix=".pt") as local:  # mapped, the file may go: its pages stay
         fs.get_file(path, local.name)
         return torch.load(local.name, map_location="cpu", weights_only=True, mmap=True)
