@@ -112,7 +112,6 @@ class ModelHandle:
             self.stored.load_into(built, optimizer)
         return built.eval(), optimizer
 
-
     def mapped(self, skeleton: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                ) -> Optional[Tuple[Dict[str, torch.Tensor], Optional[dict]]]:
         """(the trained model's state_dict, `optimizer`'s state_dict) of a full fine-tune whose state is in its run's
