@@ -93,7 +93,9 @@ class GRPO(BuiltIn):
         scale_rewards: 'group' (TRL's default: over each group's std), 'batch' or 'none' (Dr. GRPO).
         num_iterations: Optimizer steps on each sampled batch (TRL's mu, default 1): the steps after the first
             weigh each token by its probability now over its probability when sampled, clipped at 1 +- epsilon.
-            Each step counts as one (schedules, checkpoint_steps, train_steps_per_epoch counts batches).
+            Each step counts as one (schedules, checkpoint_steps, train_steps_per_epoch counts batches). With
+            backward_passes_per_step=k, the k batches of a window are sampled first, and each step accumulates
+            over all of them (TRL's generation batch).
     """
 
     weighting = PerWeight
