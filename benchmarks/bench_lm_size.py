@@ -12,10 +12,10 @@ a first fit costs whatever the model: imports, Spark's first jobs). Numbers, not
 and read where the model is built); `--strategy`: the fit's (fsdp: the checkpoint a folder of shards); `--dpo`:
 preference tuning (issue 56: objective=DPO(beta=0.1) on (prompt, chosen, rejected) rows, the chosen answer the
 fact, the rejected one another colour; the reference the adapters off, or with --full precomputed by the ranks).
-Then `save` and `save_pretrained` of the fitted model and `TorchModel.load` of the saved one, the driver's peak
-RSS and anonymous memory (RssAnon: a mapped file's pages are reclaimable, not counted there) during each;
-`--built-save`: a full fine-tune saved as before (the model built whole on the driver) and the saved optimizer
-read whole at load.
+Then `save` and `save_pretrained` of the fitted model, `TorchModel.load` of the saved one and a transform of
+it, the driver's peak RSS and anonymous memory (RssAnon: a mapped file's pages are reclaimable, not counted
+there) during each; `--built-save`: a full fine-tune saved as before (the model built whole on the driver),
+the saved optimizer read whole at load and the loaded model a module sent whole by transform.
 
 A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
 save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
@@ -147,16 +147,22 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
 
         import estimator.predict.weights
         from estimator.core.handle import ModelHandle
+        import estimator.predict.persistence
         ModelHandle.mapped = lambda self, skeleton, optimizer: None
         estimator.predict.weights.mapped_file = lambda fs, path: torch.load(io.BytesIO(fs.cat(path)),
                                                                            weights_only=True)
+        estimator.predict.persistence.held_saved = lambda fs, root: None
     with Peak() as saving:
         fitted.write().save(os.path.join(work, "saved"))
     with Peak() as exporting:
         fitted.save_pretrained(os.path.join(work, "exported"))
     del fitted
     with Peak() as loading:
-        estimator.TorchModel.load(os.path.join(work, "saved"))
+        loaded = estimator.TorchModel.load(os.path.join(work, "saved"))
+    sent.clear()
+    with Peak() as loaded_transform:
+        loaded.transform(asked).collect()
+    loaded_sent = sum(sent)
     spark.stop()
     return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "dpo": dpo,
             "weights_mb": weights / 2 ** 20, "fit_s": fitting.seconds,
@@ -166,7 +172,9 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
             "save_s": saving.seconds, "save_driver_peak_mb": saving.mb, "save_driver_anon_mb": saving.anon_mb,
             "save_pretrained_s": exporting.seconds, "save_pretrained_driver_peak_mb": exporting.mb,
             "save_pretrained_driver_anon_mb": exporting.anon_mb, "load_s": loading.seconds,
-            "load_driver_peak_mb": loading.mb, "load_driver_anon_mb": loading.anon_mb}
+            "load_driver_peak_mb": loading.mb, "load_driver_anon_mb": loading.anon_mb,
+            "loaded_transform_s": loaded_transform.seconds, "loaded_transform_driver_anon_mb": loaded_transform.anon_mb,
+            "loaded_transform_driver_peak_mb": loaded_transform.mb, "loaded_transform_sent_mb": loaded_sent / 2 ** 20}
 
 
 def main() -> None:

@@ -233,8 +233,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
         p = self.validated()
         predictor = self._predictor(p).bind_chat(False)
         handle = self._held()
-        if handle is not None and handle.stored is not None:  # the run's checkpoint: read with the credentials
-            stored = handle.stored  # of where it is loaded, none kept in MLflow's files
+        if handle is not None and hasattr(handle.stored, "store"):  # the run's checkpoint: read with the
+            stored = handle.stored  # credentials of where it is loaded, none kept in MLflow's files
             handle = dataclasses.replace(handle, stored=dataclasses.replace(
                 stored, store=stored.store.without_credentials()))
         blob = dumps(handle, "model", roots=[handle.factory, handle.peft_config]) if handle is not None else \

@@ -322,14 +322,20 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
     assert len(open(log).read().splitlines()) == builds
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in exported.state_dict().items())
+    # loaded as a handle too: the executors build it from the saved folder, the driver holds its skeleton
     loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getModelHandle() is not None and next(loaded.getOrDefault("model").parameters()).is_meta
     assert {r.prompt: r.prediction for r in loaded.transform(asked).collect()} == got
+    loaded.write().save(str(tmp_path / "again"))  # saved again from the saved files, mapped
     model = fitted.getModel()
     assert fitted.getModelHandle() is None and fitted.getOptimizer().state  # AdamW's state read back too
     assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in model.state_dict().items())
-    built, saved = fitted.getOptimizer().state_dict(), loaded.getOptimizer().state_dict()
-    assert built["param_groups"] == saved["param_groups"] and sorted(built["state"]) == sorted(saved["state"])
-    assert all(torch.equal(v, saved["state"][i][k]) for i, s in built["state"].items() for k, v in s.items())
+    built = fitted.getOptimizer().state_dict()
+    for again in (loaded, TorchModel.load(str(tmp_path / "again"))):
+        assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in again.getModel().state_dict().items())
+        saved = again.getOptimizer().state_dict()  # read where the model is built (getModel)
+        assert built["param_groups"] == saved["param_groups"] and sorted(built["state"]) == sorted(saved["state"])
+        assert all(torch.equal(v, saved["state"][i][k]) for i, s in built["state"].items() for k, v in s.items())
 
     if strategy == "ddp":  # a store that removes each run's folder after the fit: the model read whole here
         kept = Store.create(str(tmp_path / "nothing-kept"), save_runs=False)

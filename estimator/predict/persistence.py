@@ -27,7 +27,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 from estimator.core.handle import ModelHandle, held, on_meta
 from estimator.core.pickling import dumps, rebind_optimizer
 from estimator.launch.session import metadata_session
-from estimator.predict.weights import load_module, save_module, standalone_base
+from estimator.predict.weights import held_saved, load_module, save_module, standalone_base
 from store import Store
 
 
@@ -92,8 +92,14 @@ class ParamsReader(MLReader):
         base = standalone_base(fs, root)  # a standalone save's own base, instead of the fit's factory
         if base is not None:
             objects["model_factory"], seed = base, None
-        built = load_module(fs, root, objects.get("model_factory"), seed)
-        if built is not None:
+        # a full fine-tune's folder at a path the executors read: held as a handle, its weights not read here
+        saved = held_saved(fs, root) if objects.get("model_factory") is not None else None
+        built = load_module(fs, root, objects.get("model_factory"), seed) if saved is None else None
+        if saved is not None:
+            objects["model"], optimizer, objects["model_handle"] = saved
+            if optimizer is not None:
+                objects["optimizer"] = optimizer
+        elif built is not None:
             objects["model"], optimizer = built
             if on_meta(objects["model"]):  # adapters on a base on meta: held as a handle (estimator.core.handle)
                 model = objects["model"]

@@ -14,6 +14,7 @@ the pickle layout of earlier releases (persistence). Hugging Face's and safetens
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
@@ -21,13 +22,14 @@ import os
 import posixpath
 import re
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from estimator.core.adapters import is_adapted, trainable_names
-from estimator.core.handle import with_values
+from estimator.core.handle import ModelHandle, with_values
 from estimator.core.recipe import ModelRecipe
 from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
@@ -215,6 +217,76 @@ def mapped_file(fs: Any, path: str) -> Any:
     with tempfile.NamedTemporaryFile(suffix=".pt") as local:  # mapped, the file may go: its pages stay
         fs.get_file(path, local.name)
         return torch.load(local.name, map_location="cpu", weights_only=True, mmap=True)
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A loaded full fine-tune's state where its saved folder holds it (a ModelHandle's `stored`, as a fit's
+    run checkpoint is): the weights in the Hugging Face folder the handle's factory loads, the optimizer's state
+    in `optimizer` (optimizer.pt, or None), read where the model is built (getModel()) and mapped where it is
+    saved again. `key`: the files' sizes and times (a folder saved over again is another model)."""
+
+    folder: str
+    optimizer: Optional[str]
+    key: str
+
+    def load_into(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """The optimizer's saved state into `optimizer` (the model's weights are the factory's)."""
+        if optimizer is not None and self.optimizer is not None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            optimizer.load_state_dict(mapped_file(LocalFileSystem(), self.optimizer)["state"])
+
+    def mapped(self, optimizer: bool = True) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+        """(the weights by name, the optimizer's state_dict or None), their tensors mapped from the files."""
+        from fsspec.implementations.local import LocalFileSystem
+        from safetensors import safe_open
+
+        tensors: Dict[str, torch.Tensor] = {}
+        for name in sorted(os.listdir(self.folder)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(self.folder, name), "pt") as f:
+                    tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        state = mapped_file(LocalFileSystem(), self.optimizer)["state"] if optimizer and self.optimizer else None
+        return tensors, state
+
+
+def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer], ModelHandle]]:
+    """A full fine-tune saved as a Hugging Face folder at a local or mounted path (one every executor reads, as
+    a fit's base folder is): (its skeleton on the meta device, an optimizer over it with the saved groups'
+    hyperparameters, the handle that builds the model from that folder where it is needed), no weight nor any
+    of the optimizer's state read here. None for any other saved model (load_module builds it here)."""
+    import functools
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    path = posixpath.join(root, MODULE_FILE)
+    if not isinstance(fs, LocalFileSystem) or not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        kind = json.load(f)
+    if kind["format"] != "hugging_face":
+        return None
+    folder = posixpath.join(root, kind["folder"])
+    factory = functools.partial(class_named(kind["class"]).from_pretrained, folder)
+    skeleton = ModelRecipe(factory).build(on_meta=True)
+    optimizer, optimizer_path = None, posixpath.join(root, OPTIMIZER_FILE)
+    if fs.exists(optimizer_path):
+        saved = mapped_file(fs, optimizer_path)
+        try:
+            cls = class_named(saved["class"])
+        except (ImportError, AttributeError) as exc:  # as load_module: the model still loads
+            log.warning("The saved model's optimizer class %s cannot be imported here (%s): loaded without its "
+                        "optimizer (getOptimizer() is None).", saved["class"], exc)
+        else:  # its groups' hyperparameters now; its state read where the model is built
+            optimizer = rebuild_optimizer(cls, saved["groups"], saved["defaults"],
+                                          {"state": {}, "param_groups": saved["state"]["param_groups"]}, skeleton)
+    files = sorted((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in fs.find(folder))
+    if optimizer is not None:
+        files.append((optimizer_path, os.stat(optimizer_path).st_size, os.stat(optimizer_path).st_mtime_ns))
+    key = hashlib.sha256(repr(files).encode()).hexdigest()
+    stored = SavedState(folder, optimizer_path if optimizer is not None else None, key)
+    return skeleton.eval(), optimizer, ModelHandle(factory, None, b"", None, stored=stored)
 
 
 def saved_adapters(folder: str) -> Any:
