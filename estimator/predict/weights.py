@@ -78,12 +78,17 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
             fs.put_file(os.path.join(local, WEIGHTS_FILE), posixpath.join(root, WEIGHTS_FILE))
             kind = {"format": "safetensors", "file": WEIGHTS_FILE, "class": qualified_name(type(model))}
     if optimizer is not None:
-        with tempfile.TemporaryDirectory() as local:  # written to a file: mapped tensors are read as they go
-            torch.save({"class": qualified_name(type(optimizer)), "groups": optimizer_groups(optimizer, model),
-                        "defaults": plain(constructor_defaults(optimizer)),
-                        "state": optimizer.state_dict() if optimizer_state is None else optimizer_state},
-                       os.path.join(local, OPTIMIZER_FILE))
-            fs.put_file(os.path.join(local, OPTIMIZER_FILE), posixpath.join(root, OPTIMIZER_FILE))
+        saved = {"class": qualified_name(type(optimizer)), "groups": optimizer_groups(optimizer, model),
+                 "defaults": plain(constructor_defaults(optimizer)),
+                 "state": optimizer.state_dict() if optimizer_state is None else optimizer_state}
+        from fsspec.implementations.local import LocalFileSystem
+
+        if isinstance(fs, LocalFileSystem):  # written in place: mapped tensors are read as they go
+            torch.save(saved, posixpath.join(root, OPTIMIZER_FILE))
+        else:
+            with tempfile.TemporaryDirectory() as local:  # a local file first, then copied
+                torch.save(saved, os.path.join(local, OPTIMIZER_FILE))
+                fs.put_file(os.path.join(local, OPTIMIZER_FILE), posixpath.join(root, OPTIMIZER_FILE))
     with fs.open(posixpath.join(root, MODULE_FILE), "w") as f:
         json.dump(kind, f)
 
