@@ -130,12 +130,8 @@ def standalone_base(fs: Any, root: str) -> Optional[Callable[[], nn.Module]]:
     to a local folder of this process first."""
     import functools
 
-    path = posixpath.join(root, MODULE_FILE)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "r") as f:
-        kind = json.load(f)
-    if "base" not in kind:
+    kind = saved_kind(fs, root)
+    if kind is None or "base" not in kind:
         return None
     folder = posixpath.join(root, kind["base"])
     from fsspec.implementations.local import LocalFileSystem
@@ -166,11 +162,9 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
                 ) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer]]]:
     """(the module, the optimizer or None) saved by save_module under `root`; None when `root` holds none (a
     model given as an instance, or an earlier release's save)."""
-    path = posixpath.join(root, MODULE_FILE)
-    if not fs.exists(path):
+    kind = saved_kind(fs, root)
+    if kind is None:
         return None
-    with fs.open(path, "r") as f:
-        kind = json.load(f)
     if kind["format"] in ("peft", "safetensors") and factory is None:
         raise ValueError(f"{root} holds the weights of a model built by a factory, but not the factory (its "
                          "objects.pkl lacks model_factory): it was not saved by TorchModel.save.")
@@ -199,13 +193,31 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
     if not fs.exists(optimizer_path):
         return model, None
     saved = mapped_file(fs, optimizer_path)
-    try:
-        cls = class_named(saved["class"])
-    except (ImportError, AttributeError) as exc:  # a class defined in the saving notebook: the model still loads
-        log.warning("The saved model's optimizer class %s cannot be imported here (%s): loaded without its "
-                    "optimizer (getOptimizer() is None).", saved["class"], exc)
+    cls = optimizer_class(saved)
+    if cls is None:
         return model, None
     return model, rebuild_optimizer(cls, saved["groups"], saved["defaults"], saved["state"], model)
+
+
+def saved_kind(fs: Any, root: str) -> Optional[dict]:
+    """What save_module wrote in `root`'s module.json (the format, the folder or file, the class), or None where
+    it wrote none (a model given as an instance, or an earlier release's save)."""
+    path = posixpath.join(root, MODULE_FILE)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def optimizer_class(saved: dict) -> Optional[type]:
+    """The class of a saved optimizer (optimizer.pt's "class"), or None with a warning where it cannot be
+    imported here (a class defined in the saving notebook): the model then loads without its optimizer."""
+    try:
+        return class_named(saved["class"])
+    except (ImportError, AttributeError) as exc:
+        log.warning("The saved model's optimizer class %s cannot be imported here (%s): loaded without its "
+                    "optimizer (getOptimizer() is None).", saved["class"], exc)
+        return None
 
 
 def mapped_file(fs: Any, path: str) -> Any:
@@ -265,12 +277,8 @@ def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.o
 
     from fsspec.implementations.local import LocalFileSystem
 
-    path = posixpath.join(root, MODULE_FILE)
-    if not isinstance(fs, LocalFileSystem) or not fs.exists(path):
-        return None
-    with fs.open(path, "r") as f:
-        kind = json.load(f)
-    if kind["format"] != "hugging_face":
+    kind = saved_kind(fs, root) if isinstance(fs, LocalFileSystem) else None
+    if kind is None or kind["format"] != "hugging_face":
         return None
     folder = posixpath.join(root, kind["folder"])
     factory = functools.partial(class_named(kind["class"]).from_pretrained, folder)
@@ -278,12 +286,8 @@ def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.o
     optimizer, optimizer_path = None, posixpath.join(root, OPTIMIZER_FILE)
     if fs.exists(optimizer_path):
         saved = mapped_file(fs, optimizer_path)
-        try:
-            cls = class_named(saved["class"])
-        except (ImportError, AttributeError) as exc:  # as load_module: the model still loads
-            log.warning("The saved model's optimizer class %s cannot be imported here (%s): loaded without its "
-                        "optimizer (getOptimizer() is None).", saved["class"], exc)
-        else:  # its groups' hyperparameters now; its state read where the model is built
+        cls = optimizer_class(saved)
+        if cls is not None:  # its groups' hyperparameters now; its state read where the model is built
             optimizer = rebuild_optimizer(cls, saved["groups"], saved["defaults"],
                                           {"state": {}, "param_groups": saved["state"]["param_groups"]}, skeleton)
     files = sorted((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in fs.find(folder))
