@@ -15,6 +15,8 @@ tokens/s = the rows' tokens (prompt, response, BOS and EOS) over the training lo
   LoRA (r=16, alpha 32, every linear layer) on a bf16 base, and a full fine-tune (float32 weights), each by
   - ours:        TrainSpec -> LocalLauncher, one rank, precision 'bf16-mixed', packed rows (padding-free: torch's
                  variable-length flash attention on the GPU), the model from the folder (the factory's dtype);
+                 and again with gradient_checkpointing='selective' (the wide products' and attention's outputs
+                 kept, the norms, activations and adapters recomputed: the memory Liger's kernels save);
   - plain:       the same model by hand: HF + PEFT, right-padded batches (tokenized before the clock), autocast
                  bf16, the logits' cross-entropy over the step's labelled tokens, backward, clip, AdamW; on a GPU
                  each step's 16 rows go through in micro-batches of 4 (--plain-micro: 16 padded rows of up to
@@ -175,7 +177,7 @@ def tokenized(tokenizer, rows):
          "response": np.array([r for _, r in rows], dtype=object)})
 
 
-def ours_sft(args, path, rows, full, dtype):
+def ours_sft(args, path, rows, full, dtype, checkpointing=False):
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,7 +207,7 @@ def ours_sft(args, path, rows, full, dtype):
     precision = "bf16-mixed" if args.device == "cuda" else "32"
     spec = TrainSpec(data, dumps(objs, "model", roots=[factory]), store.run("sft"), args.batch, args.batch, 1,
                      seed=3, shuffle=False, use_gpu=args.device == "cuda", precision=precision, verbose=0,
-                     gradient_clip_val=CLIP, checkpoint_async=True)
+                     gradient_clip_val=CLIP, checkpoint_async=True, gradient_checkpointing=checkpointing)
     del objs
     free(args.device)
     result = LocalLauncher().run(spec, 1)[0]
@@ -665,6 +667,8 @@ def main(argv=None):
         flops = train_flops(path, lengths, full)
         dtype = torch.float32 if full else base_dtype
         bench.row(section, "ours", lambda: ours_sft(args, path, rows, full, dtype), flops, tokens)
+        bench.row(section, "ours, gradient_checkpointing='selective'",
+                  lambda: ours_sft(args, path, rows, full, dtype, "selective"), flops, tokens)
         bench.row(section, "plain HF, padded" if full else "plain HF+PEFT, padded",
                   lambda: plain_sft(args, path, rows, full, dtype), flops, tokens)
         bench.row(section, "TRL SFTTrainer, padding-free", lambda: trl_sft(args, path, full, False), flops, tokens)

@@ -32,8 +32,8 @@ def tokenizer(llama):
     return AutoTokenizer.from_pretrained(llama)
 
 
-def lora():
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+def lora(dropout=0.0):
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def tokenized(tokenizer, rows, max_length=None):
@@ -406,16 +406,59 @@ def test_fsdp_under_bf16_mixed_keeps_the_frozen_base_in_bf16_and_changes_no_numb
         assert torch.equal(grads[name], grads32[name]), name
 
 
-def test_gradient_checkpointing_changes_no_number(llama, store):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_gradient_checkpointing_all_or_selective_changes_no_number(llama, store, packed):
+    """The recomputation in backward repeats the forward's ops on the same inputs (dropout's draws too): the loss
+    and the trained adapters are those of the run that kept every activation, bit for bit, under bf16 autocast
+    (and through the packed attention, whose rows' boundaries the recomputed forward reads again)."""
     rows = lm_rows(8)
-    runs = {}
-    for on in (False, True):
-        runs[on] = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, peft_config=lora(),
-                                                     run=f"gc-{on}", gradient_checkpointing=on), 1)[0]
-    assert runs[True].history[0]["loss"] == pytest.approx(runs[False].history[0]["loss"], rel=1e-6)
-    on, off = (load_checkpoint(store, store.run(f"gc-{v}").checkpoint)["model"] for v in (True, False))
-    for name in on:
-        assert torch.allclose(on[name], off[name], atol=1e-6), name
+    runs, trained = {}, {}
+    for mode in (False, True, "selective"):
+        run = f"gc-{packed}-{mode}"
+        runs[mode] = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=4, epochs=1, run=run, packed=packed,
+                                                       peft_config=lora(dropout=0.1), precision="bf16-mixed",
+                                                       gradient_checkpointing=mode), 1)[0]
+        trained[mode] = load_checkpoint(store, store.run(run).checkpoint)["model"]
+    for mode in (True, "selective"):
+        assert runs[mode].history[0]["loss"] == runs[False].history[0]["loss"], mode
+        assert trained[mode].keys() == trained[False].keys()
+        for name in trained[mode]:
+            assert torch.equal(trained[mode][name], trained[False][name]), (mode, name)
+
+
+def test_selective_checkpointing_keeps_the_projections_and_attention_and_recomputes_the_adapters_and_the_rest(
+        llama, monkeypatch):
+    """gradient_checkpointing='selective': a layer keeps the outputs of its 7 projections (q, k, v, o, gate, up,
+    down) and of its attention, and nothing else; the adapters' two low-rank products a projection (rank 4 against
+    widths of 32-128) and every elementwise op are recomputed, under autocast as without it."""
+    from collections import Counter
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from estimator.train import memory
+
+    decided = []
+
+    def recorded(ctx, op, *args, **kwargs):
+        policy = kept(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            decided.append((op.name(), policy))
+        return policy
+
+    kept = memory.kept
+    monkeypatch.setattr(memory, "kept", recorded)
+    model = plain_causal_lm(llama, lora()).train()
+    assert memory.checkpoint_activations(model, None, "selective") == "hugging face, selective"
+    layers = model.config.num_hidden_layers
+    ids = torch.arange(24).reshape(2, 12) % 50 + 3
+    for autocast in (False, True):
+        decided.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+        saved = Counter(name for name, policy in decided if policy == CheckpointPolicy.MUST_SAVE)
+        assert saved == {"aten::mm": 7 * layers, "aten::_scaled_dot_product_flash_attention_for_cpu": layers}
+        recomputed = Counter(name for name, policy in decided if policy == CheckpointPolicy.PREFER_RECOMPUTE)
+        assert recomputed["aten::mm"] == 2 * 7 * layers and len(recomputed) > 5, recomputed
 
 
 def test_sampling_with_a_seed_writes_the_same_text_again_and_another_seed_another(llama, tokenizer):

@@ -78,6 +78,7 @@ def _valid(**overrides):
     ("model", "not a module", "a torch.nn.Module"),
     ("store", "/tmp/path", "a store.Store"),
     ("verbose", 3, "0, 1 or 2"),
+    ("gradient_checkpointing", "all", "True, False or 'selective'"),
 ])
 def test_validation_message_names_param_value_and_what_is_allowed(name, value, allowed):
     with pytest.raises(ValueError) as info:

@@ -124,8 +124,8 @@ def plain_dpo_loss(model, b, beta, frozen=None):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, tokenizer, store, strategy):
     """2 ranks x 2 pairs = one process of 4 pairs: the loss is a mean over the step's pairs on all ranks; the
-    adapters trained and the history's loss are the plain loop's (ddp with gradient checkpointing, the
-    checkpoint holding the adapters only), TensorBoard's epoch scalars the history's. Under fsdp too (the base sharded, the reference its forward with the
+    adapters trained and the history's loss are the plain loop's (ddp with gradient checkpointing, fsdp with the
+    selective one, the checkpoint holding the adapters only), TensorBoard's epoch scalars the history's. Under fsdp too (the base sharded, the reference its forward with the
     adapters off)."""
     from estimator.train.objectives.preference import DPO
 
@@ -133,7 +133,8 @@ def test_two_ranks_of_dpo_pairs_equal_one_plain_loop_of_twice_the_pairs(llama, t
     rows = pairs(ranks * batch * steps)
     results = LocalLauncher().run(lm_train_spec(store, llama, rows, batch=batch, epochs=epochs, peft_config=lora(),
                                                 lr=lr, objective=DPO(beta=beta), strategy=strategy,
-                                                gradient_checkpointing=strategy == "ddp", tensorboard=True), ranks)
+                                                gradient_checkpointing=True if strategy == "ddp" else "selective",
+                                                tensorboard=True), ranks)
     assert load_checkpoint(store, store.run("r").checkpoint)["contents"] == "trainable"  # the adapters only
     losses, plain = plain_dpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, beta, lora())
     history = results[0].history

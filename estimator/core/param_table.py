@@ -235,10 +235,12 @@ ESTIMATOR_PARAMS = [
               "(docs/language-models.md 'Tune on preference pairs (DPO)')", None,
               lambda v: v is None or (hasattr(v, "applies") and hasattr(v, "for_rank")),
               "an objective such as DPO(beta=0.1), or None", json=False),
-    ParamSpec("gradient_checkpointing", "recompute activations in backward instead of keeping them (less memory, "
-              "about a third more compute): a Hugging Face model through its own gradient_checkpointing_enable(), "
-              "other models per unit (the items of every nn.ModuleList, or shard_units)", False, is_bool,
-              "True or False"),
+    ParamSpec("gradient_checkpointing", "recompute activations in backward instead of keeping them: True "
+              "recomputes all of them (least memory, about a third more compute); 'selective' keeps the outputs of "
+              "attention and of the wide matrix products and recomputes the rest (norms, activation functions, "
+              "adapters). A Hugging Face model through its own gradient_checkpointing_enable(), other models per "
+              "unit (the items of every nn.ModuleList, or shard_units)", False,
+              lambda v: isinstance(v, bool) or v == "selective", "True, False or 'selective'"),
     ParamSpec("max_new_tokens", "transform of a causal LM (fitted on a string label, or output_kind='generate'): "
               "the most tokens generated per row (generation also stops at eos)", 64, is_int(1), "an int >= 1"),
     ParamSpec("generate_kwargs", "transform of a causal LM: keyword arguments of model.generate, e.g. "

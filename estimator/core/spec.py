@@ -150,7 +150,7 @@ class TrainSpec:
     warmup_ratio: Optional[float] = None
     compile: Any = False  # torch.compile the module before DDP wraps it: False, True or torch.compile's kwargs
     strategy: str = "ddp"  # "ddp", "fsdp" or "auto": the model sharded over the ranks (estimator.train.sharding)
-    gradient_checkpointing: bool = False  # activations recomputed in backward (estimator.train.memory)
+    gradient_checkpointing: Any = False  # True, 'selective': activations recomputed in backward (estimator.train.memory)
     reshard_after_forward: bool = True  # strategy='fsdp': FSDP2's option for every unit but the whole model
     shard_alone: bool = False  # not a param: strategy='fsdp' shards on one rank too (the GPU suite's FSDP2 on one GPU)
     step_metrics: Tuple[str, ...] = ()  # train_step's numbers besides the loss, or a LightningModule's step logs

@@ -40,7 +40,7 @@ def train_worker(spec: TrainSpec, ctx: RankContext, faults: Tuple[Fault, ...] = 
     model = objs.module(spec.seed)  # a model_factory builds it here, on the rank (with its adapters: peft_config)
     if spec.gradient_checkpointing:
         log.debug("rank %d: activations recomputed in backward (%s)", ctx.rank,
-                  checkpoint_activations(model, objs.shard_units))
+                  checkpoint_activations(model, objs.shard_units, spec.gradient_checkpointing))
     strategy: Strategy = (objs.strategy or STRATEGIES[spec.strategy])(spec.strategy, spec, ctx, objs)
     with strategy.failing():
         model = strategy.place(model)  # on the device, or sharded (each rank reading its shards of the weights)
