@@ -178,6 +178,23 @@ def test_packed_rows_on_the_gpu_each_get_the_logits_they_get_alone(llama, store,
         assert fit.history[-1]["loss"] < fit.history[0]["loss"]
 
 
+def test_selective_checkpointing_on_the_gpu_trains_the_packed_lora_fit_as_without_it(llama, store):
+    """gradient_checkpointing='selective' on CUDA, packed rows through the variable-length flash attention (kept,
+    not recomputed) under bf16-mixed: the same losses and adapters as the fit that kept every activation."""
+    from estimator.train.checkpoint import load_checkpoint
+
+    runs, adapters = {}, {}
+    for mode in (False, "selective"):
+        (runs[mode],) = LocalLauncher().run(lm_train_spec(
+            store, llama, lm_rows(32), batch=8, epochs=2, peft_config=lora(), use_gpu=True, precision="bf16-mixed",
+            packed=True, gradient_checkpointing=mode, run=f"sac-{mode}"), 1)
+        adapters[mode] = load_checkpoint(store, store.run(f"sac-{mode}").checkpoint)["model"]
+    assert [h["loss"] for h in runs["selective"].history] == pytest.approx(
+        [h["loss"] for h in runs[False].history], rel=1e-5)
+    for name, value in adapters[False].items():
+        assert torch.allclose(adapters["selective"][name], value, atol=1e-5), name
+
+
 def test_dpo_on_the_gpu_with_its_reference_precomputed_trains_as_with_the_adapters_off(llama, store):
     """bf16-mixed DPO under LoRA on the GPU: the reference read from the table the rank computed before training
     (under the same autocast) trains as the reference computed live with the adapters off, to bf16's noise."""
