@@ -1,6 +1,7 @@
 """Fine-tuning a causal LM (SFT) on the rank side, without Spark (LocalLauncher): the labels of prompt/response
 and chat rows, the token-weighted loss (2 ranks of batch b = one plain PEFT loop of batch 2b), LoRA checkpoints
 (the adapters only, resumed exactly), fsdp + LoRA = ddp + LoRA, gradient checkpointing."""
+import copy
 import dataclasses
 import functools
 import re
@@ -404,6 +405,75 @@ def test_fsdp_under_bf16_mixed_keeps_the_frozen_base_in_bf16_and_changes_no_numb
     assert torch.equal(loss, loss32) and grads.keys() == grads32.keys() and len(grads) > 0
     for name in grads:
         assert torch.equal(grads[name], grads32[name]), name
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "grpo"])
+def test_ddp_under_bf16_mixed_keeps_the_frozen_linears_in_bf16_and_changes_no_number(llama, store, monkeypatch,
+                                                                                      objective):
+    """precision='bf16-mixed' under ddp: the base's frozen linear layers are stored in bf16 on the rank (what
+    autocast computes them in anyway; the embeddings, norms and adapters stay float32). The history and the
+    adapters are those of the run that kept them in float32, bit for bit: SFT's steps and validation, DPO's
+    reference pass, GRPO's sampling and its reference (now under autocast as the steps are)."""
+    from estimator.train.objectives.grpo import GRPO
+    from estimator.train.objectives.preference import DPO
+    from estimator.train.precision import Precision
+    from test_grpo import colour_rows, low_ids, names_answer
+    from test_preference import pairs
+
+    casting = Precision.frozen_linears_cast.__func__
+    cast_counts = []
+    rows, make = {"sft": (lm_rows(8), lambda: None), "dpo": (pairs(8), lambda: DPO(beta=0.5)),
+                  "grpo": (colour_rows(6), lambda: GRPO([low_ids, names_answer], num_generations=2,
+                                                         max_new_tokens=5, beta=0.04))}[objective]
+    runs, trained = {}, {}
+    for cast in (True, False):
+        monkeypatch.setattr(Precision, "frozen_linears_cast", classmethod(
+            lambda cls, model: cast_counts.append(casting(cls, model)) or cast_counts[-1] if cast else 0))
+        run = f"frozen-{objective}-{cast}"
+        runs[cast] = LocalLauncher().run(lm_train_spec(store, llama, rows[:6], batch=2, epochs=2, run=run,
+                                                       peft_config=lora(), objective=make(), val_rows=rows[6:],
+                                                       precision="bf16-mixed"), 1)[0].history
+        trained[cast] = load_checkpoint(store, store.run(run).checkpoint)["model"]
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(llama).num_hidden_layers
+    assert cast_counts == [7 * layers + 1]  # each layer's 7 projections and the untied head
+    timeless = [[{k: v for k, v in row.items() if k != "data_wait"} for row in runs[c]] for c in (True, False)]
+    assert timeless[0] == timeless[1] and len(timeless[0][0]) > 3
+    assert trained[True].keys() == trained[False].keys() and all(
+        t.dtype == torch.float32 for t in trained[True].values())
+    for name, value in trained[False].items():
+        assert torch.equal(trained[True][name], value), name
+
+
+def test_the_frozen_linears_cast_leaves_a_tied_head_the_norms_and_the_adapters_and_computes_the_same(llama):
+    from transformers import AutoModelForCausalLM
+
+    from estimator.train.precision import BF16Mixed, Precision
+
+    torch.manual_seed(0)
+    tied = AutoModelForCausalLM.from_pretrained(llama)
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # one tensor: the embedding's lookup and the head's
+    model = peft.get_peft_model(tied, lora())
+    before = copy.deepcopy(model)
+    assert Precision.frozen_linears_cast(model) == 0  # precision='32': nothing
+    layers = model.config.num_hidden_layers
+    assert BF16Mixed.frozen_linears_cast(model) == 7 * layers  # the head is the embedding's: left
+    for name, param in model.named_parameters():
+        linear_base = "base_layer" in name and "layers." in name
+        assert param.dtype == (torch.bfloat16 if linear_base else torch.float32), name
+    ids = torch.arange(20).reshape(2, 10) % 40 + 3
+    got = []
+    for m in (model, before):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            text = m.generate(input_ids=ids[:1, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}, text))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][2], got[1][2])
+    for name, grad in got[1][1].items():
+        assert torch.equal(got[0][1][name], grad), name
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])

@@ -167,9 +167,12 @@ class TrainLoop:
                     sums += batch_sums
         return sums
 
-    def generation(self) -> Any:
-        """The strategy's context for generating inside training (an objective's prepare)."""
-        return self.strategy.generation(self.ddp)
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[nn.Module]:
+        """The strategy's context for generating inside training (an objective's prepare), under the precision's
+        autocast as every other forward (a frozen base in autocast's dtype needs it: DDP.place)."""
+        with self.strategy.generation(self.ddp) as module, self.autocast():
+            yield module
 
     def step_context(self, epoch: int, training: bool) -> StepContext:
         return StepContext(self.ctx.rank, self.ctx.world_size, self.device, epoch + 1, training)

@@ -53,6 +53,32 @@ class Precision:
         self.scaler.update()
 
     @classmethod
+    def frozen_linears_cast(cls, model: torch.nn.Module) -> int:
+        """The frozen weights and biases of `model`'s plain nn.Linear layers (an adapted model's base) stored in the
+        autocast dtype, in place: autocast casts them to it at every forward anyway (F.linear is among its
+        lower-precision ops, and a frozen weight's cast is not cached), so every number stays the same while they
+        take half the memory of float32 and no cast a step. Only where every forward of the model runs under this
+        autocast (the built-in loop's, DDP's: estimator.train.strategies.ddp). Not cast: a tensor any other module
+        also holds (an embedding tied to the head: its lookup is not autocast's), norms, embeddings, other layer
+        types, and whatever trains. Returns the tensors cast."""
+        dtype = cls.autocast_dtype
+        if dtype is None:
+            return 0
+        elsewhere = {id(p) for m in model.modules() if type(m) is not torch.nn.Linear
+                     for p in m.parameters(recurse=False)}
+        cast = 0
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module) is not torch.nn.Linear:
+                    continue
+                for param in module.parameters(recurse=False):
+                    if (not param.requires_grad and param.is_floating_point() and param.dtype != dtype
+                            and id(param) not in elsewhere):
+                        param.data = param.data.to(dtype)
+                        cast += 1
+        return cast
+
+    @classmethod
     def fsdp_policy(cls) -> Any:
         """FSDP2's mixed-precision policy: parameters gathered and computed in `fsdp_param_dtype`, gradients reduced
         and the sharded master weights kept in float32 (the loop's autocast still runs the loss in float32)."""

@@ -5,6 +5,7 @@ checkpoints, the tensors in the file. torch only, no pyspark."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional
 
 import torch
@@ -12,13 +13,16 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from estimator.core.adapters import is_adapted
 from estimator.core.meta import materialize
 from estimator.core.spec import compile_options
 from estimator.train.host_allreduce import HostAllreduce
+from estimator.train.precision import precision_of
 from estimator.train.strategies.base import Strategy
 
 SOLO = "nothing (one rank)"  # WorkerResult.allreduce of a rank that trains alone
 OWNER = "TorchEstimator"
+log = logging.getLogger("estimator")
 
 
 class DDP(Strategy):
@@ -44,6 +48,11 @@ class DDP(Strategy):
     def place(self, model: nn.Module) -> nn.Module:
         if self.objs.weights_folder:  # what the factory left on the meta device, read whole
             materialize(model, self.objs.weights_folder, self.device)
+        if is_adapted(model) and only_autocast_forwards(self.objs):  # before the copy to the device: half of it
+            cast = precision_of(self.spec.precision).frozen_linears_cast(model)
+            if cast:
+                log.debug("rank %d: %d frozen linear tensors kept in %s, autocast's dtype", self.ctx.rank, cast,
+                          self.spec.precision)
         return model.to(self.device)
 
     def wrap(self, model: nn.Module, steps: Optional[nn.Module] = None) -> nn.Module:
@@ -93,6 +102,13 @@ class Solo(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield
+
+
+def only_autocast_forwards(objs: Any) -> bool:
+    """Whether every forward of the rank's model runs under the precision's autocast: the built-in loop's objectives
+    (their steps, validation, a reference pass, GRPO's sampling: estimator.train.loop), not a train_fn's or a
+    train_step's code, nor a LightningModule's hooks, which may call the model as they like."""
+    return objs.objective is not None and objs.train_fn is None and objs.train_step is None and not objs.lightning
 
 
 def compiled(model: nn.Module, setting: Any) -> nn.Module:
