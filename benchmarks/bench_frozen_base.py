@@ -20,8 +20,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,7 +61,7 @@ def main(argv=None):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(path)
-                tokens = sum(int(m.sum()) for m in [bench_lm.tokens_of(tokenizer, rows)["prompt.attention_mask"]])
+                tokens = int(bench_lm.tokens_of(tokenizer, rows)["prompt.attention_mask"].sum())
             speeds[cast].append(tokens / result.train_loop_seconds)
             histories.setdefault(cast, [{k: v for k, v in r.items() if k != "data_wait"} for r in result.history])
     Precision.frozen_linears_cast = classmethod(casting)
