@@ -112,18 +112,25 @@ def test_an_epoch_tokenized_on_the_rank_waits_no_more_than_the_models_own_loop(s
 
 def test_a_packed_epoch_in_bf16_waits_no_more_than_the_same_epoch_unpacked(store, monkeypatch, tmp_path):
     """packing=True on CUDA (bf16-mixed: torch's variable-length flash attention): the rows' boundaries come with
-    the batch, so the packed attention reads nothing back; the host waits no more often than unpacked."""
+    the batch, so the packed attention reads nothing back; the host waits no more often than unpacked. Nor with
+    LoRA over a base whose frozen linear layers are kept in bf16 and gradient_checkpointing='selective' (the
+    recomputation in backward, its cache of kept outputs)."""
+    from peft import LoraConfig
+
     from lm_helpers import color_facts, lm_rows, lm_train_spec, save_pretrained_llama
 
     path = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
     watch, counts = Watch(monkeypatch), {}
-    for packed in (False, True):
+    lora = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+                gradient_checkpointing="selective")
+    for name, packed, fields in (("unpacked", False, {}), ("packed", True, {}), ("selective", True, lora)):
         before = watch.steps
         (result,) = watch.run(lm_train_spec(store, path, lm_rows(96), batch=4, epochs=1, use_gpu=True,
-                                            precision="bf16-mixed", packed=packed, run=f"packed-{packed}"))
+                                            precision="bf16-mixed", packed=packed, run=f"packed-{name}", **fields))
         assert result.device == "cuda:0" and watch.steps - before >= 20
-        counts[packed] = (len(watch.syncs), watch.syncs[:5])
-    assert counts[True][0] <= counts[False][0], counts
+        counts[name] = (len(watch.syncs), watch.syncs[:5])
+    assert counts["packed"][0] <= counts["unpacked"][0], counts
+    assert counts["selective"][0] <= counts["unpacked"][0], counts
 
 
 def test_the_watch_sees_a_sync_where_there_is_one(store, digits, monkeypatch):
