@@ -34,3 +34,20 @@ def test_a_module_without_units_is_refused_with_the_way_out():
     with pytest.raises(ValueError, match=r"gradient_checkpointing='selective' recomputes activations unit by unit, "
                                          r"and Sequential has no unit: .* Put its blocks in an nn.ModuleList"):
         checkpoint_activations(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), None, "selective")
+
+
+def test_selective_units_compiled_give_the_gradients_of_the_eager_module():
+    """Under torch.compile the checkpoint takes the selective policy's two modes as they are (compile refuses any
+    other context), and the compiled module's gradients are the eager one's."""
+    torch.manual_seed(0)
+    model, x = BlockMLP(32, 64, 2, 4), torch.randn(16, 32)
+    got = []
+    for compiled in (False, True):
+        trained = copy.deepcopy(model)
+        checkpoint_activations(trained, None, "selective")
+        run = torch.compile(trained, backend="aot_eager") if compiled else trained
+        loss = run(x).square().mean()
+        loss.backward()
+        got.append({n: p.grad for n, p in trained.named_parameters()})
+    for name, grad in got[0].items():
+        assert torch.allclose(got[1][name], grad, atol=1e-6), name

@@ -5,9 +5,11 @@ a checkpoint holds and what a resume loads (`trainable_state`): a LoRA checkpoin
 optimizer state, not the frozen base. torch only (peft imported when a config is given), no pyspark."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
-from typing import Any, Dict, List, Optional
+import warnings
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -37,7 +39,18 @@ def with_adapters(model: nn.Module, config: Any) -> nn.Module:
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, copy.deepcopy(config))
+    with peft_reading_old_names():
+        return get_peft_model(model, copy.deepcopy(config))
+
+
+@contextlib.contextmanager
+def peft_reading_old_names() -> Iterator[None]:
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` when it wraps a model, and
+    transformers 5 warns of it (a FutureWarning in every fit's log, with or without gradient_checkpointing):
+    that one warning left out, inside."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def is_adapted(model: Any) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from estimator.core.adapters import is_adapted, trainable_names
+from estimator.core.adapters import is_adapted, peft_reading_old_names, trainable_names
 from estimator.core.handle import ModelHandle, with_values
 from estimator.core.recipe import ModelRecipe
 from estimator.core.meta import materialize, meta_tensors
@@ -176,7 +176,9 @@ def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], 
             model = adapted_skeleton(factory_model(factory, root, meta=True, peft_config=saved_adapters(local)),
                                      local)
             if model is None:  # adapters peft names otherwise (modules_to_save...): the base built whole
-                model = PeftModel.from_pretrained(factory_model(factory, root, seed=seed), local, is_trainable=True)
+                with peft_reading_old_names():
+                    model = PeftModel.from_pretrained(factory_model(factory, root, seed=seed), local,
+                                                      is_trainable=True)
         elif kind["format"] == "hugging_face":
             get_folder(fs, posixpath.join(root, kind["folder"]), local)
             model = class_named(kind["class"]).from_pretrained(local)

@@ -59,6 +59,8 @@ def selective_contexts() -> Tuple[Any, Any]:
     its weights' casts cached where the recomputation, in backward, casts them again. Off, each use casts: the
     same numbers, and no more casts in a unit that uses each weight once."""
     forward, recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(kept)
+    if torch.compiler.is_compiling():  # compiled, the graph recomputes as traced (and compile asks for the modes)
+        return forward, recompute
     return _Together(forward, _NoCastCache()), _Together(recompute, _NoCastCache())
 
 
@@ -98,7 +100,7 @@ def kept(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     name = op.name() if hasattr(op, "name") else str(op)
     if name in MATMULS:
         first, second = (args[1], args[2]) if name in ("aten::addmm", "aten::baddbmm") else (args[0], args[1])
-        inner, width = first.shape[-1], second.shape[-1]
+        inner, width = int(first.shape[-1]), int(second.shape[-1])
         wide = min(inner, width) * NARROW > max(inner, width)
         return CheckpointPolicy.MUST_SAVE if wide else CheckpointPolicy.PREFER_RECOMPUTE
     if "attention" in name or "attn" in name:
