@@ -195,6 +195,27 @@ def test_selective_checkpointing_on_the_gpu_trains_the_packed_lora_fit_as_withou
         assert torch.allclose(adapters["selective"][name], value, atol=1e-5), name
 
 
+def test_the_frozen_linears_kept_in_bf16_on_the_gpu_train_as_kept_in_float32(llama, store, monkeypatch):
+    """ddp under bf16-mixed on CUDA: the base's frozen linear layers stored in bf16 (what autocast casts them to
+    at each forward) give the history and the adapters of the fit that kept them in float32."""
+    from estimator.train.checkpoint import load_checkpoint
+    from estimator.train.precision import Precision
+
+    casting = Precision.frozen_linears_cast.__func__
+    histories, adapters, counts = {}, {}, []
+    for cast in (True, False):
+        monkeypatch.setattr(Precision, "frozen_linears_cast", classmethod(
+            lambda cls, model: counts.append(casting(cls, model)) or counts[-1] if cast else 0))
+        (fit,) = LocalLauncher().run(lm_train_spec(store, llama, lm_rows(32), batch=8, epochs=2, peft_config=lora(),
+                                                   use_gpu=True, precision="bf16-mixed", run=f"frozen-{cast}"), 1)
+        histories[cast] = [h["loss"] for h in fit.history]
+        adapters[cast] = load_checkpoint(store, store.run(f"frozen-{cast}").checkpoint)["model"]
+    assert counts and counts[0] > 0
+    assert histories[True] == pytest.approx(histories[False], rel=1e-6)
+    for name, value in adapters[False].items():
+        assert torch.allclose(adapters[True][name], value, atol=1e-6), name
+
+
 def test_dpo_on_the_gpu_with_its_reference_precomputed_trains_as_with_the_adapters_off(llama, store):
     """bf16-mixed DPO under LoRA on the GPU: the reference read from the table the rank computed before training
     (under the same autocast) trains as the reference computed live with the adapters off, to bf16's noise."""
