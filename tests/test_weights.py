@@ -216,3 +216,38 @@ def test_a_saved_optimizer_is_mapped_at_load_and_read_whole_where_its_file_canno
     for a, b in zip(first.state_dict()["state"].values(), second.state_dict()["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     assert second.state_dict()["state"] and len(second.state_dict()["state"]) == len(first.state_dict()["state"])
+
+
+def test_an_optimizer_whose_class_cannot_be_imported_here_is_left_out_with_a_warning(tmp_path, caplog):
+    """A model saved with an optimizer of a class defined where it was saved (a notebook's cell) loads here
+    without it, saying so: the weights-only load (the model built here) and the held load of a Hugging Face
+    folder (a handle) alike; getOptimizer() is then None."""
+    import logging
+
+    from transformers import AutoModelForSequenceClassification
+
+    from estimator.predict.weights import OPTIMIZER_FILE, held_saved
+    from text_helpers import save_pretrained_bert, topic_texts
+
+    fs = fsspec.filesystem("file")
+    bert = AutoModelForSequenceClassification.from_pretrained(
+        save_pretrained_bert(str(tmp_path / "bert"), [t for t, _ in topic_texts(20)]))
+    cases = {"safetensors": (seeded(MLP), str(tmp_path / "mlp")), "hugging_face": (bert, str(tmp_path / "hf"))}
+    for kind, (model, root) in cases.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        fs.makedirs(root)  # as the model's writer made it (Spark ML's metadata first)
+        save_module(model, optimizer, None, fs, root)
+        path = f"{root}/{OPTIMIZER_FILE}"
+        saved = torch.load(path, weights_only=True)
+        saved["class"] = "notebook_cell_7:MyAdam"
+        torch.save(saved, path)
+        with caplog.at_level(logging.WARNING, logger="estimator"):
+            caplog.clear()
+            if kind == "safetensors":
+                loaded, restored = load_module(fs, root, functools.partial(seeded, MLP))
+                assert restored is None and isinstance(loaded, MLP)
+            else:
+                skeleton, restored, handle = held_saved(fs, root)
+                assert restored is None and handle.stored.optimizer is None
+        assert "optimizer class notebook_cell_7:MyAdam cannot be imported here" in caplog.text, kind
+        assert "getOptimizer() is None" in caplog.text
