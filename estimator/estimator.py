@@ -198,19 +198,19 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         """The params, validated and completed once (read-only from here on: the driver's module, the factory that
         built it, the label columns as a list), and the fit's objective, chosen once (estimator.train.objectives)."""
         validated = self.validated()
-        # A factory is called here once, then on each rank; what it left on the meta device is read here whole.
-        # A fit of a factory whose objective needs no forward here holds no weight of the base on the driver: its
-        # parameters stay on the meta device (estimator.core.handle), and the TorchModel holds the trained adapters
-        # (read back from the run's checkpoint) or, for a full fine-tune or fsdp's shards, where that checkpoint is.
-        skeleton = validated["weights_folder"] is None
-        model, factory = model_of(validated["model"], validated["weights_folder"], whole=not skeleton)
+        # A factory is called here, then on each rank. A fit of a factory whose objective needs no forward here
+        # holds no weight of the base on the driver: its parameters stay on the meta device (estimator.core.handle;
+        # a weights_folder is checked, not read), and the TorchModel holds the trained adapters (read back from the
+        # run's checkpoint) or, for a full fine-tune or fsdp's shards, where that checkpoint is. One that needs a
+        # forward here builds it again whole, what it left on the meta device read from weights_folder.
+        model, factory = model_of(validated["model"], validated["weights_folder"], whole=False)
         model = with_peft(model, factory, validated["peft_config"], validated["weights_folder"], validated["optimizer"])
         p = MappingProxyType({**validated, "model": model, "model_factory": factory,
                               # none: a loop that computes its own loss (checked below)
                               "label_cols": list(validated["label_cols"] or [])})
         objective = choose_objective(p)
         check_quantized(p, checks.language_model(objective))
-        if factory is not None and skeleton and (objective is None or objective.driver_forward):  # a forward here
+        if factory is not None and (objective is None or objective.driver_forward):  # a forward here
             model = with_peft(model_of(factory, p["weights_folder"])[0], factory, p["peft_config"],
                               p["weights_folder"], p["optimizer"])
             p = MappingProxyType({**p, "model": model})

@@ -345,6 +345,54 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
         assert {r.prompt: r.prediction for r in whole.transform(asked).collect()} == got
 
 
+def llama_on_meta(folder):
+    """The saved Llama's shape with its parameters on the meta device: its weights are the fit's weights_folder."""
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+
+
+def test_a_full_fine_tune_of_a_base_read_from_weights_folder_never_reads_it_on_the_driver(spark, store, llama,
+                                                                                         tmp_path, monkeypatch):
+    """A factory that builds on the meta device, its weights the fit's weights_folder, under fsdp (each rank reads
+    its shards of the folder): the driver checks the folder but reads no weight of it, the TorchModel holds where
+    the run's checkpoint is, and where the model is built (transform's executors, getModel()) the factory's meta
+    tensors are given memory and the whole trained model read into them: model.generate's text of the checkpoint
+    restored by hand. A folder that lacks a weight is refused before any job."""
+    from estimator.fit import recipes
+    from estimator.train.checkpoint import restore
+
+    def never(*args, **kwargs):
+        raise AssertionError("the driver read the weights folder")
+
+    monkeypatch.setattr(recipes, "materialize", never)
+    df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
+    fitted = sft(llama, store, model=functools.partial(llama_on_meta, llama), weights_folder=llama, peft_config=None,
+                 strategy="fsdp", optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2,
+                 run_id="full-meta").fit(df)
+    assert fitted.getModelHandle() is not None and next(fitted.getOrDefault("model").parameters()).is_meta
+    by_hand = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    base = {k: v.clone() for k, v in by_hand.state_dict().items()}
+    restore(store, store.run("full-meta"), store.run("full-meta").checkpoint, by_hand, None)
+    assert any(not torch.equal(v, base[k]) for k, v in by_hand.state_dict().items())  # trained: not the base
+    prompts = [p for p, _ in lm_rows(4)]
+    asked = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
+    got = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
+    assert [got[p] for p in prompts] == generated_one_by_one(by_hand.eval(), fitted.getTokenizer(), prompts, 12)
+    assert all(torch.equal(v, by_hand.state_dict()[k]) for k, v in fitted.getModel().state_dict().items())
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(llama, "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(partial / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"1 weights the model leaves on the meta device are not in .*lm_head"):
+        assert jobs_run_by(spark, lambda: sft(llama, store, model=functools.partial(llama_on_meta, llama),
+                                              weights_folder=str(partial), peft_config=None).fit(df)) == []
+
+
 def colour_pairs():
     """(prompt, chosen, rejected): each fact twice, its colour chosen and another one rejected."""
     import random

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from estimator.core.adapters import check_trainable, load_trainable, trainable_state
-from estimator.core.meta import meta_tensors
+from estimator.core.meta import allocated, meta_tensors
 from estimator.core.recipe import ModelRecipe
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +85,9 @@ class ModelHandle:
                 "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
         if self.trained:  # none: a pretrained model as its factory loads it (a TorchModel built without a fit)
             load_trainable(model, self.state(), "the fitted model's adapters")
-        return model
+        if self.stored is not None and meta_tensors(model):  # a factory that builds on the meta device (its
+            allocated(model)  # weights the fit's weights_folder): memory for the stored state, the whole trained
+        return model  # model, loaded strictly (no tensor left unread)
 
     def build(self) -> nn.Module:
         """The whole module, in eval mode: the factory's base with the adapters, their trained values loaded

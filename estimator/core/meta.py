@@ -176,6 +176,23 @@ def found_keys(model: nn.Module, folder: str, entries: "Dict[str, Tuple[str, Tup
     return {n: k for n, k in keys.items() if k is not None}
 
 
+def allocated(model: nn.Module) -> None:
+    """Each tensor `model` holds on the meta device given memory on the CPU, uninitialized, in place: what a whole
+    state_dict is loaded into next (a full fine-tune's run checkpoint, where the factory builds on the meta device
+    and weights_folder held the base). Tensors shared by several modules stay shared."""
+    made: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    value = torch.empty(t.shape, dtype=t.dtype)
+                    made[id(t)] = (type(t)(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                                   else value)
+                table[key] = made[id(t)]
+
+
 def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "cpu") -> None:
     """The whole model on `device`, in place: each tensor on the meta device replaced by its values from the
     folder (cast to the model's dtype); the others kept. Parameters shared by several modules stay shared."""

@@ -26,7 +26,7 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
     here, with no arguments, and what it leaves on the meta device is read whole from `weights_folder` (the
     driver's copy: its checks, its dry run, the TorchModel's module; estimator.core.meta). Not `whole`: the
     factory's model with every parameter on the meta device, no weight read into memory (estimator.core.handle:
-    the driver of a LoRA fit)."""
+    the driver of a language model's fit), `weights_folder` checked against it."""
     if isinstance(value, nn.Module):
         if quantized(value):
             raise ValueError(f"The 'model' parameter of {OWNER} is a model loaded quantized ({type(value).__name__}, "
@@ -41,8 +41,8 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
         if weights_folder is not None:
             check_weights(value, weights_folder, OWNER)  # the module has its weights: refused with why
         return value, None
-    try:
-        built = ModelRecipe(value).base(on_meta=not whole)
+    try:  # a skeleton of a weights_folder's factory: built as the factory builds it, for the folder's check below
+        built = ModelRecipe(value).base(on_meta=not whole and weights_folder is None)
     except Exception as exc:
         raise ValueError(f"The 'model' parameter of {OWNER} is a callable, which fit calls with no arguments to "
                          "build the module: once on the driver (its checks and dry run), then on every rank. On the "
@@ -50,7 +50,10 @@ def model_of(value: Any, weights_folder: Optional[str] = None, whole: bool = Tru
     if not isinstance(built, nn.Module):
         raise TypeError(param_error(OWNER, "model", "a torch.nn.Module, or a zero-argument callable returning one; "
                                     f"the callable returned {type(built).__name__}", value))
-    if not whole:
+    if not whole:  # every parameter on the meta device, a weights_folder checked but not read (what the factory
+        if weights_folder is not None:  # built with values too: the run's checkpoint holds them all after the fit)
+            check_weights(built, weights_folder, OWNER)
+            built = built.to("meta")
         return built, value
     if check_weights(built, weights_folder, OWNER):
         materialize(built, weights_folder)
