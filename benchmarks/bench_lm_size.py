@@ -15,7 +15,9 @@ fact, the rejected one another colour; the reference the adapters off, or with -
 Then `save` and `save_pretrained` of the fitted model, `TorchModel.load` of the saved one and a transform of
 it, the driver's peak RSS and anonymous memory (RssAnon: a mapped file's pages are reclaimable, not counted
 there) during each; `--built-save`: a full fine-tune saved as before (the model built whole on the driver),
-the saved optimizer read whole at load and the loaded model a module sent whole by transform.
+the saved optimizer read whole at load and the loaded model a module sent whole by transform. `--weights-folder
+read`: the factory builds on the meta device and the fit's weights_folder holds its weights (`built`: the
+driver builds the model whole from the folder, as before this change); with --full, the driver's fit peak.
 
 A size is hidden:layers of a Llama (intermediate 2x hidden, 4 heads, 2 key/value heads) saved in float32 with
 save_pretrained (the example's builder, notebooks/sft_example.py); LoRA r=4 on q_proj and v_proj.
@@ -78,8 +80,18 @@ def anonymous() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
 
+def on_meta(folder: str):
+    """The saved Llama's shape, its parameters on the meta device (--weights-folder's factory)."""
+    import transformers
+
+    from estimator import parameters_on_meta
+
+    with parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+
+
 def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: str = "ddp", dpo: bool = False,
-             built_save: bool = False) -> dict:
+             built_save: bool = False, weights_folder: str = "") -> dict:
     import torch
     import transformers
     from peft import LoraConfig
@@ -109,11 +121,19 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
     asked = spark.createDataFrame([(p,) for p, _ in rows[:6]], "prompt string").repartition(2).cache()
     df.count(), asked.count()
 
+    if weights_folder == "built":  # as before: the driver builds the model whole from the folder
+        import estimator.estimator
+
+        model_of = estimator.estimator.model_of
+        estimator.estimator.model_of = lambda value, folder, whole=True: model_of(value, folder, folder is not None)
+
     def fit(folder, run):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        factory = functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder)
+        meta = {"model": functools.partial(on_meta, folder), "weights_folder": folder} if weights_folder else {}
         return TorchEstimator(
             num_proc=2, store=LocalStore(os.path.join(work, "runs")), run_id=run, tokenizer=tokenizer,
-            model=functools.partial(transformers.AutoModelForCausalLM.from_pretrained, folder),
+            **{"model": factory, **meta},
             peft_config=None if full else lora, strategy=strategy,
             optimizer=functools.partial(torch.optim.AdamW, lr=5e-4 if full else 5e-3), feature_cols=["prompt"],
             label_cols=["chosen", "rejected"] if dpo else ["response"], objective=DPO(beta=0.1) if dpo else None,
@@ -165,6 +185,7 @@ def one_size(hidden: int, layers: int, work: str, full: bool = False, strategy: 
     loaded_sent = sum(sent)
     spark.stop()
     return {"hidden": hidden, "layers": layers, "full": full, "strategy": strategy, "dpo": dpo,
+            "weights_folder": weights_folder,
             "weights_mb": weights / 2 ** 20, "fit_s": fitting.seconds,
             "fit_driver_peak_mb": fitting.mb, "transform_driver_peak_mb": transforming.mb,
             "transform_sent_mb_each": sum(sent) / 2 ** 20 / 2, "adapters_mb": len(handle.trained) / 2 ** 20 if handle and handle.trained else None,
@@ -186,20 +207,24 @@ def main() -> None:
     parser.add_argument("--dpo", action="store_true", help="preference tuning: objective=DPO(beta=0.1)")
     parser.add_argument("--built-save", action="store_true",
                         help="save a full fine-tune as before: the model built whole on the driver")
+    parser.add_argument("--weights-folder", choices=("", "read", "built"), default="",
+                        help="the factory builds on the meta device, its weights the fit's weights_folder; "
+                             "'built': the driver builds the model whole from it, as before")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         hidden, layers = map(int, args.one.split(":"))
         with tempfile.TemporaryDirectory() as work:
             print("RESULT " + json.dumps(one_size(hidden, layers, work, args.full, args.strategy, args.dpo,
-                                                        args.built_save)),
+                                                        args.built_save, args.weights_folder)),
                   flush=True)
         return
     results = []
     for size in args.sizes.split(","):
         out = subprocess.run([sys.executable, __file__, "--one", size, "--strategy", args.strategy,
                               *(["--full"] if args.full else []), *(["--dpo"] if args.dpo else []),
-                              *(["--built-save"] if args.built_save else [])],
+                              *(["--built-save"] if args.built_save else []),
+                              *(["--weights-folder", args.weights_folder] if args.weights_folder else [])],
                              capture_output=True, text=True, check=True,
                              cwd=tempfile.gettempdir())
         results.append(json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:]))
