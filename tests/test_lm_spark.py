@@ -388,7 +388,7 @@ def test_a_full_fine_tune_of_a_base_read_from_weights_folder_never_reads_it_on_t
 
     weights = load_file(os.path.join(llama, "model.safetensors"))
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(partial / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"1 weights the model leaves on the meta device are not in .*lm_head"):
+    with pytest.raises(ValueError, match=r"1 weight the model leaves on the meta device is not in .*lm_head"):
         assert jobs_run_by(spark, lambda: sft(llama, store, model=functools.partial(llama_on_meta, llama),
                                               weights_folder=str(partial), peft_config=None).fit(df)) == []
 

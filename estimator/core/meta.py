@@ -150,7 +150,8 @@ def check_weights(model: nn.Module, folder: "str | None", owner: str) -> Dict[st
     keys = weight_keys(model, entries)
     missing = [n for n, k in keys.items() if k is None]
     if missing:
-        raise ValueError(f"{len(missing)} weights the model leaves on the meta device are not in {folder!r} (by "
+        raise ValueError(f"{len(missing)} {weights(len(missing))} the model leaves on the meta device "
+                         f"{'is' if len(missing) == 1 else 'are'} not in {folder!r} (by "
                          f"state-dict name, or base_model_prefix as from_pretrained reads them): "
                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Build those with values in "
                          "the factory (a new head: assign it after the parameters_on_meta block), or save a folder "
@@ -159,7 +160,9 @@ def check_weights(model: nn.Module, folder: "str | None", owner: str) -> Dict[st
              f"{n} {entries[k][1]} in the folder, {tuple(state[n].shape)} in the model"
              for n, k in keys.items() if k is not None and entries[k][1] != tuple(state[n].shape)]
     if wrong:
-        raise ValueError(f"Weights in {folder!r} do not have the model's shapes: {'; '.join(wrong[:3])}.")
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise ValueError(f"{len(wrong)} {weights(len(wrong))} in {folder!r} do not have the model's shapes: "
+                         f"{'; '.join(wrong[:3])}{more}.")
     return {n: k for n, k in keys.items() if k is not None}
 
 
@@ -170,10 +173,15 @@ def found_keys(model: nn.Module, folder: str, entries: "Dict[str, Tuple[str, Tup
     keys = weight_keys(model, folder_entries(folder) if entries is None else entries)
     lost = [n for n, k in keys.items() if k is None]
     if lost:
-        raise ValueError(f"{len(lost)} weights the model leaves on the meta device are not in {folder!r} on "
+        raise ValueError(f"{len(lost)} {weights(len(lost))} the model leaves on the meta device "
+                         f"{'is' if len(lost) == 1 else 'are'} not in {folder!r} on "
                          f"{socket.gethostname()}: {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} (the "
                          "driver's folder has them): give every executor the same weights_folder.")
     return {n: k for n, k in keys.items() if k is not None}
+
+
+def weights(count: int) -> str:
+    return "weight" if count == 1 else "weights"
 
 
 def allocated(model: nn.Module) -> None:
