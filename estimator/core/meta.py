@@ -19,7 +19,7 @@ import contextlib
 import os
 import socket
 import threading
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -188,6 +188,12 @@ def allocated(model: nn.Module) -> None:
     """Each tensor `model` holds on the meta device given memory on the CPU, uninitialized, in place: what a whole
     state_dict is loaded into next (a full fine-tune's run checkpoint, where the factory builds on the meta device
     and weights_folder held the base). Tensors shared by several modules stay shared."""
+    _meta_replaced(model, lambda t: torch.empty(t.shape, dtype=t.dtype))
+
+
+def _meta_replaced(model: nn.Module, value_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Each tensor of `model` on the meta device replaced by `value_of(it)`, a parameter by a parameter of its
+    class (requires_grad kept), each once: tensors shared by several modules stay shared. In place."""
     made: Dict[int, torch.Tensor] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -195,7 +201,7 @@ def allocated(model: nn.Module) -> None:
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in made:
-                    value = torch.empty(t.shape, dtype=t.dtype)
+                    value = value_of(t)
                     made[id(t)] = (type(t)(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
                                    else value)
                 table[key] = made[id(t)]
@@ -209,19 +215,13 @@ def materialize(model: nn.Module, folder: str, device: "torch.device | str" = "c
     files = folder_entries(folder)
     state = model.state_dict(keep_vars=True)
     names = {id(state[n]): k for n, k in found_keys(model, folder, files).items()}
-    made: Dict[int, torch.Tensor] = {}
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        opened: Dict[str, object] = {}  # each file opened once
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for key, t in list(table.items()):
-                    if t is None or not t.is_meta:
-                        continue
-                    if id(t) not in made:
-                        file = files[names[id(t)]][0]
-                        if file not in opened:
-                            opened[file] = stack.enter_context(safe_open(os.path.join(folder, file), framework="pt"))
-                        value = opened[file].get_tensor(names[id(t)]).to(device=device, dtype=t.dtype)
-                        made[id(t)] = (type(t)(value, requires_grad=t.requires_grad)
-                                       if isinstance(t, nn.Parameter) else value)
-                    table[key] = made[id(t)]
+        opened: Dict[str, Any] = {}  # each file opened once
+
+        def read(t: torch.Tensor) -> torch.Tensor:
+            file = files[names[id(t)]][0]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(os.path.join(folder, file), framework="pt"))
+            return opened[file].get_tensor(names[id(t)]).to(device=device, dtype=t.dtype)
+
+        _meta_replaced(model, read)
