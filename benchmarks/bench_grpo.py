@@ -5,6 +5,7 @@ Numbers, not assertions (RESULTS.md by hand).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_grpo.py [--seeds 3] [--epochs 20]
                                                           [--trl-python /work/venv-trl/bin/python] [--json F]
+                                                          [--ways ours,trl] [--batch 2]
 
 The base: the tests' tiny Llama (hidden 64, 2 layers), fine-tuned here (a plain loop, full weights) on three
 answers per noun, " The kettle is teal." with its own colour and with two others, so that it writes each noun's
@@ -86,7 +87,7 @@ def lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def ours(base, seed, epochs, work):
+def ours(base, seed, epochs, work, batch=BATCH):
     from transformers import AutoTokenizer
 
     from estimator.launch.local import LocalLauncher
@@ -98,7 +99,7 @@ def ours(base, seed, epochs, work):
     store = Store.create(os.path.join(work, f"ours-{seed}"))
     table = rows()
     objective = GRPO(right_colour, num_generations=G, max_new_tokens=NEW_TOKENS)
-    spec = lm_train_spec(store, base, table, batch=BATCH, epochs=epochs, peft_config=lora(), lr=LR,
+    spec = lm_train_spec(store, base, table, batch=batch, epochs=epochs, peft_config=lora(), lr=LR,
                          objective=objective, gradient_clip_val=1.0)
     spec = dataclasses.replace(spec, seed=seed)
     started = time.perf_counter()
@@ -163,6 +164,8 @@ def main():
     parser.add_argument("--path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work")
+    parser.add_argument("--ways", default="ours,trl", help="which runs, of ours and trl")
+    parser.add_argument("--batch", type=int, default=BATCH, help="ours: prompts a rank a step (TRL's stays 4)")
     args = parser.parse_args()
     if args.trl_child:
         return trl_child(args)
@@ -178,8 +181,10 @@ def main():
                                                  rows()), "prompts": PROMPTS, "epochs": args.epochs, "runs": []}
     print("base greedy right:", results["base_greedy_right"], "of", PROMPTS, flush=True)
     for seed in range(args.seeds):
-        for name, run in (("ours", lambda: ours(base, seed, args.epochs, work)),
+        for name, run in (("ours", lambda: ours(base, seed, args.epochs, work, args.batch)),
                           ("trl", lambda: trl(base, seed, args.epochs, work, args.trl_python))):
+            if name not in args.ways.split(","):
+                continue
             found = run()
             found.update(way=name, seed=seed)
             results["runs"].append(found)
@@ -187,7 +192,7 @@ def main():
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1)
-    for name in ("ours", "trl"):
+    for name in args.ways.split(","):
         mine = [r for r in results["runs"] if r["way"] == name]
         print(name, {k: statistics.median(r[k] for r in mine)
                      for k in ("first_reward", "last_reward", "greedy_right", "completions_per_s")})

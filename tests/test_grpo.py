@@ -192,8 +192,8 @@ def colour_rows(count):
 def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, peft_config):
     """The plain loop of what `ranks` ranks of `batch` prompts train (unshuffled): each prompt's group sampled under
     its seed, scored, its advantages; the step's dapo loss over all its completion tokens, num_iterations steps on
-    each sample (the first step's log-probabilities the old policy's). The per-epoch losses and mean rewards, and
-    the model."""
+    each sample (the first step's log-probabilities the old policy's). The per-epoch losses, mean rewards and
+    completions' mean lengths, the model and the count of clipped tokens."""
     from estimator.lm.generation import sampled_groups
     from estimator.lm.policy import policy_loss
     from estimator.train.objectives.grpo import prompt_seed
@@ -205,9 +205,9 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
     half, steps, group = len(rows) // ranks, len(rows) // (ranks * batch), objective.num_generations
     kwargs = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
               "temperature": objective.temperature, "top_p": 1.0, "top_k": 0}
-    losses, rewards, global_step, clipped = [], [], 0, 0.0
+    losses, rewards, lengths, global_step, clipped = [], [], [], 0, 0.0
     for epoch in range(epochs):
-        total = weight = reward = scored = 0.0
+        total = weight = reward = scored = length = count = 0.0
         for step in range(steps):
             part = [rows[r * half + step * batch + i] for r in range(ranks) for i in range(batch)]
             prompts = [tokenizer(p)["input_ids"] for p, _ in part]
@@ -216,6 +216,7 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
                                                                  for p in prompts], objective.max_new_tokens,
                                          kwargs, "cpu")
             texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            length, count = length + sum(len(c) for c in completions), count + len(completions)
             repeated = [part[i // group] for i in range(len(completions))]
             scores = torch.from_numpy(objective.rewards.score([p for p, _ in repeated], texts, completions,
                                                               {"answer": [a for _, a in repeated]}))
@@ -248,7 +249,8 @@ def plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective, 
             reward, scored = reward + float(found[ok].sum()), scored + float(ok.sum())
         losses.append(total / weight)
         rewards.append(reward / scored)
-    return losses, rewards, model, clipped
+        lengths.append(length / count)
+    return losses, rewards, lengths, model, clipped
 
 
 @pytest.mark.parametrize("iterations, accumulated", [(1, 1), (2, 1), (2, 2)])
@@ -274,10 +276,12 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
                                                 peft_config=lora(), lr=lr, objective=objective,
                                                 backward_passes_per_step=accumulated), ranks)
     history = results[0].history
-    losses, rewards, plain, clipped = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective,
+    losses, rewards, lengths, plain, clipped = plain_grpo_run(llama, tokenizer, rows, ranks, batch, epochs, lr, objective,
                                                      lora())
-    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5, abs=1e-7)
-    assert [row["reward"] for row in history] == pytest.approx(rewards, rel=1e-9)
+    # the loss: a mean of terms of about 1 that cancel to about 0.02, so its float error is absolute (seen: 4e-7)
+    assert [row["loss"] for row in history] == pytest.approx(losses, rel=1e-5, abs=2e-6)
+    assert [row["reward"] for row in history] == pytest.approx(rewards, rel=1e-9)  # the same completions
+    assert [row["completions/mean_length"] for row in history] == pytest.approx(lengths, rel=1e-12)
     assert {"reward_std", "rewards/low_ids/mean", "rewards/names_answer/mean", "completions/mean_length",
             "completions/clipped_ratio", "frac_reward_zero_std", "clip_ratio/region_mean"} <= set(history[-1])
     assert "reward_sq" not in history[-1]
@@ -287,8 +291,12 @@ def test_two_ranks_of_grpo_prompts_equal_one_plain_loop_of_twice_the_prompts(lla
     restore(store, store.run("r"), store.run("r").checkpoint, trained, None)
     state, expected = trained.state_dict(), plain.state_dict()
     moved = 0
+    # atol: the same completions, and still the sums' float order (the ranks' padded batches, the loop's rows one at
+    # a time) grows through AdamW's first steps, whose second moments are near zero, at lr 1e-2: seen up to 3.2e-4,
+    # as much as the sampling's other draws give (another seed key, per-prompt calls: 1.4e-4). A completion or an
+    # advantage of another prompt's moves the adapters by about the lr a step.
     for name in (n for n, p in plain.named_parameters() if p.requires_grad):
-        assert torch.allclose(state[name], expected[name], atol=2e-5), (name, (state[name] - expected[name]).abs().max())
+        assert torch.allclose(state[name], expected[name], atol=1e-3), (name, (state[name] - expected[name]).abs().max())
         moved += int("lora_B" in name and state[name].abs().max() > 0)
     assert moved  # the adapters trained
 

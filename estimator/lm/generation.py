@@ -134,24 +134,46 @@ def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Seq
                 texts[call[j]] = text
 
 
-def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, seeds: Sequence[int],
+def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, seeds: Optional[Sequence[int]],
                    max_new_tokens: int, generate_kwargs: Dict[str, Any], device: str) -> List[List[int]]:
-    """`group` completions of each prompt (token ids, ending with the stop token where one came), prompt i's drawn
-    under seeds[i] alone in a generate() call of its own, so that they are the same whatever else is sampled
-    beside them (k ranks sample what one process does); the torch random state is left as it was. Prompt-major:
-    completion j of prompt i at i x group + j. generate_kwargs: generate()'s, with pad_token_id and eos_token_id
-    (a list of stops, or one)."""
+    """`group` completions of each prompt (token ids, ending with the stop token where one came), completion j of
+    prompt i drawn from a random stream of its own, of seeds[i] and j (estimator.lm.sampling), so that it is the same
+    whatever else is sampled in its call: k ranks sample what one process does, to the last bits of the logits
+    (a batch's padding moves them; a draw changes only where two tokens' noisy scores tie within that). The
+    prompts go through generate() in calls sorted by length, left-padded, as many as the device's GENERATE_TOKENS
+    hold. seeds None: greedy. The torch random state is left as it was. Prompt-major: completion j of prompt i at
+    i x group + j. generate_kwargs: generate()'s, with pad_token_id and eos_token_id (a list of stops, or one)
+    and the sampling warpers' values (temperature, top_k, top_p, ...)."""
+    from transformers import LogitsProcessorList
+
+    from estimator.lm.sampling import WARPER_KEYWORDS, RowDraws, row_seeds, warpers
+
     stops = generate_kwargs["eos_token_id"]
     stops = set(stops if isinstance(stops, (list, tuple)) else [stops])
+    kwargs = {k: v for k, v in generate_kwargs.items() if k not in WARPER_KEYWORDS}
+    warp = warpers(model, generate_kwargs) if seeds is not None else []
+    drawn = row_seeds(seeds, group) if seeds is not None else None
+    pad = kwargs["pad_token_id"]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: List[List[int]] = [[] for _ in range(len(prompts) * group)]
     devices = [torch.device(device).index or 0] if device.startswith("cuda") else []
-    out: List[List[int]] = []
     with torch.inference_mode(), torch.random.fork_rng(devices=devices):
-        for prompt, seed in zip(prompts, seeds):
-            torch.manual_seed(int(seed))
-            ids = torch.tensor([list(prompt)] * group, dtype=torch.long, device=device)
-            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 max_new_tokens=max_new_tokens, **generate_kwargs)[:, ids.shape[1]:].tolist()
-            out += [cut_at_stop(row, stops) for row in new]
+        for call in batches([len(p) * group for p in prompts], order, None, max_new_tokens * group, device):
+            rows = [i * group + j for i in call for j in range(group)]
+            width = max(len(prompts[i]) for i in call)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for n, row in enumerate(rows):  # left padding: every prompt ends at the last position
+                prompt = prompts[row // group]
+                ids[n, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+                mask[n, width - len(prompt):] = 1
+            processors = LogitsProcessorList(
+                [RowDraws([drawn[r] for r in rows], width, warp, device)] if drawn is not None else [])
+            new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 logits_processor=processors, max_new_tokens=max_new_tokens,
+                                 **kwargs)[:, width:].tolist()
+            for row, tokens in zip(rows, new):
+                out[row] = cut_at_stop(tokens, stops)
     return out
 
 

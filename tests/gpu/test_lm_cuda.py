@@ -1,7 +1,8 @@
 """A causal LM's fine-tuning and generation on CUDA (`bash .ci/gpu`): LoRA SFT on the GPU equals a plain PEFT loop
 there, bf16-mixed trains, and transform's generation (sorted, left-padded batches, and continuous batching)
-writes what model.generate writes for each prompt alone; DPO with its reference precomputed trains as with the adapters off. Skipped
-without a CUDA device; no Spark (LocalLauncher, inference's batch function)."""
+writes what model.generate writes for each prompt alone; DPO with its reference precomputed trains as with the
+adapters off; GRPO samples the CPU's completions. Skipped without a CUDA device; no Spark (LocalLauncher,
+inference's batch function)."""
 import pyarrow as pa
 import pytest
 import torch
@@ -234,3 +235,23 @@ def test_dpo_on_the_gpu_with_its_reference_precomputed_trains_as_with_the_adapte
         histories[reference] = [row["loss"] for row in result.history]
     assert histories["precomputed"] == pytest.approx(histories["adapters"], rel=2e-2)
     assert histories["adapters"][-1] < histories["adapters"][0]
+
+
+def test_grpo_sampling_on_the_gpu_draws_the_cpus_noise_and_completions(llama):
+    """Each row's noise is a hash (integers only): the same uniforms on CUDA as on the CPU, bit for bit; and the
+    completions sampled on the GPU in float32 are those sampled on the CPU (one call of three prompts on each)."""
+    from transformers import AutoTokenizer
+
+    from estimator.lm.generation import sampled_groups
+    from estimator.lm.sampling import uniforms
+
+    seeds = torch.tensor([1, 2, -5, 2 ** 62])
+    assert torch.equal(uniforms(seeds, 7, 5000), uniforms(seeds.cuda(), 7, 5000).cpu())
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    prompts = [tokenizer(p)["input_ids"] for p, _ in lm_rows(3)]
+    kwargs = {"temperature": 1.2, "top_k": 0, "top_p": 0.95, "pad_token_id": tokenizer.pad_token_id,
+              "eos_token_id": tokenizer.eos_token_id}
+    model = plain_causal_lm(llama).eval()
+    on_cpu = sampled_groups(model, prompts, 4, [11, 12, 13], 8, kwargs, "cpu")
+    on_gpu = sampled_groups(model.to("cuda:0"), prompts, 4, [11, 12, 13], 8, kwargs, "cuda:0")
+    assert on_gpu == on_cpu

@@ -32,7 +32,7 @@ from estimator.core.adapters import can_generate, model_positions
 from estimator.core.outputs import forward, logits_of
 from estimator.data.lm import IGNORE, eos_id, pad_id
 from estimator.data.rows import rows_of
-from estimator.lm.generation import cut_at_stop, sampled_groups
+from estimator.lm.generation import sampled_groups
 from estimator.lm.logprobs import token_logps
 from estimator.lm.policy import LOSS_TYPES, policy_loss
 from estimator.train.objectives.base import BuiltIn, built_in_loop
@@ -346,16 +346,8 @@ def prompt_seed(base: int, epoch: int, step: int, ids: Sequence[int]) -> int:
 
 def greedy(model: Any, prompts: List[List[int]], max_new_tokens: int, kwargs: Dict[str, Any], device: str
            ) -> List[List[int]]:
-    """One greedy completion per prompt (validation), each prompt alone, cut at its stop."""
-    stops = {kwargs["eos_token_id"]}
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], dtype=torch.long, device=device)
-            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, **kwargs)[0, ids.shape[1]:].tolist()
-            out.append(cut_at_stop(new, stops))
-    return out
+    """One greedy completion per prompt (validation), in generate() calls of many prompts, each cut at its stop."""
+    return sampled_groups(model, prompts, 1, None, max_new_tokens, kwargs, device)
 
 
 def completion_logps(model: Any, batch: Sampled) -> torch.Tensor:
