@@ -73,5 +73,5 @@ def test_rows_drawn_in_chunks_draw_what_they_draw_at_once(monkeypatch):
 
     scores = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))
     whole = RowDraws(range(7), 2, [], "cpu")(torch.zeros((7, 5)), scores.clone())
-    monkeypatch.setattr(sampling, "NOISE_ELEMENTS", 100)  # 2 rows at a time
+    monkeypatch.setitem(sampling.NOISE_ELEMENTS, "cpu", 100)  # 2 rows at a time
     assert torch.equal(RowDraws(range(7), 2, [], "cpu")(torch.zeros((7, 5)), scores.clone()), whole)

@@ -24,8 +24,11 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 # transformers applies them after temperature, top-k and top-p
 _OTHER_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
-# elements of noise made at once (rows x vocabulary): 125 rows at Llama 3's 128,256 tokens
-NOISE_ELEMENTS = 2 ** 24
+# elements of noise made at once (rows x vocabulary, one row at least), by device type: on a GPU 128 MB an int64
+# temporary (125 rows at Llama 3's 128,256 tokens); on a CPU what stays in its caches: 64 rows x 128,256 took 125
+# ms a token in rows of 2**16 elements against 197 ms at 2**22 and 750 ms at once (each large temporary's pages
+# faulted in anew), where softmax and torch.multinomial took 174-228 ms (2 cores)
+NOISE_ELEMENTS = {"cuda": 2 ** 24, "cpu": 2 ** 16}
 
 # generate() keywords that `warpers` reads (and generate() is then not given: it runs greedy)
 WARPER_KEYWORDS = frozenset({"temperature", "top_k", "top_p", *_OTHER_WARPERS})
@@ -109,7 +112,7 @@ class RowDraws:
         for warp in self.warpers:
             scores = warp(input_ids, scores)
         index, vocabulary = input_ids.shape[1] - self.width, scores.shape[-1]
-        rows = max(1, NOISE_ELEMENTS // vocabulary)  # the hash's int64 temporaries: 128 MB each at most
+        rows = max(1, NOISE_ELEMENTS.get(scores.device.type, NOISE_ELEMENTS["cuda"]) // vocabulary)
         drawn = torch.cat([
             (scores[start:start + rows].to(torch.float64)  # -inf (warped out) stays -inf
              - torch.log(-torch.log(uniforms(self.seeds[start:start + rows], index, vocabulary)))).argmax(-1)
