@@ -6,7 +6,7 @@ import os
 import posixpath
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import fsspec
@@ -183,11 +183,25 @@ class Store:
         On local disk and HDFS the move is atomic; on object stores the final object appears only
         when its upload completes, so a reader never sees a half-written file either way.
         """
+        self.write_atomic(path, lambda f: f.write(data))
+
+    def write_atomic(self, path: str, write: Callable[[Any], Any]) -> None:
+        """`write(f)` streams the file's bytes into `f` (a temporary name beside `path`), then the file is moved
+        into place, as write_bytes_atomic does: for what should not be held whole in memory first (a checkpoint
+        as large as the model and its optimizer's state)."""
         parent = posixpath.dirname(path)
         self.makedirs(parent)
         tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                write(f)
+        except BaseException:
+            try:  # a write that failed half-way leaves no partial file behind, where the store still answers
+                if self.fs.exists(tmp):
+                    self.fs.rm(tmp)
+            except OSError:
+                pass
+            raise
         if self.protocol in _RENAME_KEEPS_TARGET and self.fs.exists(path):
             old = tmp + ".old"  # rename will not replace: move the old file aside first
             self.fs.mv(path, old)

@@ -98,3 +98,37 @@ def test_an_optimizer_built_with_numpy_numbers_checkpoints_and_loads(store):
     torch.save(old, buffer)
     store.write_bytes_atomic(store.path("old.pt"), buffer.getvalue())
     assert load_checkpoint(store, store.path("old.pt"))["optimizer"]["param_groups"][0]["lr"] == 0.01
+
+
+def test_a_checkpoint_is_streamed_into_the_store_and_a_failed_write_leaves_the_last_one(store, monkeypatch):
+    """write_checkpoint never holds the serialized checkpoint whole: the store's file gets it in pieces no larger
+    than its largest tensor (a 1B model's full fine-tune is 15 GB); each target is a copy of it. A write that fails
+    half-way leaves the checkpoint that was there, and no temporary file."""
+    from estimator.train.checkpoint import load_checkpoint, write_checkpoint
+
+    tensors = {f"w{i}": torch.full((256, 256), float(i)) for i in range(8)}  # 256 KB each, 2 MB in all
+    target, best = store.path("run", "ckpt.pt"), store.path("run", "best.pt")
+    opened, real_open = [], store.fs.open
+
+    def recording_open(path, mode="rb", **kwargs):
+        f = real_open(path, mode, **kwargs)
+        if "w" in mode:
+            sizes, write = [], f.write
+            opened.append(sizes)
+            f.write = lambda data: sizes.append(len(data)) or write(data)
+        return f
+
+    monkeypatch.setattr(store.fs, "open", recording_open)
+    write_checkpoint(store, {"model": tensors, "epoch": 1}, [target, best])
+    assert len(opened) == 2 and all(max(sizes) <= 256 * 256 * 4 < sum(sizes) for sizes in opened)
+    for path in (target, best):
+        assert torch.equal(load_checkpoint(store, path)["model"]["w7"], tensors["w7"])
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        write_checkpoint(store, {"model": tensors, "epoch": 2, "extra": Unpicklable()}, [target])
+    assert load_checkpoint(store, target)["epoch"] == 1
+    assert sorted(store.fs.ls(store.path("run"), detail=False)) == sorted([target, best])

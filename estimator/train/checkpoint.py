@@ -4,6 +4,7 @@ optimizer's part is the strategy's (estimator.train.strategies: the tensors, or 
 the file says which it holds, and loading follows the file."""
 from __future__ import annotations
 
+import functools
 import io
 import tempfile
 import threading
@@ -78,11 +79,10 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, history
 
 
 def write_checkpoint(store: Any, state: Dict[str, Any], targets: Sequence[str]) -> None:
-    """`state` written atomically (a reader never sees half a checkpoint) at each of `targets`."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
+    """`state` written atomically (a reader never sees half a checkpoint) at each of `targets`, serialized into the
+    store's file as it is written: never whole in memory (a 1B model's full fine-tune: 15 GB)."""
     for target in targets:
-        store.write_bytes_atomic(target, buffer.getvalue())
+        store.write_atomic(target, functools.partial(torch.save, state))
 
 
 def save_checkpoint(store: Any, path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
