@@ -40,10 +40,10 @@ def test_reward_functions_get_the_columns_as_keyword_lists_and_none_is_unscored(
 
 
 @pytest.mark.parametrize("returned, message", [
-    (lambda n: [1.0] * (n - 1), r"'bad' returned 3 scores for 4 completions"),
+    (lambda n: [1.0] * (n - 1), r"'bad' returned 3 scores for 4 completions \(the batch's first prompt: 'Q1'\)"),
     (lambda n: [1.0, float("nan"), 0.0, 0.0], r"'bad' returned nan for completion 1 of the prompt 'Q1'.*or None"),
     (lambda n: [1.0, "yes", 0.0, 0.0], r"'bad' returned 'yes' \(str\) for completion 1 .*return a float"),
-    (lambda n: 3.0, r"'bad' returned float, not a list"),
+    (lambda n: 3.0, r"'bad' returned float, not a list, for a batch whose first prompt is 'Q1'"),
 ])
 def test_a_reward_function_that_breaks_its_contract_is_refused_by_name_and_never_retried(returned, message):
     def bad(completions, **_):
@@ -324,6 +324,9 @@ def test_grpo_sharded_by_fsdp_trains_what_ddp_does_with_a_kl_term_and_uneven_val
     for key in ("loss", "reward", "kl", "val_reward", "val_rewards/low_ids/mean"):
         assert [r[key] for r in histories["fsdp"]] == pytest.approx([r[key] for r in histories["ddp"]], rel=1e-5), key
     assert histories["ddp"][-1]["kl"] > 0
+    # validation: one greedy completion a prompt and no step, so no clipping, KL or group spread to report
+    assert not {"val_kl", "val_clip_ratio/region_mean", "val_frac_reward_zero_std", "val_loss"} & set(
+        histories["ddp"][-1])
     ddp, fsdp = (m.state_dict() for m in models.values())
     for name in (n for n in ddp if "lora_" in n):
         assert torch.allclose(ddp[name], fsdp[name], atol=1e-5), name

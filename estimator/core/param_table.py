@@ -231,8 +231,10 @@ ESTIMATOR_PARAMS = [
               "choose: DPO(beta=0.1) (from estimator) tunes it on preference pairs, the prompt the feature column "
               "and label_cols=['chosen', 'rejected'] two string columns (or all three message lists); its "
               "reference is the model with its adapters off under peft_config, else log-probabilities computed "
-              "once before training (DPO's reference). None: chosen from the other params "
-              "(docs/language-models.md 'Tune on preference pairs (DPO)')", None,
+              "once before training (DPO's reference); GRPO(reward_funcs=...) samples completions of the prompts "
+              "and reinforces those its reward functions score above their group's mean. None: chosen from the "
+              "other params (docs/language-models.md 'Tune on preference pairs (DPO)', 'Reinforce with rewards "
+              "(GRPO)')", None,
               lambda v: v is None or (hasattr(v, "applies") and hasattr(v, "for_rank")),
               "an objective such as DPO(beta=0.1), or None", json=False),
     ParamSpec("gradient_checkpointing", "recompute activations in backward instead of keeping them: True "

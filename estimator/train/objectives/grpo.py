@@ -51,6 +51,10 @@ def layout_of(names: Sequence[str], kl: bool) -> Sums:
     return Sums.of_loss(pairs=keys)
 
 
+# the training keys validation has no value for (it samples one greedy completion a prompt and takes no step)
+VALIDATION_LEFT_OUT = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl",
+                       "frac_reward_zero_std")
+
 HIDDEN = ("reward_sq",)  # summed, not reported: reward_std is read from it
 
 
@@ -322,8 +326,9 @@ def summarize_grpo(layout: Sums, train: Mapping[str, float], val: Optional[Mappi
             means = {prefix + m.key: math.nan for m in layout.means}
         else:
             means = layout.means_of(named, prefix)
-        if prefix:  # validation scores greedy completions: rewards, no loss
-            means.pop(prefix + LOSS)
+        if prefix:  # validation scores one greedy completion a prompt: rewards, no loss, nothing clipped, no
+            for key in (LOSS, *VALIDATION_LEFT_OUT):  # group to spread over
+                means.pop(prefix + key, None)
         reward, square = means.get(prefix + "reward", math.nan), means.pop(prefix + "reward_sq", math.nan)
         n = named.get(weight_slot("reward"), 0.0) if not keys_only else 0.0
         spread = (square - reward ** 2) * n / (n - 1) if n > 1 else math.nan

@@ -122,11 +122,13 @@ def checked_scores(got: Any, count: int, name: str, prompts: Sequence[Any]) -> n
     try:
         values = list(got)
     except TypeError:
-        raise RewardFailed(f"The reward function {name!r} returned {type(got).__name__}, not a list: return one "
+        raise RewardFailed(f"The reward function {name!r} returned {type(got).__name__}, not a list, for a batch "
+                           f"whose first prompt is {clipped(prompts[0] if len(prompts) else '')}: return one "
                            f"float (or None) per completion ({count} here).") from None
     if len(values) != count:
-        raise RewardFailed(f"The reward function {name!r} returned {len(values)} scores for {count} completions: "
-                           "return one float (or None) per completion, in their order.")
+        raise RewardFailed(f"The reward function {name!r} returned {len(values)} scores for {count} completions "
+                           f"(the batch's first prompt: {clipped(prompts[0] if len(prompts) else '')}): return one "
+                           "float (or None) per completion, in their order.")
     out = np.empty(count, dtype=np.float64)
     for i, value in enumerate(values):
         if value is None:
