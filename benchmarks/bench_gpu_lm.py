@@ -43,6 +43,8 @@ Generation (--prompts prompts of 32-512 tokens, up to --new-tokens new tokens, g
   seconds; each way warmed up on a few prompts first; texts compared with generate's.
 Embeddings (--texts texts of 16-512 tokens, mean pooling over the mask, bf16 base model): ours (transform's
   Embedding predictor) against a hand loop over batches of 64 texts sorted by length; the vectors compared.
+GRPO's sampling (second pass only): 16 prompts x 8 completions of up to 64 tokens (a stop word ends some), ours
+  against generate()'s own sampling in the same calls and against one call a prompt (`grpo_rows`).
 """
 from __future__ import annotations
 
@@ -533,6 +535,73 @@ def score_rows(args, bench, path, words):
     free(args.device)
 
 
+def grpo_rows(args, bench, path, words):
+    """GRPO's sampling (issue 66, batched this session): a rank's prompts x G completions drawn by ours
+    (sampled_groups: calls sorted by length within the generation budget, each row's noise its own) against the
+    same calls with generate()'s own sampling (torch.multinomial, one generator), and against one call a prompt
+    (how GRPO sampled before). Completion tokens/s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from estimator.lm.generation import batches, sampled_groups
+
+    names = ["ours (each row's stream)", "the same calls, generate's sampling", "one call a prompt"]
+    if not bench.has_rows("grpo_sampling", names):
+        return
+    gpu = args.device == "cuda"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32
+                                                 ).to(args.device).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in texts_of(words, 16 if gpu else 8, 32, 256, seed=6)]
+    group, new = 8, 64 if gpu else 16
+    stops = sorted(random.Random(3).sample(range(len(SPECIALS), len(SPECIALS) + len(words)),
+                                           max(1, len(words) // args.stop_every))) + [tokenizer.eos_token_id]
+    kwargs = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "pad_token_id": tokenizer.pad_token_id,
+              "eos_token_id": stops}
+
+    def counted(completions, seconds):
+        tokens = sum(len(c) for c in completions)
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                "completions": len(completions)}
+
+    def ours():
+        sampled_groups(model, prompts[:2], group, [1, 2], 4, kwargs, args.device)  # warm
+        synchronize(args.device)
+        started = time.perf_counter()
+        out = sampled_groups(model, prompts, group, list(range(len(prompts))), new, kwargs, args.device)
+        synchronize(args.device)
+        return counted(out, time.perf_counter() - started)
+
+    def theirs(calls):
+        def run(call):
+            width = max(len(prompts[i]) for i in call)
+            rows = [i for i in call for _ in range(group)]
+            x = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+            m = torch.zeros_like(x)
+            for j, i in enumerate(rows):
+                x[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                m[j, width - len(prompts[i]):] = 1
+            out = model.generate(input_ids=x.to(args.device), attention_mask=m.to(args.device), do_sample=True,
+                                 max_new_tokens=new, **kwargs)[:, width:].tolist()
+            return [row[:next((n + 1 for n, t in enumerate(row) if t in stops), len(row))] for row in out]
+
+        with torch.inference_mode():
+            run(calls[0][:1])
+            synchronize(args.device)
+            started = time.perf_counter()
+            out = [c for call in calls for c in run(call)]
+            synchronize(args.device)
+        return counted(out, time.perf_counter() - started)
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    together = batches([len(p) * group for p in prompts], order, None, new * group, args.device)
+    bench.row("grpo_sampling", names[0], ours)
+    bench.row("grpo_sampling", names[1], lambda: theirs(together))
+    bench.row("grpo_sampling", names[2], lambda: theirs([[i] for i in range(len(prompts))]))
+    bench.results["grpo_sampling_shape"] = {"prompts": len(prompts), "group": group, "max_new_tokens": new}
+    model = None  # noqa: F841 - the GPU's memory back for the next rows
+    free(args.device)
+
+
 def timed_predictor(args, model, layout, texts):
     """transform's UDF body (an output kind's predictor) over `texts`, the model cached as an executor's Python
     worker holds it, after a warm-up on 8 texts: (seconds, the Arrow struct it returned)."""
@@ -640,7 +709,7 @@ def main(argv=None):
     parser.add_argument("--stop-every", type=int, default=64, help="one word in this many stops a generated row")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: lora,generation,full,"
-                                                   "embeddings,scores")
+                                                   "embeddings,scores,grpo")
     parser.add_argument("--json")
     parser.add_argument("--work")
     parser.add_argument("--trl-child", action="store_true")
@@ -711,6 +780,8 @@ def main(argv=None):
             embedding_rows(args, bench, path, words)
         if "scores" not in skip:
             score_rows(args, bench, path, words)
+        if "grpo" not in skip:
+            grpo_rows(args, bench, path, words)
         if "lora" not in skip and gpu:
             bench.row("lora", "ours, float32 base", lambda: ours_sft(args, path, rows, False, torch.float32),
                       train_flops(path, lengths, False), tokens)
