@@ -119,19 +119,27 @@ def padded_texts(model: Any, tokenizer: Any, prompts: List[List[int]], rows: Seq
     with torch.inference_mode():
         beams = int(kwargs.get("num_beams", 1))  # each row's sequences in the call
         for call in batches([len(p) * beams for p in prompts], order, batch_size, max_new_tokens * beams, device):
-            width = max(len(prompts[i]) for i in call)
-            ids = torch.full((len(call), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(call), width), dtype=torch.long)
-            for j, i in enumerate(call):  # left padding: every prompt ends at the last position
-                if prompts[i]:
-                    ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                    mask[j, width - len(prompts[i]):] = 1
+            ids, mask = left_padded([prompts[i] for i in call], pad)
+            width = ids.shape[1]
             if seed is not None:
                 torch.manual_seed(int(seed))
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  max_new_tokens=max_new_tokens, **kwargs)
             for j, text in enumerate(tokenizer.batch_decode(out[:, width:].cpu(), skip_special_tokens=True)):
                 texts[call[j]] = text
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(input_ids, attention_mask) of a generate() call: the prompts left-padded with `pad` to the longest, so that
+    every prompt ends at the last position, where a decoder continues."""
+    width = max((len(p) for p in prompts), default=0)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for j, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[j, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[j, width - len(prompt):] = 1
+    return ids, mask
 
 
 def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, seeds: Optional[Sequence[int]],
@@ -160,13 +168,8 @@ def sampled_groups(model: Any, prompts: Sequence[Sequence[int]], group: int, see
     with torch.inference_mode(), torch.random.fork_rng(devices=devices):
         for call in batches([len(p) * group for p in prompts], order, None, max_new_tokens * group, device):
             rows = [i * group + j for i in call for j in range(group)]
-            width = max(len(prompts[i]) for i in call)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for n, row in enumerate(rows):  # left padding: every prompt ends at the last position
-                prompt = prompts[row // group]
-                ids[n, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-                mask[n, width - len(prompt):] = 1
+            ids, mask = left_padded([prompts[r // group] for r in rows], pad)
+            width = ids.shape[1]
             processors = LogitsProcessorList(
                 [RowDraws([drawn[r] for r in rows], width, warp, device)] if drawn is not None else [])
             new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,

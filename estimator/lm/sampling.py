@@ -10,7 +10,7 @@ token's index, the vocabulary's token): no generator state, the same on any devi
 processor returns the drawn token alone, which greedy picks. torch and transformers only."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -50,10 +50,20 @@ def mixed(x: torch.Tensor) -> torch.Tensor:
 def uniforms(seeds: torch.Tensor, index: int, vocabulary: int) -> torch.Tensor:
     """rows x vocabulary uniforms in (0, 1), float64 with 53 random bits: row r's are a function of seeds[r] and
     `index` (the new token's position in the completion) only."""
-    step = int(mixed(torch.tensor(index, dtype=torch.int64)))  # on the host: no copy to the device
-    key = mixed(mixed(seeds.to(torch.int64) ^ step))
-    tokens = torch.arange(vocabulary, dtype=torch.int64, device=seeds.device)
-    bits = _shifted(mixed(key[:, None] ^ (tokens[None, :] * _GOLDEN)), 11)
+    return _uniforms(seeds, _index_key(index), _token_keys(vocabulary, seeds.device))
+
+
+def _index_key(index: int) -> int:
+    return int(mixed(torch.tensor(index, dtype=torch.int64)))  # on the host: no copy to the device
+
+
+def _token_keys(vocabulary: int, device: Any) -> torch.Tensor:
+    return torch.arange(vocabulary, dtype=torch.int64, device=device) * _GOLDEN
+
+
+def _uniforms(seeds: torch.Tensor, index_key: int, token_keys: torch.Tensor) -> torch.Tensor:
+    key = mixed(mixed(seeds.to(torch.int64) ^ index_key))
+    bits = _shifted(mixed(key[:, None] ^ token_keys[None, :]), 11)
     return (bits.to(torch.float64) + 0.5) / float(1 << 53)
 
 
@@ -107,15 +117,18 @@ class RowDraws:
         self.seeds = torch.tensor(list(seeds), dtype=torch.int64, device=device)
         self.width = width
         self.warpers = list(warpers)
+        self._tokens: Optional[torch.Tensor] = None  # each token's hash key, made at the first token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        index, vocabulary = input_ids.shape[1] - self.width, scores.shape[-1]
+        index, vocabulary = _index_key(input_ids.shape[1] - self.width), scores.shape[-1]
+        if self._tokens is None or self._tokens.shape[0] != vocabulary:  # the same at every token of the call
+            self._tokens = _token_keys(vocabulary, self.seeds.device)
         rows = max(1, NOISE_ELEMENTS.get(scores.device.type, NOISE_ELEMENTS["cuda"]) // vocabulary)
         drawn = torch.cat([
             (scores[start:start + rows].to(torch.float64)  # -inf (warped out) stays -inf
-             - torch.log(-torch.log(uniforms(self.seeds[start:start + rows], index, vocabulary)))).argmax(-1)
+             - torch.log(-torch.log(_uniforms(self.seeds[start:start + rows], index, self._tokens)))).argmax(-1)
             for start in range(0, scores.shape[0], rows)])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, drawn[:, None], 0.0)
