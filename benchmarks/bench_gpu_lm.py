@@ -47,7 +47,7 @@ Embeddings (--texts texts of 16-512 tokens, mean pooling over the mask, bf16 bas
   Embedding predictor) against a hand loop over batches of 64 texts sorted by length; the vectors compared.
 Profile (first pass, last): ours' full fine-tune of 8 steps under torch.profiler, steps 4-7 recorded: the GPU's
   busy share, its kernels' seconds by kind, the 30 costliest (profile_full.txt beside the JSON); the store in
-  /dev/shm (the end's 15 GB checkpoint is not what is asked there).
+  memory (the end's 15 GB checkpoint is not what is asked there).
 GRPO's sampling (second pass only): 16 prompts x 8 completions of up to 64 tokens (a stop word ends some), ours
   against generate()'s own sampling in the same calls and against one call a prompt (`grpo_rows`).
 """
@@ -250,7 +250,7 @@ def tokenized(tokenizer, rows):
          "response": np.array([r for _, r in rows], dtype=object)})
 
 
-def ours_sft(args, path, rows, full, dtype, checkpointing=False, work=None):
+def ours_sft(args, path, rows, full, dtype, checkpointing=False, store_url=None):
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -264,10 +264,11 @@ def ours_sft(args, path, rows, full, dtype, checkpointing=False, work=None):
     from estimator.train.objectives.tokens import TokenObjective
     from store import Store
 
-    store = Store.create(tempfile.mkdtemp(prefix="store-", dir=work or args.work))
+    store = Store.create(store_url or tempfile.mkdtemp(prefix="store-", dir=args.work))
     store.makedirs(store.path("train"))
     table = pa.table({"prompt": [p for p, _ in rows], "response": [r for _, r in rows]})
-    pq.write_table(table, store.path("train", "part.parquet"), row_group_size=args.batch)
+    with store.fs.open(store.path("train", "part.parquet"), "wb") as handle:
+        pq.write_table(table, handle, row_group_size=args.batch)
     packed = args.device == "cuda"
     lm = LMSpec(PromptResponse("prompt", "response"), packed=packed)
     data = DataSpec(store, list_pieces(store, store.path("train")), (), ("prompt",), ("response",), lm=lm,
@@ -397,16 +398,13 @@ def profiled_full(args, path, rows, folder):
     """Ours' full fine-tune of 8 steps (the first 8 x --batch rows) under torch.profiler, steps 4-7 recorded
     (PROFILE_STEPS): the recorded steps' seconds (CUDA events), the GPU's busy share (its kernels' time over
     them), the kernels' time by kind, and the table of the 30 costliest kernels and ops (profile_full.txt in
-    `folder`). The store in /dev/shm where it has room: the run's end writes the 15 GB checkpoint, which took
-    58 s to a disk on 2026-11-28 and is not what is asked here."""
-    import shutil
-
+    `folder`). The store in this process's memory (memory://, removed after): the run's end writes the 15 GB
+    checkpoint, which took 58 s to a disk on 2026-11-28 and is not what is asked here."""
+    from fsspec.implementations.memory import MemoryFileSystem
     from torch.autograd import DeviceType
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    shm = "/dev/shm"
-    work = shm if os.path.isdir(shm) and shutil.disk_usage(shm).free > 40e9 else None
     wait, warm, active = PROFILE_STEPS
     found = {}
     gpu = args.device == "cuda"
@@ -427,9 +425,10 @@ def profiled_full(args, path, rows, folder):
                  on_trace_ready=ready) as prof, StepClock(SHAPES[args.shape]["vocab_size"]) as clock:
         hook = register_optimizer_step_post_hook(lambda *_: prof.step())
         try:
-            out = ours_sft(args, path, rows[:8 * args.batch], True, torch.float32, work=work)
+            out = ours_sft(args, path, rows[:8 * args.batch], True, torch.float32, store_url="memory://profile")
         finally:
             hook.remove()
+            MemoryFileSystem().rm("/profile", recursive=True)
     first, last = clock.ends[wait + warm - 1], clock.ends[wait + warm + active - 1]
     seconds = last - first if isinstance(last, float) else first.elapsed_time(last) / 1000.0
     with open(os.path.join(folder, "profile_full.txt"), "w") as handle:
@@ -437,7 +436,7 @@ def profiled_full(args, path, rows, folder):
     kinds = found.get("kernel_seconds", {})
     return {"seconds": out["seconds"], "profiled_steps": active, "profiled_seconds": seconds,
             "gpu_busy_share": sum(kinds.values()) / seconds if gpu else None,
-            "kernel_seconds_by_kind": kinds, "store": work or args.work, "table": "profile_full.txt"}
+            "kernel_seconds_by_kind": kinds, "table": "profile_full.txt"}
 
 
 # ---------------------------------------------------------------- generation and embeddings
