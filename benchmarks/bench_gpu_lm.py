@@ -669,9 +669,10 @@ def score_rows(args, bench, path, words):
 
 def grpo_rows(args, bench, path, words):
     """GRPO's sampling (issue 66, batched this session): a rank's prompts x G completions drawn by ours
-    (sampled_groups: calls sorted by length within the generation budget, each row's noise its own) against the
-    same calls with generate()'s own sampling (torch.multinomial, one generator), and against one call a prompt
-    (how GRPO sampled before). Completion tokens/s."""
+    (sampled_groups: calls sorted by length within the generation budget, each prompt read once for its group's
+    rows, each row's noise its own) against the same calls with generate()'s own sampling (torch.multinomial, one
+    generator, each row reading its prompt), and against one call a prompt (how GRPO sampled before).
+    Completion tokens/s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from estimator.lm.generation import batches, sampled_groups

@@ -92,8 +92,38 @@ class LanguageModelEvaluator(Evaluator, MLReadable, MLWritable):
     def setLabelCol(self, value: str) -> "LanguageModelEvaluator":
         return self._set(labelCol=value)
 
+    def getLabelCol(self) -> str:
+        return self.getOrDefault(self.labelCol)
+
     def setPredictionCol(self, value: str) -> "LanguageModelEvaluator":
         return self._set(predictionCol=value)
+
+    def getPredictionCol(self) -> str:
+        return self.getOrDefault(self.predictionCol)
+
+    def setLogprobCol(self, value: str) -> "LanguageModelEvaluator":
+        return self._set(logprobCol=value)
+
+    def getLogprobCol(self) -> str:
+        return self.getOrDefault(self.logprobCol)
+
+    def setTokensCol(self, value: str) -> "LanguageModelEvaluator":
+        return self._set(tokensCol=value)
+
+    def getTokensCol(self) -> str:
+        return self.getOrDefault(self.tokensCol)
+
+    def setChosenCol(self, value: str) -> "LanguageModelEvaluator":
+        return self._set(chosenCol=value)
+
+    def getChosenCol(self) -> str:
+        return self.getOrDefault(self.chosenCol)
+
+    def setRejectedCol(self, value: str) -> "LanguageModelEvaluator":
+        return self._set(rejectedCol=value)
+
+    def getRejectedCol(self) -> str:
+        return self.getOrDefault(self.rejectedCol)
 
     def metric(self) -> str:
         name = self.getOrDefault(self.metricName)
@@ -127,8 +157,9 @@ class LanguageModelEvaluator(Evaluator, MLReadable, MLWritable):
         logprob, tokens = self._columns(dataset, self.logprobCol, self.tokensCol, "reads the columns {!r} and {!r}, "
                                         "which a TorchModel adds with output_kind='score'",
                                         " Transform with model.copy({model.output_kind: 'score'}) (or "
-                                        "setOutputKind('score')) first; a model that only generates has no "
-                                        "likelihood to read.")
+                                        "setOutputKind('score')) first; in TrainValidationSplit or CrossValidator, "
+                                        "give the estimator output_kind='score', so that every fitted model "
+                                        "scores. A model that only generates has no likelihood to read.")
         row = dataset.agg(F.sum(F.col(logprob)).alias("l"), F.sum(F.col(tokens)).alias("t")).first()
         if not row["t"]:
             raise ValueError(f"LanguageModelEvaluator(metricName='perplexity'): no token was scored in column "

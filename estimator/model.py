@@ -177,7 +177,12 @@ class TorchModel(DeclaredParams, Model, Persistable):
                     f"label_cols: output_kind={p['output_kind']!r} reads it"
                 raise ValueError(f"Column {column!r} (from {source}) is not in the DataFrame. "
                                  f"Available columns: {', '.join(df.columns)}.")
-            if isinstance(df.schema[column].dataType, BinaryType):
+            dtype = df.schema[column].dataType
+            if column not in p["feature_cols"] and not isinstance(dtype, StringType) and not is_chat(dtype):
+                raise ValueError(f"Column {column!r} (from label_cols: output_kind={p['output_kind']!r} reads it) has "
+                                 f"type {dtype.simpleString()}; the answer scored after the prompt is a string "
+                                 f"column, as a fit reads it: cast it first (F.col({column!r}).cast('string')).")
+            if isinstance(dtype, BinaryType):
                 raise ValueError(f"Column {column!r} (from feature_cols) holds bytes: TorchModel.transform feeds "
                                  "numbers to the model and does not run transformation_fn. Decode the column into an "
                                  "array column first (e.g. a pandas_udf around your decoding function, as in "

@@ -174,6 +174,31 @@ def test_each_prompts_group_is_sampled_under_its_own_seed_whatever_is_sampled_be
     assert all(len(c) <= 10 and all(t not in stops for t in c[:-1]) for c in cut)
 
 
+def test_a_groups_prompt_is_read_once_and_its_completions_are_those_of_each_row_reading_it(llama, tokenizer,
+                                                                                         monkeypatch):
+    """The prompts' KV cache computed once a prompt and repeated for its group's rows gives the completions each
+    row's own prefill gives (sampled and greedy), in float32 to the bit; the model reads each prompt once, its
+    group's rows then one token at a time."""
+    from estimator.lm import generation
+    from lm_helpers import lm_rows, plain_causal_lm
+
+    model = plain_causal_lm(llama).eval()
+    prompts = [tokenizer(p)["input_ids"] for p, _ in lm_rows(5)]
+    kwargs = {"temperature": 1.5, "top_k": 0, "pad_token_id": tokenizer.pad_token_id,
+              "eos_token_id": tokenizer.eos_token_id}
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    shared = [(seeds, generation.sampled_groups(model, prompts, 4, seeds, 12, kwargs, "cpu"))
+              for seeds in ([21, 22, 23, 24, 25], None)]
+    width = max(len(p) for p in prompts)
+    assert seen[0] == (5, width - 1) and all(rows == 20 and length == 1 for rows, length in seen[1:12]), seen[:3]
+    monkeypatch.setattr(generation, "prefilled", lambda *args: {})  # each row's prompt read by generate()
+    seen.clear()
+    for seeds, found in shared:
+        assert generation.sampled_groups(model, prompts, 4, seeds, 12, kwargs, "cpu") == found
+    assert seen[0] == (20, width)
+
+
 def low_ids(completion_ids, **_):
     """A reward every completion gets a different share of: its tokens' share below id 200."""
     return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]

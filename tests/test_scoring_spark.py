@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from pyspark.sql import functions as F
 
 from estimator import LanguageModelEvaluator, TorchEstimator, TorchModel
 from lm_helpers import color_facts, save_pretrained_llama
@@ -71,6 +72,9 @@ def test_a_fits_held_out_perplexity_is_the_evaluators_over_its_scored_rows(spark
     with pytest.raises(ValueError, match=r"Column 'response' \(from label_cols: output_kind='score' reads it\) is "
                                          r"not in the DataFrame"):
         base.transform(held.drop("response"))
+    with pytest.raises(ValueError, match=r"Column 'response' \(from label_cols: output_kind='score' reads it\) has "
+                                         r"type int; .*cast\('string'\)"):
+        base.transform(held.withColumn("response", F.length("response")))
 
 
 @pytest.mark.connect
@@ -94,6 +98,15 @@ def test_the_evaluator_on_a_table_of_its_own_saved_and_loaded(spark, tmp_path):
     assert accuracy.isLargerBetter() and accuracy.evaluate(pairs) == pytest.approx(1 / 3)  # a tie is not a win
     assert accuracy.copy({accuracy.chosenCol: "chosen_logprob", accuracy.rejectedCol: "rejected_logprob"}).evaluate(
         pairs) == pytest.approx(2 / 3)
+    mine = LanguageModelEvaluator(metricName="rewardAccuracy").setChosenCol("chosen_logprob").setRejectedCol(
+        "rejected_logprob")  # every column param has its setter and getter, as Spark's evaluators have
+    assert mine.evaluate(pairs) == pytest.approx(2 / 3)
+    assert (mine.getChosenCol(), mine.getRejectedCol(), mine.getLabelCol(), mine.getPredictionCol(),
+            mine.getLogprobCol(), mine.getTokensCol()) == ("chosen_logprob", "rejected_logprob", "label",
+                                                             "prediction", "logprob", "tokens")
+    renamed = df.withColumnRenamed("logprob", "lp").withColumnRenamed("tokens", "n")
+    assert LanguageModelEvaluator().setLogprobCol("lp").setTokensCol("n").evaluate(renamed) == pytest.approx(
+        math.exp(8 / 5))
     with pytest.raises(ValueError, match=r"'rewardAccuracy'\): 1 of 3 rows have no value in 'chosen_logratio' or "
                                          r"'rejected_logratio'\. The log-ratios are null for a model without adapters"):
         accuracy.evaluate(pairs.withColumn("chosen_logratio", F.expr(
