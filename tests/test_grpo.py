@@ -199,6 +199,31 @@ def test_a_groups_prompt_is_read_once_and_its_completions_are_those_of_each_row_
     assert seen[0] == (20, width)
 
 
+@pytest.mark.parametrize("architecture", ["gpt2", "bloom", "mistral"])
+def test_a_prompt_read_once_gives_each_rows_completions_whatever_places_its_tokens(architecture, monkeypatch):
+    """Learned absolute positions (GPT-2: left padding moves them), ALiBi without position ids (Bloom) and a
+    sliding window shorter than the prompts (Mistral): the shared prefill gives each row's own completions."""
+    from transformers import (BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig,
+                              MistralForCausalLM)
+
+    from estimator.lm import generation
+
+    torch.manual_seed(0)
+    special = dict(vocab_size=300, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    model = {"gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, **special)),
+             "bloom": lambda: BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=2, n_head=2, **special)),
+             "mistral": lambda: MistralForCausalLM(MistralConfig(
+                 hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, sliding_window=4, **special))}[architecture]().eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10], [11, 12, 13, 14, 15, 16]]
+    kwargs = {"temperature": 1.0, "pad_token_id": 0, "eos_token_id": 2}
+    assert generation.prefilled(model, *generation.left_padded(prompts, 0), 3)  # the cache is shared
+    shared = [generation.sampled_groups(model, prompts, 3, seeds, 8, kwargs, "cpu") for seeds in ([1, 2, 3], None)]
+    monkeypatch.setattr(generation, "prefilled", lambda *args: {})
+    assert [generation.sampled_groups(model, prompts, 3, seeds, 8, kwargs, "cpu")
+            for seeds in ([1, 2, 3], None)] == shared
+
+
 def low_ids(completion_ids, **_):
     """A reward every completion gets a different share of: its tokens' share below id 200."""
     return [sum(t < 200 for t in c) / max(len(c), 1) for c in completion_ids]

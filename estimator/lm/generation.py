@@ -195,9 +195,12 @@ def prefilled(model: Any, ids: torch.Tensor, mask: torch.Tensor, group: int) -> 
     if group < 2 or ids.shape[1] < 2:
         return {}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's forward takes **kwargs
-    name = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True)
+    takes = inspect.signature(inner.forward).parameters
+    name = "cache" if "cache" in takes else "past_key_values"
+    extra = {}
+    if "position_ids" in takes:  # as generate() gives them (a model without them places tokens otherwise: ALiBi)
+        extra["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, :-1]
+    out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **extra)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if not hasattr(cache, "batch_repeat_interleave"):
         return {}
