@@ -201,7 +201,8 @@ def prefilled(model: Any, ids: torch.Tensor, mask: torch.Tensor, group: int) -> 
     if "position_ids" in takes:  # as generate() gives them (a model without them places tokens otherwise: ALiBi)
         extra["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, :-1]
     out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True, **extra)
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = getattr(out, "cache", None)
+    cache = getattr(out, "past_key_values", None) if cache is None else cache
     if not hasattr(cache, "batch_repeat_interleave"):
         return {}
     cache.batch_repeat_interleave(group)
