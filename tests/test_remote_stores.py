@@ -162,3 +162,37 @@ def test_unreachable_remote_store_fails_in_seconds_before_any_job(spark, digits,
     message, seconds = errors[0]
     assert "runs" in message and _secret(kind) not in message and "***" in message
     assert seconds < 20  # the probe is cut off at 5 s here (10 s for webhdfs); the clients alone retry for longer
+
+
+def test_a_full_fine_tune_saved_on_s3_is_built_by_a_fresh_process_from_the_handle_alone(s3_options, tmp_path):
+    """A Hugging Face model saved at an s3:// URL (moto) and loaded: the driver holds a skeleton and a handle; a
+    new process (an executor's Python worker: no fsspec config of the driver's, its own temporary folder) given
+    only the pickled handle builds the saved weights, the storage options having travelled with it; the save
+    of the loaded model keeps none of them."""
+    import cloudpickle
+    import s3fs
+    from transformers import AutoModelForCausalLM
+
+    from estimator.core.meta import meta_tensors
+    from estimator.predict.weights import held_saved, save_module
+    from lm_helpers import color_facts, save_pretrained_llama
+
+    folder = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    fs = s3fs.S3FileSystem(**s3_options())
+    save_module(model, None, None, fs, "runs/held-model")
+    skeleton, _, handle = held_saved(fs, "runs/held-model")
+    assert meta_tensors(skeleton)
+    (tmp_path / "handle.pkl").write_bytes(cloudpickle.dumps(handle))
+    (tmp_path / "executor-tmp").mkdir()
+    executor = ("import pickle, sys, torch; handle = pickle.load(open(sys.argv[1], 'rb')); "
+                "torch.save(handle.build().state_dict(), sys.argv[2])")
+    done = subprocess.run([sys.executable, "-c", executor, str(tmp_path / "handle.pkl"), str(tmp_path / "built.pt")],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                          env=dict(os.environ, TMPDIR=str(tmp_path / "executor-tmp"), PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = torch.load(str(tmp_path / "built.pt"), weights_only=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(built[name], value), name
+    assert any((tmp_path / "executor-tmp").rglob("model.safetensors"))  # its own copy, on its machine
+    assert S3_SECRET.encode() not in cloudpickle.dumps(handle.factory.without_credentials())

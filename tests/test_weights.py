@@ -189,6 +189,98 @@ def test_a_hugging_face_model_saves_its_own_folder_with_the_tokenizer(tmp_path, 
         save_pretrained_to(MLP(), None, str(tmp_path / "no"))
 
 
+def test_a_full_fine_tune_saved_at_a_remote_url_is_held_and_its_weights_read_where_it_is_built(tmp_path, memory,
+                                                                                                monkeypatch):
+    """A Hugging Face folder at a remote URL (memory:// here): the load reads its config and the weights' headers
+    only (the copy's safetensors a hole, no byte of the weights stored); the handle is small and builds the saved
+    model where it is called, from one copy a machine; a folder saved over is another key; the optimizer's state
+    is read from the remote file."""
+    import os
+    import pickle
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from estimator.core.meta import meta_tensors
+    from estimator.predict import folders
+    from estimator.predict.weights import held_saved
+    from text_helpers import save_pretrained_bert, topic_texts
+
+    (tmp_path / "machine").mkdir()
+    monkeypatch.setattr(folders.tempfile, "tempdir", str(tmp_path / "machine"))  # this machine's temporary folder
+    fs, root = memory
+    texts = [t for t, _ in topic_texts(20)]
+    folder = save_pretrained_bert(str(tmp_path / "bert"), texts)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model(**tokenizer(texts[:4], padding=True, return_tensors="pt"), labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    optimizer.step()
+    save_module(model.eval(), optimizer, tokenizer, fs, root)
+
+    skeleton, driver_optimizer, handle = held_saved(fs, root)
+    assert meta_tensors(skeleton) and repr(handle.factory).startswith("RemoteFolder('memory:///weights-test/")
+    copies = str(tmp_path / "machine" / folders.FOLDERS)
+    [shapes] = [os.path.join(copies, d) for d in os.listdir(copies) if d.endswith("-shapes")]
+    weights = os.stat(os.path.join(shapes, "model.safetensors"))
+    assert weights.st_size == fs.size(root + "/pretrained/model.safetensors") > 100_000
+    assert weights.st_blocks * 512 <= 16_384, weights  # a header's blocks: the rest a hole
+    assert len(pickle.dumps(handle)) < 20_000  # what transform sends
+    assert driver_optimizer.param_groups[0]["lr"] == 0.01 and not driver_optimizer.state
+
+    built, restored = handle.built_with(driver_optimizer, skeleton)
+    encoded = tokenizer(texts[:6], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(built(**encoded).logits, model(**encoded).logits)
+    assert torch.equal(restored.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert len(os.listdir(copies)) == 4  # two copies (shapes, weights) and their locks: built again, none more
+    handle.build()
+    assert len(os.listdir(copies)) == 4
+    tensors, state = handle.mapped(skeleton, driver_optimizer)  # save again: the copy's tensors, mapped
+    assert torch.equal(tensors["classifier.weight"], model.classifier.weight.detach())
+
+    with torch.no_grad():
+        model.classifier.weight.add_(1.0)
+    save_module(model, optimizer, tokenizer, fs, root)  # saved over: another model for the executors' cache
+    before = set(os.listdir(copies))
+    again = held_saved(fs, root)[2]
+    assert again.key != handle.key
+    with torch.no_grad():
+        assert torch.equal(again.build()(**encoded).logits, model(**encoded).logits)
+    after = set(os.listdir(copies))  # the new version's two copies in place of the earlier ones
+    assert len(after) == 4 and not after & before, (before, after)
+    assert handle.factory.without_credentials().fs is None
+
+
+def test_a_standalone_saves_base_at_a_remote_url_is_read_where_the_model_is_built(tmp_path, memory, monkeypatch):
+    """write().option('standalone') at a remote URL: the load's factory is the remote base folder, whose skeleton
+    reads no weight, and which builds the saved base where it is called."""
+    import os
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from estimator.core.meta import meta_tensors
+    from estimator.core.recipe import ModelRecipe
+    from estimator.predict import folders
+    from estimator.predict.weights import standalone_base
+    from lm_helpers import color_facts, save_pretrained_llama
+
+    (tmp_path / "machine").mkdir()
+    monkeypatch.setattr(folders.tempfile, "tempdir", str(tmp_path / "machine"))  # this machine's temporary folder
+    fs, root = memory
+    path = save_pretrained_llama(str(tmp_path / "tiny"), [p + r for p, r in color_facts()])
+    config = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    save_module(get_peft_model(AutoModelForCausalLM.from_pretrained(path), config), None, None, fs, root,
+                standalone=True)
+    base = standalone_base(fs, root)
+    assert isinstance(base, folders.RemoteFolder)
+    assert meta_tensors(ModelRecipe(base, config).build(on_meta=True))
+    assert os.listdir(tmp_path / "machine" / folders.FOLDERS) and all(
+        d.endswith(("-shapes", ".lock")) for d in os.listdir(tmp_path / "machine" / folders.FOLDERS))
+    built, plain = base(), AutoModelForCausalLM.from_pretrained(path)
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), plain.state_dict().values()))
+
+
 def test_a_saved_optimizer_is_mapped_at_load_and_read_whole_where_its_file_cannot_be_mapped(tmp_path, monkeypatch):
     """load maps optimizer.pt (AdamW's state is twice the weights); a mount that cannot map a file (some FUSE
     ones) has it read whole, the same state."""

@@ -53,7 +53,8 @@ class ModelHandle:
         model) and what builds the base."""
         func = getattr(self.factory, "func", self.factory)  # a partial's function, named (no address in it)
         digest = hashlib.sha256(self.trained)
-        digest.update(repr((self.seed, self.stored.key if self.stored is not None else None, getattr(func, "__module__", None),
+        digest.update(repr((self.seed, self.stored.key if self.stored is not None else None,
+                            getattr(self.factory, "key", None), getattr(func, "__module__", None),
                             getattr(func, "__qualname__", type(func).__name__), getattr(self.factory, "args", ()),
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()

@@ -146,8 +146,11 @@ def kbit_prepared(model: nn.Module) -> nn.Module:
 
 
 def loads_pretrained(factory: Any) -> bool:
-    """A `functools.partial` of a transformers `from_pretrained` (no device_map of its own): every call gives the
+    """A `functools.partial` of a transformers `from_pretrained` (no device_map of its own), or a factory that says
+    it is one (`pretrained`: a saved folder at a remote URL, estimator.predict.folders): every call gives the
     same weights, read from a folder, so the model may be built where it is needed instead of sent."""
+    if getattr(factory, "pretrained", False) is True:
+        return True
     return (isinstance(factory, functools.partial) and getattr(factory.func, "__name__", "") == "from_pretrained"
             and "device_map" not in factory.keywords)
 

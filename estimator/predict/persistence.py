@@ -21,7 +21,6 @@ import cloudpickle
 import torch
 from torch import nn
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from estimator.core.handle import ModelHandle, held, on_meta
@@ -65,6 +64,8 @@ class ParamsWriter(MLWriter):
         optimizer = objects.pop("optimizer", None) if built_by_factory else None
         if isinstance(objects.get("store"), Store):
             objects["store"] = objects["store"].without_credentials()
+        if hasattr(objects.get("model_factory"), "without_credentials"):  # a loaded model's remote folder
+            objects["model_factory"] = objects["model_factory"].without_credentials()
         _write(fs, posixpath.join(root, "objects.pkl"), dumps(objects, "params", roots=objects.values(), for_executors=False))
         if built_by_factory:
             save_module(model, optimizer, objects.get("tokenizer"), fs, root, standalone, state)
@@ -105,9 +106,6 @@ class ParamsReader(MLReader):
                 model = objects["model"]
                 objects["model_handle"] = ModelHandle.of(objects["model_factory"],
                                                          model.peft_config[model.active_adapter], model, seed)
-                if base is not None and not isinstance(fs, LocalFileSystem):  # its base copied here: built here
-                    objects["model"], optimizer = objects["model_handle"].built_with(optimizer, model)
-                    objects["model_handle"] = None
             if optimizer is not None:
                 objects["optimizer"] = optimizer
         elif fs.exists(posixpath.join(root, "model.pkl")):

@@ -15,7 +15,6 @@ the pickle layout of earlier releases (persistence). Hugging Face's and safetens
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 from estimator.core.quiet import hf_bars_off
+from estimator.predict.folders import RemoteFolder, class_named, folder_key, local_copy
 
 MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
@@ -126,21 +126,24 @@ def save_base(model: nn.Module, folder: str) -> nn.Module:
 
 def standalone_base(fs: Any, root: str) -> Optional[Callable[[], nn.Module]]:
     """The factory of the base a standalone save wrote under `root` (a from_pretrained of its folder), None when
-    it wrote none. A local folder (a mounted path too) is read where the model is built; a remote one is copied
-    to a local folder of this process first."""
-    import functools
-
+    it wrote none. The folder is read where the model is built: a local one (a mounted path too) in place, a
+    remote one copied to that machine's disk first (estimator.predict.folders)."""
     kind = saved_kind(fs, root)
     if kind is None or "base" not in kind:
         return None
-    folder = posixpath.join(root, kind["base"])
+    return pretrained_at(fs, posixpath.join(root, kind["base"]), kind["base_class"])
+
+
+def pretrained_at(fs: Any, folder: str, class_name: str) -> Callable[[], nn.Module]:
+    """`from_pretrained` of the Hugging Face folder `folder` on `fs` by the class named `class_name`: a partial of
+    the local path, or a RemoteFolder (the folder copied where it is called)."""
+    import functools
+
     from fsspec.implementations.local import LocalFileSystem
 
-    if not isinstance(fs, LocalFileSystem):
-        local = tempfile.mkdtemp(prefix="spark-torch-estimator-base-")
-        get_folder(fs, folder, local)
-        folder = local
-    return functools.partial(class_named(kind["base_class"]).from_pretrained, folder)
+    if isinstance(fs, LocalFileSystem):
+        return functools.partial(class_named(class_name).from_pretrained, folder)
+    return RemoteFolder(fs.unstrip_protocol(folder), class_name, folder_key(fs, folder), fs)
 
 
 def factory_model(factory: Callable[[], nn.Module], root: str, meta: bool = False, seed: Optional[int] = None,
@@ -248,42 +251,47 @@ class SavedState:
     folder: str
     optimizer: Optional[str]
     key: str
+    fs: Any = None  # where folder and optimizer are: None for a local (or mounted) path
+
+    def file_system(self) -> Any:
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem() if self.fs is None else self.fs
 
     def load_into(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The optimizer's saved state into `optimizer` (the model's weights are the factory's)."""
         if optimizer is not None and self.optimizer is not None:
-            from fsspec.implementations.local import LocalFileSystem
-
-            optimizer.load_state_dict(mapped_file(LocalFileSystem(), self.optimizer)["state"])
+            optimizer.load_state_dict(mapped_file(self.file_system(), self.optimizer)["state"])
 
     def mapped(self, optimizer: bool = True) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
-        """(the weights by name, the optimizer's state_dict or None), their tensors mapped from the files."""
-        from fsspec.implementations.local import LocalFileSystem
+        """(the weights by name, the optimizer's state_dict or None), their tensors mapped from the files (a
+        remote folder's from this machine's copy of it)."""
         from safetensors import safe_open
 
+        folder = self.folder if self.fs is None else local_copy(self.fs, self.folder, self.key)
         tensors: Dict[str, torch.Tensor] = {}
-        for name in sorted(os.listdir(self.folder)):
+        for name in sorted(os.listdir(folder)):
             if name.endswith(".safetensors"):
-                with safe_open(os.path.join(self.folder, name), "pt") as f:
+                with safe_open(os.path.join(folder, name), "pt") as f:
                     tensors.update({key: f.get_tensor(key) for key in f.keys()})
-        state = mapped_file(LocalFileSystem(), self.optimizer)["state"] if optimizer and self.optimizer else None
+        state = mapped_file(self.file_system(), self.optimizer)["state"] if optimizer and self.optimizer else None
         return tensors, state
 
 
 def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.optim.Optimizer], ModelHandle]]:
-    """A full fine-tune saved as a Hugging Face folder at a local or mounted path (one every executor reads, as
-    a fit's base folder is): (its skeleton on the meta device, an optimizer over it with the saved groups'
-    hyperparameters, the handle that builds the model from that folder where it is needed), no weight nor any
-    of the optimizer's state read here. None for any other saved model (load_module builds it here)."""
-    import functools
-
+    """A full fine-tune saved as a Hugging Face folder: (its skeleton on the meta device, an optimizer over it
+    with the saved groups' hyperparameters, the handle that builds the model from that folder where it is
+    needed), no weight nor any of the optimizer's state read here. A local or mounted path is read in place by
+    every executor, as a fit's base folder is; a remote URL's folder is copied to each machine that builds the
+    model (estimator.predict.folders), the driver reading its config and the weights' headers only. None for
+    any other saved model (load_module builds it here)."""
     from fsspec.implementations.local import LocalFileSystem
 
-    kind = saved_kind(fs, root) if isinstance(fs, LocalFileSystem) else None
+    kind = saved_kind(fs, root)
     if kind is None or kind["format"] != "hugging_face":
         return None
     folder = posixpath.join(root, kind["folder"])
-    factory = functools.partial(class_named(kind["class"]).from_pretrained, folder)
+    factory = pretrained_at(fs, folder, kind["class"])
     skeleton = ModelRecipe(factory).build(on_meta=True)
     optimizer, optimizer_path = None, posixpath.join(root, OPTIMIZER_FILE)
     if fs.exists(optimizer_path):
@@ -292,11 +300,12 @@ def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.o
         if cls is not None:  # its groups' hyperparameters now; its state read where the model is built
             optimizer = rebuild_optimizer(cls, saved["groups"], saved["defaults"],
                                           {"state": {}, "param_groups": saved["state"]["param_groups"]}, skeleton)
-    files = sorted((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in fs.find(folder))
+    files = [folder_key(fs, folder)]
     if optimizer is not None:
-        files.append((optimizer_path, os.stat(optimizer_path).st_size, os.stat(optimizer_path).st_mtime_ns))
+        files.append(folder_key(fs, optimizer_path))
     key = hashlib.sha256(repr(files).encode()).hexdigest()
-    stored = SavedState(folder, optimizer_path if optimizer is not None else None, key)
+    stored = SavedState(folder, optimizer_path if optimizer is not None else None, key,
+                        None if isinstance(fs, LocalFileSystem) else fs)
     return skeleton.eval(), optimizer, ModelHandle(factory, None, b"", None, stored=stored)
 
 
@@ -373,9 +382,3 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def class_named(name: str) -> Any:
-    module, _, qualname = name.partition(":")
-    value: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
