@@ -32,7 +32,7 @@ from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
-from estimator.predict.schema import added_fields, is_chat, spark_type
+from estimator.predict.schema import CHAT_TYPE, added_fields, chat_of_maps, is_chat, spark_type
 from estimator.predict.weights import save_pretrained_to
 from estimator.core.lightning_module import for_inference
 
@@ -178,6 +178,15 @@ class TorchModel(DeclaredParams, Model, Persistable):
                 raise ValueError(f"Column {column!r} (from {source}) is not in the DataFrame. "
                                  f"Available columns: {', '.join(df.columns)}.")
             dtype = df.schema[column].dataType
+            maps = chat_of_maps(column, dtype)
+            if maps is not None and predictor.reads_text:
+                raise ValueError(maps)
+            if (column in p["feature_cols"] and predictor.reads_text and not isinstance(dtype, StringType)
+                    and not is_chat(dtype)):  # a chat where the kind takes none: refused below
+                text = "a string column" + (f", or a chat column ({CHAT_TYPE})" if predictor.accepts_chat else "")
+                raise ValueError(f"Column {column!r} (from feature_cols) has type {dtype.simpleString()}; "
+                                 f"output_kind={p['output_kind']!r} reads text: {text}. Cast it first "
+                                 f"(F.col({column!r}).cast('string')).")
             if column not in p["feature_cols"] and not isinstance(dtype, StringType) and not is_chat(dtype):
                 raise ValueError(f"Column {column!r} (from label_cols: output_kind={p['output_kind']!r} reads it) has "
                                  f"type {dtype.simpleString()}; the answer scored after the prompt is a string "
@@ -242,6 +251,10 @@ class TorchModel(DeclaredParams, Model, Persistable):
             stored = handle.stored  # credentials of where it is loaded, none kept in MLflow's files
             handle = dataclasses.replace(handle, stored=dataclasses.replace(
                 stored, store=stored.store.without_credentials()))
+        if handle is not None and hasattr(handle.factory, "without_credentials"):  # a folder at a remote URL
+            stored = handle.stored  # (estimator.predict.folders): its optimizer's file is not the pyfunc's
+            handle = dataclasses.replace(handle, factory=handle.factory.without_credentials(), stored=None if (
+                stored is None) else dataclasses.replace(stored, fs=None, optimizer=None))
         blob = dumps(handle, "model", roots=[handle.factory, handle.peft_config]) if handle is not None else \
             self._model_blob()
         key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()

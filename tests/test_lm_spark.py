@@ -12,6 +12,7 @@ import sys
 import pandas as pd
 import pytest
 import torch
+from pyspark.sql import functions as F
 
 from estimator import TorchEstimator, TorchModel
 from estimator.core.faults import ENV
@@ -204,6 +205,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
               tokenizer=transformers.AutoTokenizer.from_pretrained(bert), peft_config=None), texts,
          "holds strings.*cannot generate"),
         (dict(max_length=512), texts, "'max_length'.* 512, beyond the 64 positions"),
+        (dict(loss=torch.nn.CrossEntropyLoss()), texts,
+         r"holds strings: the response this causal LM would be fine-tuned to write.*leave loss unset \(loss=None\)"),
         (dict(max_new_tokens=64), texts, "'max_new_tokens'.* 64, and the model has 64 positions.*< 64"),
         (dict(feature_cols=["chat"], label_cols=None), bad_chat, r"need \['role', 'content'\].*missing: \['content'\]"),
         (dict(optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())), texts,
@@ -234,11 +237,28 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
                         output_kind="generate", max_new_tokens=80)
     with pytest.raises(ValueError, match="'max_new_tokens' parameter of TorchModel is 80.*64 positions"):
         assert jobs_run_by(spark, lambda: writer.transform(texts).collect()) == []
+    writer.setMaxNewTokens(8)
+    for kind, df, message in [  # what transform cannot read as text: refused before any job, as fit refuses it
+            ("generate", map_chat.withColumnRenamed("chat", "prompt"),
+             r"'prompt' \(from feature_cols\) is array<map<string,string>>, .* F\.transform"),
+            ("generate", texts.withColumn("prompt", F.length("prompt")), r"'prompt' \(from feature_cols\) has type "
+             r"int; output_kind='generate' reads text: a string column, or a chat column .*cast\('string'\)"),
+            ("embedding", texts.withColumn("prompt", F.length("prompt")), "output_kind='embedding' reads text: a "
+             r"string column\. Cast")]:
+        model = writer.copy({writer.output_kind: kind})
+        assert jobs_run_by(spark, lambda: pytest.raises(ValueError, model.transform, df)) == []
+        with pytest.raises(ValueError, match=message):
+            model.transform(df)
     long_prompts = [("Tell me " * 4 + p, r) if i in (20, 33, 39) else (p, r) for i, (p, r) in enumerate(lm_rows(40))]
     monkeypatch.setattr("estimator.estimator.launch_with_retries", lambda *a, **k: pytest.fail("a rank started"))
     with pytest.raises(ValueError, match="max_length=24: 3 of 40 training rows.*raise max_length above 3"):
         # counted over the whole table once it is in the store (the first rows leave room), before any rank starts
         sft(llama, store, max_length=24).fit(spark.createDataFrame(long_prompts, "prompt string, response string"))
+    as_json = [(json.dumps([{"role": "user", "content": p}, {"role": "assistant", "content": r}]),)
+               for p, r in lm_rows(8)]
+    with pytest.raises(ValueError, match=r"Column 'chat' holds chats written as JSON text \('\[\{\"role\".*"
+                                         r"F\.from_json\('chat', 'array<struct<role:string,content:string>>'\)"):
+        sft(llama, store, feature_cols=["chat"], label_cols=None).fit(spark.createDataFrame(as_json, "chat string"))
     monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
     with pytest.raises(ImportError, match="needs the peft package.*pip install peft"):
         sft(llama, store).fit(texts)
@@ -282,7 +302,7 @@ def built_here(folder, log):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on_the_driver(spark, store, llama,
                                                                                         tmp_path, strategy,
-                                                                                        mlflow_file_store):
+                                                                                        mlflow_file_store, caplog):
     """A full fine-tune (no peft_config: the checkpoint is the whole model and AdamW's state) and fsdp's shards:
     the driver builds the factory's model on the meta device only (each call in its process is logged), the
     TorchModel holds where the run's checkpoint is, and transform reads it on the executors (only the model's
@@ -295,9 +315,12 @@ def test_a_full_fine_tune_is_read_from_its_run_where_the_model_is_built_never_on
     log = str(tmp_path / "builds.log")
     df = spark.createDataFrame(lm_rows(16), "prompt string, response string")
     mlflow = mlflow_file_store
-    fitted = sft(llama, store, model=functools.partial(built_here, llama, log), peft_config=None, strategy=strategy,
-                 optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2, run_id="full",
-                 mlflow=True).fit(df)
+    with caplog.at_level(logging.WARNING, logger="estimator"):
+        fitted = sft(llama, store, model=functools.partial(built_here, llama, log), peft_config=None,
+                     strategy=strategy, optimizer=functools.partial(torch.optim.AdamW, lr=2e-3), epochs=2,
+                     run_id="full", mlflow=True).fit(df)
+    assert "MLflow's model of this run holds no weights: where it is loaded it reads them from the run's " \
+           f"checkpoint, {store.url(store.run('full').checkpoint)}" in caplog.text
     on_driver = [line.split()[1] for line in open(log).read().splitlines() if int(line.split()[0]) == os.getpid()]
     assert on_driver and set(on_driver) == {"1"}, on_driver  # built, on meta only
     handle = fitted.getModelHandle()
@@ -455,8 +478,13 @@ def test_a_lora_fit_logged_to_mlflow_keeps_the_base_off_the_driver_and_its_pyfun
     prompts = [p for p, _ in lm_rows(6)]
     asked = spark.createDataFrame([(p,) for p in prompts], "prompt string").repartition(2)
     got = {r.prompt: r.prediction for r in fitted.transform(asked).collect()}
-    predicted = logged_pyfunc(mlflow).predict(pd.DataFrame({"prompt": prompts}))
+    loaded = logged_pyfunc(mlflow)
+    predicted = loaded.predict(pd.DataFrame({"prompt": prompts}))
     assert list(predicted.columns) == ["response__output", "prediction"]  # transform's added columns
+    logged = mlflow.artifacts.download_artifacts(f"runs:/{loaded.metadata.run_id}/model")
+    required = open(os.path.join(logged, "requirements.txt")).read()
+    for package in ("torch", "transformers", "peft", "spark-torch-estimator"):  # what the handle builds with
+        assert f"{package}==" in required, required
     assert list(predicted["prediction"]) == [got[p] for p in prompts] and len(set(got.values())) > 1
 
 

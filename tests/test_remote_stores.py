@@ -196,3 +196,10 @@ def test_a_full_fine_tune_saved_on_s3_is_built_by_a_fresh_process_from_the_handl
         assert torch.equal(built[name], value), name
     assert any((tmp_path / "executor-tmp").rglob("model.safetensors"))  # its own copy, on its machine
     assert S3_SECRET.encode() not in cloudpickle.dumps(handle.factory.without_credentials())
+    assert S3_SECRET.encode() in (tmp_path / "handle.pkl").read_bytes()  # what transform sends: the options travel
+    from transformers import AutoTokenizer
+
+    held = TorchModel(model=skeleton, model_handle=handle, tokenizer=AutoTokenizer.from_pretrained(folder),
+                      feature_cols=["prompt"], output_kind="generate", max_new_tokens=4)
+    pyfunc = held.as_pyfunc()  # what MLflow would keep in its files: the URL, no storage option
+    assert S3_SECRET.encode() not in cloudpickle.dumps(pyfunc) and b"held-model" in cloudpickle.dumps(pyfunc)

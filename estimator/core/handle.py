@@ -82,8 +82,9 @@ class ModelHandle:
                 f"The fitted model's base is built where it is needed (each executor for transform) by its model "
                 f"factory, {self.factory!r}, which raised {type(exc).__name__}: {exc}. Make the base readable at "
                 "that path from every executor (a Unity Catalog Volume, DBFS or a mounted ABFS/S3 path; moved or "
-                "deleted?), or save a model that stands alone: fitted.save_pretrained(folder) writes the adapters "
-                "merged into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
+                "deleted?), or save a model that stands alone: fitted.write().option('standalone', 'true').save(path) "
+                "keeps the base beside the adapters, and fitted.save_pretrained(folder) writes the adapters merged "
+                "into the base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
         if self.trained:  # none: a pretrained model as its factory loads it (a TorchModel built without a fit)
             load_trainable(model, self.state(), "the fitted model's adapters")
         if self.stored is not None and meta_tensors(model):  # a factory that builds on the meta device (its

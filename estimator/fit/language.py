@@ -7,24 +7,24 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
-from pyspark.sql.types import ArrayType, MapType, StringType, StructType
+from pyspark.sql.types import StringType, StructType
 
-from estimator.core.adapters import model_positions
+from estimator.core.adapters import can_generate, model_positions
 from estimator.core.spec import DataSpec, LMSpec
 from estimator.data.lm import response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts, RowFormat, Text
 from estimator.data.text import length_limit
 from estimator.predict.language_checks import check_chat_fields
-from estimator.predict.schema import is_chat
+from estimator.predict.schema import CHAT_TYPE, chat_of_maps, is_chat
 from estimator.train.losses import loss_kind
 from estimator.train.objectives.base import built_in_loop
 
 CHAT_FIELDS = ("role", "content")
-CHAT_TYPE = "array<struct<role:string,content:string>>"
 CHUNK_ROWS = 8192  # rows tokenized at a time by check_room
 
 
@@ -33,6 +33,10 @@ def string_label_error(column: str, p: Dict[str, Any]) -> str:
     if any(loss_kind(fn) == "regression" for fn in losses if fn is not None):
         return (f"Column {column!r} (from label_cols) holds strings, and the loss regresses numbers: cast the "
                 f"column first (F.col({column!r}).cast('double')); for classes, index it (StringIndexer).")
+    if p.get("loss") is not None and p.get("tokenizer") is not None and can_generate(p.get("model")):
+        return (f"Column {column!r} (from label_cols) holds strings: the response this causal LM would be fine-tuned "
+                "to write, a fit that trains on the model's own next-token loss: leave loss unset (loss=None). For "
+                "a classifier instead, index the labels first (StringIndexer).")
     if p.get("loss") is not None:
         return (f"Column {column!r} (from label_cols) holds strings: index the labels first (StringIndexer, whose "
                 "index column CrossEntropyLoss takes), or cast numbers kept as text (.cast('double')). A string label "
@@ -61,12 +65,9 @@ def sft_rows(p: Mapping[str, Any], schema: StructType) -> RowFormat:
                          f"feature_cols={features}. Join the prompt's parts into one string column first "
                          "(concat_ws).")
     column, dtype = features[0], schema[features[0]].dataType
-    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, MapType):
-        raise ValueError(f"Column {column!r} (from feature_cols) is {dtype.simpleString()}, and a chat column's "
-                         f"messages are structs: {CHAT_TYPE} (a list of dicts given to createDataFrame without a "
-                         "schema becomes maps). Convert it first: F.transform(F.col(" + repr(column) + "), lambda m: "
-                         "F.struct(m['role'].alias('role'), m['content'].alias('content'))), or give createDataFrame "
-                         "the schema.")
+    maps = chat_of_maps(column, dtype)
+    if maps is not None:
+        raise ValueError(maps)
     if is_chat(dtype):
         message_fields(column, dtype, p)
         if labels:
@@ -202,6 +203,12 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     empty = dict.fromkeys(answers, 0)
     for piece in pieces:
         for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [lm.column, *answers], CHUNK_ROWS):
+            if not rows and json_chats(batch[lm.column]):
+                start = str(batch[lm.column][0])[:40]
+                raise ValueError(f"Column {lm.column!r} holds chats written as JSON text ({start!r}...): a string "
+                                 "column is read as text, and the model would learn the JSON. Parse "
+                                 f"it into a chat column first: df.withColumn({lm.column!r}, F.from_json("
+                                 f"{lm.column!r}, '{CHAT_TYPE}')).")
             starts = response_starts(tokenizer, lm, batch)
             rows, unanswered = rows + len(starts), unanswered + int((starts < 0).sum())
             short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
@@ -209,6 +216,24 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
             for column in answers:
                 empty[column] += sum(1 for v in batch[column] if lm.rows.blank(v))
     return rows, short, unanswered, longest, empty
+
+
+def json_chats(values: Any, first: int = 8) -> bool:
+    """Whether the first strings of a column are chats written as JSON text: lists of objects with a role and a
+    content each, as json.dumps writes a chat's messages."""
+    found = [v for v in list(values[:first]) if isinstance(v, str)]
+    for value in found:
+        text = value.strip()
+        if not (text.startswith("[") and text.endswith("]")):
+            return False
+        try:
+            messages = json.loads(text)
+        except ValueError:
+            return False
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+            return False
+    return bool(found)
 
 
 def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: int = 0) -> None:

@@ -10,7 +10,7 @@ import logging
 import os
 import textwrap
 import warnings
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -133,9 +133,16 @@ class MlflowLog:
         if model.getModelHandle() is not None:  # held as a handle: logged as one (estimator.predict.pyfunc)
             from estimator import __version__
 
+            stored = model.getModelHandle().stored
+            if hasattr(stored, "store"):  # the run's checkpoint (a full fine-tune's, fsdp's shards)
+                log.warning("MLflow's model of this run holds no weights: where it is loaded it reads them from the "
+                            "run's checkpoint, %s, which the store's run budget (or a hand) may remove later. To "
+                            "register a model that stands alone, save it (model.save_pretrained(folder), or "
+                            "model.save(path)) and log that folder.", stored.store.url(stored.path))
+
             self._try("the model", lambda: mlflow.pyfunc.log_model(
                 name="model", python_model=model.as_pyfunc(),
-                pip_requirements=[*requirements, f"spark-torch-estimator=={__version__}"]))
+                pip_requirements=[*requirements, *used_packages(), f"spark-torch-estimator=={__version__}"]))
         else:  # pickle: any module (the default 'pt2' traces forward with an example input)
             self._try("the model", lambda: mlflow.pytorch.log_model(
                 model.getModel(), name="model", serialization_format="pickle", pip_requirements=requirements))
@@ -182,3 +189,22 @@ def model_facts(model: Any, optimizer: Any, losses: Any, ranks: int, train_rows:
 def _param_text(value: Any) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= 6000 else text[:5997] + "..."  # MLflow's limit for a param value
+
+
+HANDLE_PACKAGES = ("transformers", "tokenizers", "peft", "bitsandbytes", "safetensors")  # what a handle may build with
+
+
+def used_packages() -> List[str]:
+    """The packages a handle's model may need where it is loaded (a Hugging Face model, its tokenizer, adapters,
+    a quantized base), pinned to this process's versions: those of HANDLE_PACKAGES imported here."""
+    import sys
+    from importlib import metadata
+
+    found = []
+    for name in HANDLE_PACKAGES:
+        if name in sys.modules:
+            try:
+                found.append(f"{name}=={metadata.version(name)}")
+            except metadata.PackageNotFoundError:  # imported from a path, not installed: not pinned
+                pass
+    return found

@@ -42,6 +42,7 @@ class Predictor:
     tokenize: Any = None  # estimator.data.text.Tokenize: string columns tokenized per batch of batch_size rows
 
     accepts_chat: ClassVar[bool] = False  # a chat column (array<struct<role, content>>) is this kind's input
+    reads_text: ClassVar[bool] = False  # its feature column is text (a string column, or a chat where accepted)
     generates: ClassVar[bool] = False  # it generates text (max_new_tokens and generation_batching apply)
 
     @classmethod

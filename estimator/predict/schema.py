@@ -3,18 +3,31 @@ fields of the columns an output kind adds, from its predictor's Arrow types. pys
 imported by what runs on the executors (inference, predictor, the kinds)."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import pyarrow as pa
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.pandas.types import from_arrow_type
-from pyspark.sql.types import ArrayType, DataType, StructField, StructType
+from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
 from estimator.predict.predictor import Predictor
+
+CHAT_TYPE = "array<struct<role:string,content:string>>"  # a chat column's messages
 
 
 def is_chat(dtype: DataType) -> bool:
     return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, StructType)
+
+
+def chat_of_maps(column: str, dtype: DataType, source: str = "feature_cols") -> Optional[str]:
+    """The refusal of a column of maps where a chat's messages are structs (what createDataFrame makes of a list of
+    dicts without a schema), with the line that converts it; None for any other column."""
+    if not (isinstance(dtype, ArrayType) and isinstance(dtype.elementType, MapType)):
+        return None
+    return (f"Column {column!r} (from {source}) is {dtype.simpleString()}, and a chat column's messages are "
+            f"structs: {CHAT_TYPE} (a list of dicts given to createDataFrame without a schema becomes maps). "
+            f"Convert it first: F.transform(F.col({column!r}), lambda m: F.struct(m['role'].alias('role'), "
+            "m['content'].alias('content'))), or give createDataFrame the schema.")
 
 
 def added_fields(predictor: Predictor) -> List[Tuple[StructField, str]]:

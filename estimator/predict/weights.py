@@ -157,8 +157,9 @@ def factory_model(factory: Callable[[], nn.Module], root: str, meta: bool = Fals
         raise ValueError(f"{root} holds a model's adapters (peft_config) without its base weights: the base is built "
                          f"at load by the fit's model factory, {factory!r}, which raised {type(exc).__name__}: {exc}. "
                          "Make the base loadable there again (the folder it names, moved or deleted?), or save a model "
-                         "that stands alone: fitted.save_pretrained(folder) writes the adapters merged into the base, "
-                         "which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
+                         "that stands alone: fitted.write().option('standalone', 'true').save(path) keeps the base "
+                         "beside the adapters, and fitted.save_pretrained(folder) writes the adapters merged into the "
+                         "base, which AutoModelForCausalLM.from_pretrained(folder) loads.") from exc
 
 
 def load_module(fs: Any, root: str, factory: Optional[Callable[[], nn.Module]], seed: Optional[int] = None

@@ -4,7 +4,7 @@ over the attention mask; forwards of texts sorted by tokens, bounded by tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +21,8 @@ from estimator.predict.predictor import Added, Predictor, arrow_rows, output_fie
 @dataclass(frozen=True, kw_only=True)
 class Embedding(Predictor):
     outputs: Tuple[str, ...] = ("_0",)  # the struct's field of each output column
+
+    reads_text: ClassVar[bool] = True
 
     @classmethod
     def check(cls, p: Dict[str, Any]) -> None:

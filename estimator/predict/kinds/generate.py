@@ -28,6 +28,7 @@ class Generate(Predictor):
     batching: str = "auto"  # generation_batching (estimator.lm.generation.batching_for)
 
     accepts_chat: ClassVar[bool] = True
+    reads_text: ClassVar[bool] = True
     generates: ClassVar[bool] = True
 
     @classmethod

@@ -46,6 +46,7 @@ class Score(Predictor):
     chat_tools: Optional[Tuple[Any, ...]] = None
 
     accepts_chat: ClassVar[bool] = True
+    reads_text: ClassVar[bool] = True
 
     @classmethod
     def check(cls, p: Dict[str, Any]) -> None:
