@@ -178,7 +178,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                 raise ValueError(f"Column {column!r} (from {source}) is not in the DataFrame. "
                                  f"Available columns: {', '.join(df.columns)}.")
             dtype = df.schema[column].dataType
-            maps = chat_of_maps(column, dtype)
+            maps = chat_of_maps(column, dtype, "feature_cols" if column in p["feature_cols"] else "label_cols")
             if maps is not None and predictor.reads_text:
                 raise ValueError(maps)
             if (column in p["feature_cols"] and predictor.reads_text and not isinstance(dtype, StringType)

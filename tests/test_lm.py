@@ -557,7 +557,7 @@ def test_a_prompt_that_leaves_no_room_for_max_new_tokens_in_the_positions_is_ref
     tokens = len(tokenizer(long)["input_ids"])
     monkeypatch.setattr(model.config, "max_position_embeddings", tokens + 4)
     assert len(generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 4, None)) == 5
-    with pytest.raises(ValueError, match=rf"1 of the 5 prompts of column 'prompt' leave no room for "
+    with pytest.raises(ValueError, match=rf"1 of the 5 prompts of column 'prompt' in this batch leave no room for "
                        rf"max_new_tokens=5 in the model's {tokens + 4} positions .*'What is the very.* takes "
                        rf"{tokens} tokens.*at most {tokens - 1} tokens, or lower max_new_tokens to 4 or less"):
         generate_texts(model, tokenizer, prompts, False, "prompt", None, "cpu", 5, None)

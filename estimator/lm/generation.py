@@ -102,7 +102,7 @@ def check_positions(model: Any, prompts: Sequence[Sequence[int]], values: Sequen
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     fix = f"shorten those prompts to at most {positions - max_new_tokens} tokens" + (
         f", or lower max_new_tokens to {room} or less" if room >= 1 else "")
-    raise ValueError(f"{over} of the {len(prompts)} prompts of column {column!r} leave no room for "
+    raise ValueError(f"{over} of the {len(prompts)} prompts of column {column!r} in this batch leave no room for "
                      f"max_new_tokens={max_new_tokens} in the model's {positions} positions "
                      f"({type(base_config(model)).__name__}.max_position_embeddings): the longest, {shown!r}, "
                      f"takes {len(prompts[longest])} tokens. Past the positions the text is garbage or the model "
