@@ -217,8 +217,11 @@ def test_a_full_fine_tune_saved_at_a_remote_url_is_held_and_its_weights_read_whe
     optimizer.step()
     save_module(model.eval(), optimizer, tokenizer, fs, root)
 
+    read = []
+    monkeypatch.setattr(fs, "get_file", lambda path, *a, **k: read.append(path) or type(fs).get_file(fs, path, *a, **k))
     skeleton, driver_optimizer, handle = held_saved(fs, root)
     assert meta_tensors(skeleton) and repr(handle.factory).startswith("RemoteFolder('memory:///weights-test/")
+    assert not [p for p in read if p.endswith((".safetensors", "optimizer.pt"))], read  # headers and groups only
     copies = str(tmp_path / "machine" / folders.FOLDERS)
     [shapes] = [os.path.join(copies, d) for d in os.listdir(copies) if d.endswith("-shapes")]
     weights = os.stat(os.path.join(shapes, "model.safetensors"))
@@ -249,6 +252,8 @@ def test_a_full_fine_tune_saved_at_a_remote_url_is_held_and_its_weights_read_whe
     after = set(os.listdir(copies))  # the new version's two copies in place of the earlier ones
     assert len(after) == 4 and not after & before, (before, after)
     assert handle.factory.without_credentials().fs is None
+    fs.rm(root + "/optimizer_groups.pt")  # a save of before that file: the groups read from optimizer.pt
+    assert held_saved(fs, root)[1].param_groups[0]["lr"] == 0.01 and any(p.endswith("optimizer.pt") for p in read)
 
 
 def test_a_standalone_saves_base_at_a_remote_url_is_read_where_the_model_is_built(tmp_path, memory, monkeypatch):
@@ -318,7 +323,7 @@ def test_an_optimizer_whose_class_cannot_be_imported_here_is_left_out_with_a_war
 
     from transformers import AutoModelForSequenceClassification
 
-    from estimator.predict.weights import OPTIMIZER_FILE, held_saved
+    from estimator.predict.weights import OPTIMIZER_FILE, OPTIMIZER_GROUPS_FILE, held_saved
     from text_helpers import save_pretrained_bert, topic_texts
 
     fs = fsspec.filesystem("file")
@@ -329,10 +334,11 @@ def test_an_optimizer_whose_class_cannot_be_imported_here_is_left_out_with_a_war
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         fs.makedirs(root)  # as the model's writer made it (Spark ML's metadata first)
         save_module(model, optimizer, None, fs, root)
-        path = f"{root}/{OPTIMIZER_FILE}"
-        saved = torch.load(path, weights_only=True)
-        saved["class"] = "notebook_cell_7:MyAdam"
-        torch.save(saved, path)
+        for name in (OPTIMIZER_FILE, OPTIMIZER_GROUPS_FILE):  # a class of the saving notebook's, in both files
+            path = f"{root}/{name}"
+            saved = torch.load(path, weights_only=True)
+            saved["class"] = "notebook_cell_7:MyAdam"
+            torch.save(saved, path)
         with caplog.at_level(logging.WARNING, logger="estimator"):
             caplog.clear()
             if kind == "safetensors":

@@ -9,7 +9,8 @@ A TorchModel whose module came from a `model` factory is saved as its weights pl
   - any other module: `model.safetensors` (the state_dict; tied weights stored once), rebuilt by calling the
     factory (pickled with the other params) and loading those weights over what it built.
 The optimizer at the end of training goes to `optimizer.pt` as its class, groups, hyperparameters and state (a
-pickled optimizer would carry a copy of every weight). `module.json` says which. Models given as instances keep
+pickled optimizer would carry a copy of every weight), and to `optimizer_groups.pt` without its state (what a
+load reads on the driver). `module.json` says which. Models given as instances keep
 the pickle layout of earlier releases (persistence). Hugging Face's and safetensors' writers take local paths: remote stores get a local copy, then fsspec's put/get.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ ADAPTER_FOLDER = "adapter"
 BASE_FOLDER = "base"  # a standalone save's base, under a model with adapters
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_GROUPS_FILE = "optimizer_groups.pt"  # the same without its state: what a load reads on the driver
 
 log = logging.getLogger("estimator")
 
@@ -83,12 +85,15 @@ def save_module(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], to
                  "state": optimizer.state_dict() if optimizer_state is None else optimizer_state}
         from fsspec.implementations.local import LocalFileSystem
 
+        groups = {**{k: v for k, v in saved.items() if k != "state"}, "param_groups": saved["state"]["param_groups"]}
         if isinstance(fs, LocalFileSystem):  # written in place: mapped tensors are read as they go
             torch.save(saved, posixpath.join(root, OPTIMIZER_FILE))
+            torch.save(groups, posixpath.join(root, OPTIMIZER_GROUPS_FILE))
         else:
             with tempfile.TemporaryDirectory() as local:  # a local file first, then copied
-                torch.save(saved, os.path.join(local, OPTIMIZER_FILE))
-                fs.put_file(os.path.join(local, OPTIMIZER_FILE), posixpath.join(root, OPTIMIZER_FILE))
+                for name, content in ((OPTIMIZER_FILE, saved), (OPTIMIZER_GROUPS_FILE, groups)):
+                    torch.save(content, os.path.join(local, name))
+                    fs.put_file(os.path.join(local, name), posixpath.join(root, name))
     with fs.open(posixpath.join(root, MODULE_FILE), "w") as f:
         json.dump(kind, f)
 
@@ -296,11 +301,11 @@ def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.o
     skeleton = ModelRecipe(factory).build(on_meta=True)
     optimizer, optimizer_path = None, posixpath.join(root, OPTIMIZER_FILE)
     if fs.exists(optimizer_path):
-        saved = mapped_file(fs, optimizer_path)
+        saved = saved_groups(fs, root)
         cls = optimizer_class(saved)
         if cls is not None:  # its groups' hyperparameters now; its state read where the model is built
             optimizer = rebuild_optimizer(cls, saved["groups"], saved["defaults"],
-                                          {"state": {}, "param_groups": saved["state"]["param_groups"]}, skeleton)
+                                          {"state": {}, "param_groups": saved["param_groups"]}, skeleton)
     files = [folder_key(fs, folder)]
     if optimizer is not None:
         files.append(folder_key(fs, optimizer_path))
@@ -308,6 +313,18 @@ def held_saved(fs: Any, root: str) -> Optional[Tuple[nn.Module, Optional[torch.o
     stored = SavedState(folder, optimizer_path if optimizer is not None else None, key,
                         None if isinstance(fs, LocalFileSystem) else fs)
     return skeleton.eval(), optimizer, ModelHandle(factory, None, b"", None, stored=stored)
+
+
+def saved_groups(fs: Any, root: str) -> dict:
+    """A saved optimizer's class, groups, defaults and param_groups, without its state: from the small file that
+    save_module writes beside it (a remote URL's optimizer.pt, twice the weights for AdamW, is not copied for
+    them), or from optimizer.pt itself (saved before that file; mapped where it is local)."""
+    path = posixpath.join(root, OPTIMIZER_GROUPS_FILE)
+    if fs.exists(path):
+        with fs.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    saved = mapped_file(fs, posixpath.join(root, OPTIMIZER_FILE))
+    return {**saved, "param_groups": saved["state"]["param_groups"]}
 
 
 def saved_adapters(folder: str) -> Any:
