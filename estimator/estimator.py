@@ -319,6 +319,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         stepping = None if source is not None else optimizer_steps(  # the direct mode's rows: on the ranks
             data.train_rows, num_proc, p["batch_size"], p["train_steps_per_epoch"], p["drop_last"],
             p["backward_passes_per_step"], p["epochs"]) * getattr(run.objs.objective, "iterations", 1)
+        checks.warn_of_long_warmup(p, stepping)
         if run.objs.lightning:  # the keys are what its steps log
             step_metrics, val_metrics, scheduler_monitor = dry_lightning(
                 run.objs, data, first_rows, has_validation, p["epochs"], stepping,

@@ -207,7 +207,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
         (dict(max_length=512), texts, "'max_length'.* 512, beyond the 64 positions"),
         (dict(loss=torch.nn.CrossEntropyLoss()), texts,
          r"holds strings: the response this causal LM would be fine-tuned to write.*leave loss unset \(loss=None\)"),
-        (dict(max_new_tokens=64), texts, "'max_new_tokens'.* 64, and the model has 64 positions.*< 64"),
+        (dict(max_new_tokens=64), texts, r"'max_new_tokens'.* 64 \(the most tokens transform generates a row; 64 "
+                                         r"unless set\), and the model has 64 positions.*< 64"),
         (dict(feature_cols=["chat"], label_cols=None), bad_chat, r"need \['role', 'content'\].*missing: \['content'\]"),
         (dict(optimizer=torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())), texts,
          "optimizer must be built over them"),

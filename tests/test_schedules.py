@@ -98,3 +98,18 @@ def test_what_would_set_the_rate_twice_or_pack_a_table_that_is_not_text_is_refus
                                label_cols=["label"], store=store)
     with pytest.raises((ValueError, TypeError), match=named):
         estimator.setParams(**params)._checked()
+
+
+def test_a_warmup_longer_than_the_fit_is_told_with_where_the_rate_ends(caplog):
+    import logging
+
+    from estimator.fit.checks import warn_of_long_warmup
+
+    with caplog.at_level(logging.WARNING, logger="estimator"):
+        for warmup, steps in ((10, 11), (None, 5), (0, 5), (10, None)):  # shorter, unset, or steps not known
+            warn_of_long_warmup({"warmup_steps": warmup}, steps)
+        assert caplog.text == ""
+        warn_of_long_warmup({"warmup_steps": 10_000}, 10)
+    assert ("warmup_steps=10000 is at least the fit's 10 optimizer steps: the warmup takes the whole fit, the "
+            "learning rate rising toward lr and at 0.0009 of it at the last step") in caplog.text
+    assert WarmupSchedule("linear", 10_000, 10)(9) == pytest.approx(0.0009)  # the rate the message gives

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from pyspark.ml.linalg import VectorUDT
@@ -19,6 +20,8 @@ from estimator.train.losses import check_metrics, takes_labels
 from estimator.train.objectives.classic import Objective
 
 OWNER = "TorchEstimator"
+
+log = logging.getLogger("estimator")
 
 
 def language_model(objective: Any) -> bool:
@@ -331,6 +334,18 @@ def lightning_monitor(p: Dict[str, Any], train_keys: Sequence[str], val_keys: Se
                          "or validation_step, or monitor one of these.")
     default = "val_loss" if "val_loss" in keys else "loss"
     return monitor_for({**p, "monitor": p["monitor"] or default}, None, has_validation, keys)
+
+
+def warn_of_long_warmup(p: Mapping[str, Any], steps: Optional[int]) -> None:
+    """A warning where warmup_steps takes the whole fit of `steps` optimizer steps (None: not known on the
+    driver): the rate never reaches lr, which a user who set lr for it would not know (Hugging Face's schedules
+    allow it too)."""
+    warmup = p.get("warmup_steps")
+    if steps is None or not warmup or warmup < steps:
+        return
+    log.warning("warmup_steps=%d is at least the fit's %d optimizer steps: the warmup takes the whole fit, the "
+                "learning rate rising toward lr and at %.3g of it at the last step. Lower warmup_steps, or give "
+                "warmup_ratio (a share of the steps).", warmup, steps, (steps - 1) / warmup)
 
 
 def check_compile(setting: Any, model: nn.Module) -> None:

@@ -58,9 +58,10 @@ def check_max_new_tokens(p: Dict[str, Any], owner: str = OWNER) -> None:
     garbage (transformers only warns) or its position embedding fails on the executors."""
     positions = model_positions(p["model"])
     if positions is not None and p["max_new_tokens"] >= positions:
-        raise ValueError(f"The 'max_new_tokens' parameter of {owner} is {p['max_new_tokens']}, and the model has "
-                         f"{positions} positions for the prompt and the generated tokens together: set "
-                         f"max_new_tokens < {positions} (at most {positions} minus the longest prompt's tokens).")
+        raise ValueError(f"The 'max_new_tokens' parameter of {owner} is {p['max_new_tokens']} (the most tokens "
+                         f"transform generates a row; 64 unless set), and the model has {positions} positions for the "
+                         f"prompt and the generated tokens together: set max_new_tokens < {positions} (at most "
+                         f"{positions} minus the longest prompt's tokens).")
 
 
 def check_text_column(p: Dict[str, Any], owner: str = "TorchModel") -> None:
