@@ -98,14 +98,7 @@ def local_copy(fs: Any, folder: str, key: str, weights: bool = True) -> str:
             return target
         part = tempfile.mkdtemp(prefix=os.path.basename(target) + ".part-", dir=root)
         try:
-            for path in fs.find(folder):
-                relative = posixpath.relpath(path, folder)
-                local = os.path.join(part, *relative.split("/"))
-                os.makedirs(os.path.dirname(local), exist_ok=True)
-                if weights or not relative.endswith(WEIGHT_FILES):
-                    fs.get_file(path, local)
-                else:
-                    header_only(fs, path, local)
+            get_folder(fs, folder, part, None if weights else header_only)
             try:
                 os.rename(part, target)
             except OSError:  # no lock on this platform, and another process's copy came first
@@ -126,6 +119,18 @@ def local_copy(fs: Any, folder: str, key: str, weights: bool = True) -> str:
             except OSError:
                 pass
     return target
+
+
+def get_folder(fs: Any, remote: str, local: str, weights: Any = None) -> None:
+    """Every file under `remote` to the same relative path under `local`; `weights`: how a safetensors file is
+    copied instead (header_only), where given."""
+    for path in fs.find(remote):
+        target = os.path.join(local, *posixpath.relpath(path, remote).split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if weights is not None and path.endswith(WEIGHT_FILES):
+            weights(fs, path, target)
+        else:
+            fs.get_file(path, target)
 
 
 def header_only(fs: Any, path: str, local: str) -> None:

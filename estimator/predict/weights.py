@@ -35,7 +35,7 @@ from estimator.core.meta import materialize, meta_tensors
 from estimator.core.numbers import plain
 from estimator.core.pickling import constructor_defaults, optimizer_groups, rebuild_optimizer
 from estimator.core.quiet import hf_bars_off
-from estimator.predict.folders import RemoteFolder, class_named, folder_key, local_copy
+from estimator.predict.folders import RemoteFolder, class_named, folder_key, get_folder, local_copy
 
 MODULE_FILE = "module.json"
 HUGGING_FACE_FOLDER = "pretrained"
@@ -386,14 +386,6 @@ def put_folder(local: str, fs: Any, remote: str) -> None:
             target = posixpath.join(remote, os.path.relpath(os.path.join(folder, name), local).replace(os.sep, "/"))
             fs.makedirs(posixpath.dirname(target), exist_ok=True)
             fs.put_file(os.path.join(folder, name), target)
-
-
-def get_folder(fs: Any, remote: str, local: str) -> None:
-    """Every file under `remote` to the same relative path under `local`."""
-    for path in fs.find(remote):
-        target = os.path.join(local, *posixpath.relpath(path, remote).split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fs.get_file(path, target)
 
 
 def qualified_name(cls: type) -> str:
