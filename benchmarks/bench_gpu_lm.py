@@ -425,7 +425,9 @@ def profiled_full(args, path, rows, folder):
                  on_trace_ready=ready) as prof, StepClock(SHAPES[args.shape]["vocab_size"]) as clock:
         hook = register_optimizer_step_post_hook(lambda *_: prof.step())
         try:
-            out = ours_sft(args, path, rows[:8 * args.batch], True, torch.float32, store_url="memory://profile")
+            steps = wait + warm + active + 1  # rows repeated where there are fewer (--shape tiny's 64)
+            wanted = (rows * -(-steps * args.batch // len(rows)))[:steps * args.batch]
+            out = ours_sft(args, path, wanted, True, torch.float32, store_url="memory://profile")
         finally:
             hook.remove()
             MemoryFileSystem().rm("/profile", recursive=True)
