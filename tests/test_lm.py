@@ -698,3 +698,21 @@ def test_a_handle_whose_base_is_gone_says_where_it_is_built_and_what_to_do(tmp_p
                        "|" + re.escape(missing) + ".*each executor for transform.*moved or deleted.*"
                        "save_pretrained"):
         handle.build()
+
+
+def test_two_classes_from_one_folder_are_two_models_to_the_executors_cache(tmp_path):
+    """The executors keep built models by the handle's key: AutoModelForCausalLM.from_pretrained and
+    AutoModel.from_pretrained are one function bound to two classes, and a generate transform followed by an
+    embedding one over the same folder was given the causal LM (a wheel trial: 'it returned
+    CausalLMOutputWithPast'). Their keys differ; the same class and folder keep one key."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from estimator.core.handle import ModelHandle
+
+    folder = str(tmp_path / "base")
+
+    def key(cls, **kwargs):
+        return ModelHandle(functools.partial(cls.from_pretrained, folder, **kwargs), None, b"").key
+
+    assert key(AutoModelForCausalLM) != key(AutoModel)
+    assert key(AutoModelForCausalLM) == key(AutoModelForCausalLM) != key(AutoModelForCausalLM, dtype=torch.bfloat16)

@@ -54,8 +54,8 @@ class ModelHandle:
         func = getattr(self.factory, "func", self.factory)  # a partial's function, named (no address in it)
         digest = hashlib.sha256(self.trained)
         digest.update(repr((self.seed, self.stored.key if self.stored is not None else None,
-                            getattr(self.factory, "key", None), getattr(func, "__module__", None),
-                            getattr(func, "__qualname__", type(func).__name__), getattr(self.factory, "args", ()),
+                            getattr(self.factory, "key", None), function_name(func),
+                            getattr(self.factory, "args", ()),
                             sorted(getattr(self.factory, "keywords", {}).items(), key=str))).encode())
         return "handle-" + digest.hexdigest()
 
@@ -208,3 +208,18 @@ def held(model: Any, handle: Optional[ModelHandle]) -> Optional[ModelHandle]:
     """What a TorchModel's model is, decided in one place: the handle when the model is held as one (its module a
     skeleton on the meta device, rebuilt by the handle where it is needed), else None (the module is the model)."""
     return handle if handle is not None and on_meta(model) else None
+
+
+def function_name(func: Any) -> str:
+    """A factory's function by name, with what a method is bound to: AutoModel.from_pretrained and
+    AutoModelForCausalLM.from_pretrained are one function (_BaseAutoModelClass.from_pretrained) bound to two
+    classes, which build two models from one folder."""
+    owner = getattr(func, "__self__", None)
+    if owner is None:
+        bound = ""
+    elif isinstance(owner, type):
+        bound = f"{owner.__module__}:{owner.__qualname__}."
+    else:  # a bound method of an instance: its class (the instance's address is not a name)
+        bound = f"{type(owner).__module__}:{type(owner).__qualname__}()."
+    return (f"{bound}{getattr(func, '__module__', None)}:"
+            f"{getattr(func, '__qualname__', type(func).__name__)}")
