@@ -45,8 +45,8 @@ from estimator.fit.strategy import check_shared_gpus, strategy_class
 from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus, task_slots
 from estimator.launch.shipping import ship_package
 from estimator.model import TorchModel
-from estimator.predict.language_checks import (check_generation_batching, check_max_length, check_max_new_tokens,
-                                               check_vocabulary, effective_max_length)
+from estimator.predict.language_checks import (check_generate_kwargs, check_generation_batching, check_max_length,
+                                               check_max_new_tokens, check_vocabulary, effective_max_length)
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.train.checkpoint import RunState, load_checkpoint, restore
@@ -223,6 +223,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             # checks them again: a model switched to generate later)
             check_max_new_tokens(p)
             check_generation_batching(p)
+            check_generate_kwargs(p)
         check_optimizer(p["optimizer"], p["model"], p["lr"])
         check_mlflow(p["mlflow"])
         for name, why in checks.ignored_params(p):

@@ -1,6 +1,7 @@
 """GRPO's rewards and advantages on a rank (estimator.train.objectives.rewards), without Spark or a model: the
 reward functions called as TRL calls them, their scores checked by name, each completion's advantage within its
 prompt's group as TRL's GRPOTrainer computes it (sum_then_normalize; scale_rewards 'group', 'batch', 'none')."""
+import json
 import math
 
 import numpy as np
@@ -30,10 +31,12 @@ def test_reward_functions_get_the_columns_as_keyword_lists_and_none_is_unscored(
 
     rewards = Rewards.of([exact, short, spy], [1.0, 0.5, 0.0])
     assert rewards.names == ("exact", "short", "spy") and rewards.weights == (1.0, 0.5, 0.0)
-    got = rewards.score(["Q1", "Q1", "Q2", "Q2"], ["red car", "", "blue", "green"], [[5, 6], [], [7], [8]],
-                        {"answer": ["red", "red", "blue", "blue"], "level": [1, 1, 2, 2]})
+    got = rewards.score(["Q1", "Q1", "Q2", "Q2"], ["red car", "", "blue", "green"],  # numpy's, as a rank's rows
+                        [np.array([5, 6]), [], [np.int64(7)], [8]],
+                        {"answer": ["red", "red", "blue", "blue"], "level": list(np.array([1, 1, 2, 2]))})
     assert seen == {"prompts": ["Q1", "Q1", "Q2", "Q2"], "completion_ids": [[5, 6], [], [7], [8]],
                     "level": [1, 1, 2, 2]}
+    json.dumps(seen)  # Python values, as TRL gives them (a wheel trial's json.dumps failed on numpy.int64)
     np.testing.assert_array_equal(got[:, 0], [1, 0, 1, 0])
     assert math.isnan(got[1, 1]) and got[0, 1] == pytest.approx(-0.7)
     assert Rewards.of([exact, exact]).names == ("exact", "exact_2")  # each its own metrics

@@ -684,6 +684,19 @@ def test_an_eos_token_in_generate_kwargs_ends_the_text_where_it_is_written(llama
     assert full.startswith(cut) and len(cut) < len(full), (full, cut)
 
 
+def test_stop_strings_end_the_text_with_the_models_own_tokenizer_not_passed_again(llama, tokenizer):
+    """generate() matches stop_strings in the decoded text and asks for the tokenizer to do it; transform has the
+    model's, and a wheel trial's generate_kwargs={'stop_strings': [...]} failed on the executors asking for it."""
+    from estimator.lm.generation import generate_texts
+
+    model, prompt = plain_causal_lm(llama).eval(), lm_rows(1)[0][0]
+    full = generate_texts(model, tokenizer, [prompt], False, "prompt", 1, "cpu", 12, {})[0]
+    stop = re.search(r"[a-z]{2}", full[len(full) // 3:])  # letters of the text's later part (the random model's)
+    assert stop, full
+    cut = generate_texts(model, tokenizer, [prompt], False, "prompt", 1, "cpu", 12, {"stop_strings": [stop[0]]})[0]
+    assert full.startswith(cut) and stop[0] in cut and len(cut) < len(full), (full, cut)  # ends in its token
+
+
 
 def test_a_handle_whose_base_is_gone_says_where_it_is_built_and_what_to_do(tmp_path):
     """transform builds a LoRA fit's base on each executor from its factory (estimator.core.handle): a folder moved

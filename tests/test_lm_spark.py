@@ -222,6 +222,8 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
          r"'generation_batching' .* 'continuous', and generate_kwargs \['num_beams'\] are model.generate's only"),
         (dict(generate_kwargs={"max_new_tokens": 2}), texts,
          "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
+        (dict(generate_kwargs={"do_sample": True, "temprature": 0.5}), texts,  # transformers: on the executors
+         r"'generate_kwargs' .* holds 'temprature', which LlamaForCausalLM.generate does not take.*'temperature'\?"),
         (dict(feature_cols=["chat"], label_cols=None), tool_chat,
          r"messages hold \['tool_calls'\], and the chat template .* never reads them: they would be dropped"),
         (dict(chat_tools=[{"type": "function", "function": {"name": "weather"}}]), texts,
@@ -239,6 +241,10 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     with pytest.raises(ValueError, match="'max_new_tokens' parameter of TorchModel is 80.*64 positions"):
         assert jobs_run_by(spark, lambda: writer.transform(texts).collect()) == []
     writer.setMaxNewTokens(8)
+    typo = writer.copy({writer.generate_kwargs: {"top_p": 0.9, "do_smaple": True}})
+    with pytest.raises(ValueError, match="'generate_kwargs' parameter of TorchModel holds 'do_smaple'.*'do_sample'"):
+        typo.transform(texts)
+    assert jobs_run_by(spark, lambda: pytest.raises(ValueError, typo.transform, texts)) == []
     for kind, df, message in [  # what transform cannot read as text: refused before any job, as fit refuses it
             ("generate", map_chat.withColumnRenamed("chat", "prompt"),
              r"'prompt' \(from feature_cols\) is array<map<string,string>>, .* F\.transform"),

@@ -71,6 +71,8 @@ def generate_texts(model: Any, tokenizer: Any, values: Sequence[Any], chat: bool
     pad = pad_id(tokenizer)
     kwargs.setdefault("pad_token_id", pad)  # a user's own pad or eos (a chat's end-of-turn token) is kept
     kwargs.setdefault("eos_token_id", eos_id(tokenizer))
+    if kwargs.get("stop_strings"):  # generate() matches them in the text: the model's tokenizer, not asked twice
+        kwargs.setdefault("tokenizer", tokenizer)
     texts: List[str] = [""] * len(prompts)
     padded = list(range(len(prompts)))
     if batching_for(batching, model, device, generate_kwargs) == "continuous":

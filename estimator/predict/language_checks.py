@@ -5,9 +5,11 @@ use them without importing the driver's fit; estimator.fit.language imports them
 output kinds that call these travel to the executors."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+import difflib
+import inspect
+from typing import Any, Dict, Optional, Sequence, Set
 
-from estimator.core.adapters import base_config, model_positions
+from estimator.core.adapters import base_config, can_generate, is_adapted, model_positions
 from estimator.data.text import length_limit
 from estimator.lm.continuous import continuous_refusal, unsupported
 
@@ -103,3 +105,59 @@ def check_generation_batching(p: Dict[str, Any], owner: str = OWNER) -> None:
         raise ValueError(f"The 'generation_batching' parameter of {owner} is 'continuous', and {why}: set "
                          "generation_batching='padded' (or 'auto', which takes model.generate where continuous "
                          "batching cannot serve).")
+
+
+# generate_kwargs this package reads itself (estimator.lm.generation): 'seed' seeds each call's sampling
+OWN_GENERATE_KWARGS = frozenset({"seed"})
+
+
+def check_generate_kwargs(p: Dict[str, Any], owner: str = OWNER) -> None:
+    """Every key of generate_kwargs one that model.generate takes: a GenerationConfig field, one of generate()'s
+    own parameters (tokenizer for stop_strings among them), an input of the model's forward, or this package's
+    'seed'. transformers refuses a misspelled one ('temprature') only when generating, on the executors; here it
+    is refused before any job, with the nearest name."""
+    kwargs = p.get("generate_kwargs") or {}
+    inner = p["model"].get_base_model() if is_adapted(p["model"]) else p["model"]
+    config = getattr(inner, "config", None)
+    if not kwargs or not can_generate(p["model"]) or getattr(config, "is_encoder_decoder", False):
+        return
+    known = generate_keywords(inner)
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        raise ValueError(f"The 'generate_kwargs' parameter of {owner} holds {unknown[0]!r}, which "
+                         f"{type(inner).__name__}.generate does not take (neither a GenerationConfig field nor "
+                         "one of generate()'s parameters nor an input of the model's forward): "
+                         + (f"did you mean {near[0]!r}?" if near else "remove it.")
+                         + " transformers would refuse it only when generating, on the executors.")
+
+
+def generate_keywords(model: Any) -> Set[str]:
+    """The keyword names model.generate takes, as transformers' own check counts them
+    (GenerationMixin._validate_model_kwargs and GenerationConfig)."""
+    from transformers import GenerationConfig
+
+    known = set(GenerationConfig().to_dict()) | set(OWN_GENERATE_KWARGS) | {"tokenizer", "assistant_tokenizer"}
+    known |= named_parameters(type(model).generate)
+    prepare = getattr(type(model), "prepare_inputs_for_generation", None)
+    taken = named_parameters(prepare, keep_variadic=True) if prepare is not None else set()
+    known |= taken
+    if "kwargs" in taken or "model_kwargs" in taken:
+        known |= named_parameters(type(model).forward)
+    try:
+        from transformers.utils.generic import TransformersKwargs
+
+        known |= set(getattr(TransformersKwargs, "__optional_keys__", ()))
+    except ImportError:  # an older transformers: its models' kwargs are their forward's
+        pass
+    return known
+
+
+def named_parameters(function: Any, keep_variadic: bool = False) -> Set[str]:
+    """A function's parameter names (without self; *args/**kwargs' names only with keep_variadic)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {q.name for q in parameters if q.name != "self" and (keep_variadic or q.kind not in variadic)}

@@ -13,8 +13,9 @@ import pyarrow as pa
 from estimator.core.adapters import can_generate
 from estimator.data.text import Tokenize
 from estimator.lm.generation import generate_texts
-from estimator.predict.language_checks import (check_generation_batching, check_max_length, check_max_new_tokens,
-                                               check_text_column, check_vocabulary, effective_max_length)
+from estimator.predict.language_checks import (check_generate_kwargs, check_generation_batching, check_max_length,
+                                               check_max_new_tokens, check_text_column, check_vocabulary,
+                                               effective_max_length)
 from estimator.predict.predictor import PREDICTION_FIELD, Added, Predictor, output_fields
 
 
@@ -41,6 +42,7 @@ class Generate(Predictor):
         check_vocabulary(p, "TorchModel")
         check_max_new_tokens(p, "TorchModel")
         check_generation_batching(p, "TorchModel")
+        check_generate_kwargs(p, "TorchModel")
 
     @classmethod
     def build(cls, p: Dict[str, Any], outputs: List[str], torch_threads: Optional[int] = None) -> "Generate":

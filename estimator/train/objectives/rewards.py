@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from estimator.core.numbers import plain
 from estimator.failures import FailureKind
 
 SCALES = ("group", "batch", "none")  # scale_rewards: by each group's std (TRL's default), the batch's, or none
@@ -106,9 +107,9 @@ class Rewards:
         out = np.empty((count, len(self.funcs)), dtype=np.float64)
         for j, (func, name) in enumerate(zip(self.funcs, self.names)):
             try:
-                got = func(prompts=list(prompts), completions=list(completions),
-                           completion_ids=[list(c) for c in completion_ids],
-                           **{k: list(v) for k, v in columns.items()})
+                got = func(prompts=plain(list(prompts)), completions=list(completions),
+                           completion_ids=[plain(list(c)) for c in completion_ids],
+                           **{k: plain(list(v)) for k, v in columns.items()})  # Python values, as TRL's
             except Exception as exc:  # noqa: BLE001 - the user's function: typed, never retried
                 raise RewardFailed(f"The reward function {name!r} raised on a batch of {count} completions (its "
                                    f"first prompt: {clipped(prompts[0] if len(prompts) else '')}): "
