@@ -24,7 +24,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 
 from estimator.compression import compression_name
 from estimator.core.handle import ModelHandle, on_meta, trainable_on_cpu
-from estimator.core.param_table import ESTIMATOR_PARAMS, TRAINING_PARAMS
+from estimator.core.param_table import ESTIMATOR_PARAMS, HOROVOD_REFUSED, TRAINING_PARAMS
 from estimator.core.params import DeclaredParams, declare, one_of, param_error
 from estimator.core.pickling import dumps, user_objects
 from estimator.core.spec import DataSpec, LMSpec, ReaderSpec, TrainSpec, UserObjects
@@ -436,7 +436,7 @@ def inference_rows(p: Mapping[str, Any], objective: Any) -> Optional[int]:
     return max(p["val_batch_size"] or p["batch_size"], 256)
 
 
-declare(TorchEstimator, ESTIMATOR_PARAMS)
+declare(TorchEstimator, ESTIMATOR_PARAMS, HOROVOD_REFUSED)
 
 
 @dataclass(frozen=True)

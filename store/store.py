@@ -25,6 +25,9 @@ DEFAULT_MAX_DATA_AGE = 14 * 86400.0  # seconds a materialized copy is kept after
 DEFAULT_MAX_RUN_BYTES = 20 * 2**30  # run folders (checkpoints, logs) kept in a store, least recently modified go
 DEFAULT_MAX_RUN_AGE = 30 * 86400.0  # seconds a run folder is kept after it last changed
 
+# the package's extras that install a scheme's fsspec filesystem (setup.cfg)
+PACKAGE_EXTRAS = {"s3": ("s3", "s3a", "s3n"), "azure": ("abfs", "abfss", "az", "adl")}
+
 
 class Store:
     """A prefix URL plus the fsspec filesystem that serves it.
@@ -89,8 +92,12 @@ class Store:
             try:
                 self._fs, root = url_to_fs(prefix, **self.storage_options)
             except (ValueError, ImportError) as exc:
+                scheme = self.prefix.split("://", 1)[0] if "://" in self.prefix else ""
+                extra = next((name for name, schemes in PACKAGE_EXTRAS.items() if scheme in schemes), None)
+                fix = (f" (pip install 'spark-torch-estimator[{extra}]' installs it, on the driver and every "
+                       "executor)" if extra else "")
                 raise ValueError(
-                    f"Store cannot open {self.prefix!r}: {exc}. Use a local path or an fsspec URL "
+                    f"Store cannot open {self.prefix!r}: {exc}{fix}. Use a local path or an fsspec URL "
                     "(file://, hdfs://, abfs://, s3://, memory://) with its filesystem package installed."
                 ) from None
             self._root = root.rstrip("/") or "/"

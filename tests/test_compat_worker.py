@@ -59,3 +59,16 @@ def test_terminate_on_nan_stops_with_epoch_and_step(store, digits):
     spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
                      losses=[explodes], terminate_on_nan=False)
     assert LocalLauncher().run(spec, 1)[0].history  # without it, training carries on
+
+
+def test_a_loss_made_nan_by_the_data_names_the_column_not_the_learning_rate(store, digits):
+    """A row of infinite features gives a NaN loss at its step: the failure names the column and its rows (a wheel
+    trial was told to lower the lr), looked at only once the loss is not finite."""
+    X, y = digits[0].copy(), digits[1]
+    X[130] = float("inf")  # in the third batch of 64, shuffle=False
+    model = seeded(MLP)
+    spec = make_spec(store, (X, y), model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
+                     shuffle=False, terminate_on_nan=True)
+    with pytest.raises(RankFailed, match=r"loss is nan at epoch 1, step 3 on rank 0.*holds NaN or infinite values in "
+                                         r"'features' \(1 of its rows\): drop or fix those rows"):
+        LocalLauncher().run(spec, 1)

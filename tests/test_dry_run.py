@@ -137,6 +137,22 @@ def test_class_index_targets_are_integers_of_shape_batch():
         assert torch.isclose(loss, nn.CrossEntropyLoss()(scores, torch.tensor([0, 1])))
 
 
+def test_class_labels_that_are_not_whole_numbers_are_refused_not_truncated(store):
+    """A double label of 0.5 (or a regression target) under CrossEntropyLoss: .long() made it class 0 and the fit
+    reported accuracy 1.0 (a wheel trial). Refused by the driver's dry run (its first rows) and by each batch on
+    a CPU rank, naming the column and the value; whole-number doubles (StringIndexer's) still train."""
+    with pytest.raises(ValueError, match=r"Label column 'y' holds 0\.5, which is not a class index: "
+                                         r"CrossEntropyLoss reads .* 6 of this batch.s 13 labels .* MSELoss"):
+        dry_run(_objs(nn.Linear(4, 3), nn.CrossEntropyLoss()), _data(store, np.array([0.0, 0.5] * 20)))
+    objective = Objective([nn.NLLLoss()], [1.0], [], ["grade"], weighted=False)
+    with pytest.raises(ValueError, match=r"Label column 'grade' holds 2\.7, which is not a class index: NLLLoss"):
+        objective((torch.zeros(3, 4),), (torch.tensor([0.0, 2.7, 1.0]),), None)
+    probabilities = torch.tensor([[0.3, 0.7], [1.0, 0.0]])  # CrossEntropyLoss's class probabilities stay floats
+    loss, _ = Objective([nn.CrossEntropyLoss()], [1.0], [], ["y"], weighted=False)(
+        (torch.zeros(2, 2),), (probabilities,), None)
+    assert torch.isclose(loss, nn.CrossEntropyLoss()(torch.zeros(2, 2), probabilities))
+
+
 def test_functional_losses_take_sample_weights_with_reduction_none():
     objective = Objective([nn.functional.binary_cross_entropy], [1.0], [], ["y"], weighted=True)
     p = torch.tensor([[0.9], [0.2]])

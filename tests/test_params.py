@@ -56,6 +56,13 @@ def test_unknown_param_suggests_the_close_one():
         TorchEstimator(batchsize=3)
 
 
+def test_horovods_train_minibatch_fn_is_told_what_does_its_work_here():
+    """Not 'Did you mean train_fn?' (a whole loop): what a Horovod user used it for, by param."""
+    with pytest.raises(TypeError, match=r"no parameter 'train_minibatch_fn': Horovod's per-batch .*"
+                                        r"backward_passes_per_step.*gradient_compression.*terminate_on_nan.*train_step"):
+        TorchEstimator(train_minibatch_fn=lambda: None)
+
+
 def _valid(**overrides):
     model = nn.Linear(4, 2)
     kwargs = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss=nn.MSELoss(),

@@ -56,6 +56,19 @@ def test_unknown_scheme_is_a_clear_error():
         Store.create("nosuchfs://x").fs
 
 
+def test_a_scheme_whose_filesystem_is_missing_names_the_extra_that_installs_it(monkeypatch):
+    import store.store as module
+
+    def missing(url, **kwargs):  # fsspec's own words when s3fs is not installed
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(module, "url_to_fs", missing)
+    with pytest.raises(ValueError, match=r"Install s3fs to access S3 \(pip install 'spark-torch-estimator\[s3\]'"):
+        Store.create("s3://bucket/runs").fs
+    with pytest.raises(ValueError, match=r"access S3 \(pip install 'spark-torch-estimator\[azure\]'"):
+        Store.create("abfss://container@account.dfs.core.windows.net/runs").fs
+
+
 def test_empty_prefix_rejected():
     with pytest.raises(ValueError, match="non-empty URL"):
         Store.create("")

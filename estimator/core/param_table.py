@@ -434,3 +434,12 @@ TOPICS = (
 # models keep their estimator's params (what a CrossValidator picked): the same specs, not repeated.
 TRAINING_PARAMS = [s for s in ESTIMATOR_PARAMS if s.json and s.name not in {m.name for m in MODEL_PARAMS}]
 MODEL_PARAMS += TRAINING_PARAMS
+
+
+# Horovod's TorchEstimator params that have no counterpart here, with what to do instead (docs/horovod.md)
+HOROVOD_REFUSED = {
+    "train_minibatch_fn": "Horovod's per-batch training function is not supported. The loop does what it was "
+                          "used for itself: gradient accumulation (backward_passes_per_step), compression "
+                          "(gradient_compression) and NaN checks (terminate_on_nan); to change what a step "
+                          "computes, pass train_step (docs/training.md, 'Your own training step').",
+}

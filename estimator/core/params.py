@@ -126,9 +126,11 @@ def _camel(name: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
 
 
-def declare(cls: type, specs: Sequence[ParamSpec]) -> type:
-    """Attach Params, getters and setters for `specs` to `cls` (a pyspark `Params` subclass)."""
+def declare(cls: type, specs: Sequence[ParamSpec], refused: Optional[Dict[str, str]] = None) -> type:
+    """Attach Params, getters and setters for `specs` to `cls` (a pyspark `Params` subclass). `refused`: names
+    that are not params here but that users bring (another library's), with what to do instead."""
     cls._param_specs = {s.name: s for s in specs}  # type: ignore[attr-defined]
+    cls._refused_names = dict(refused or {})  # type: ignore[attr-defined]
     for spec in specs:
         setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=_converter(cls, spec)))
         for method in (_getter(spec.name), _setter(spec.name)):  # the class's own methods (help, the API pages)
@@ -188,6 +190,7 @@ class DeclaredParams(Params):
     """Base for classes whose params come from a `declare` table: records kwargs, nothing else."""
 
     _param_specs: Dict[str, ParamSpec] = {}
+    _refused_names: Dict[str, str] = {}
 
     def __init__(self, **kwargs: Any):
         super().__init__()
@@ -196,6 +199,9 @@ class DeclaredParams(Params):
 
     def setParams(self, **kwargs: Any) -> "DeclaredParams":
         unknown = [k for k in kwargs if k not in self._param_specs]
+        if unknown and unknown[0] in self._refused_names:
+            raise TypeError(f"{type(self).__name__} has no parameter {unknown[0]!r}: "
+                            f"{self._refused_names[unknown[0]]}")
         if unknown:
             hint = difflib.get_close_matches(unknown[0], list(self._param_specs), n=1)
             raise TypeError(f"{type(self).__name__} got an unexpected parameter {unknown[0]!r}."

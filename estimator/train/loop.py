@@ -51,7 +51,10 @@ class TrainLoop:
         self.precision = precision_of(spec.precision)(self.device, ctx.rank, scaler_state)
         self.global_step = global_step  # optimizer steps over the whole run (carried over a resume)
         self.steps_report = StepReport(spec, ctx) if spec.verbose >= 2 and ctx.rank == 0 else None
-        self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device)
+        data = spec.data
+        named = (() if data.lm is not None else data.feature_cols, () if data.lm is not None else data.label_cols,
+                 data.sample_weight_col)  # a causal LM's batch holds token ids and labels, which are never NaN
+        self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device, named)
 
     def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
         """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
@@ -109,7 +112,7 @@ class TrainLoop:
         with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none accumulating
             with self.autocast():
                 loss, batch_sums = self.objective.on_batch(self.ddp, batch, ctx)
-            self.finite.loss(loss, epoch, step)
+            self.finite.loss(loss, epoch, step, batch)
             self.precision.backward(weighting.scale(loss))
         weighting.add(batch_sums)
         if stepping:

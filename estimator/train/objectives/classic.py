@@ -34,6 +34,7 @@ class Objective(BuiltIn):
                  label_cols: Sequence[str], weighted: bool):
         self.losses = list(losses)
         self.loss_weights = list(loss_weights)
+        self.label_cols = tuple(label_cols)
         self.weighted = weighted
         if weighted:  # per-row losses, weighted by the sample weight column
             for fn in self.losses:
@@ -58,7 +59,8 @@ class Objective(BuiltIn):
             raise ValueError(f"The model returned {len(outputs)} outputs but there are {len(labels)} label "
                              "columns; return one output per label column (a tuple for several).")
         rows = labels[0].shape[0]
-        targets = [adapt_target(fn, out, lab) for fn, out, lab in zip(self.losses, outputs, labels)]
+        targets = [adapt_target(fn, out, lab, column)
+                   for fn, out, lab, column in zip(self.losses, outputs, labels, self.label_cols)]
         loss_of = per_row_loss if self.weighted else (lambda fn, out, tgt: fn(out, tgt))
         # a weight of 1 multiplies nothing, and one loss is not added to 0: each op is a kernel launch per step
         parts = [loss_of(fn, out, tgt) if isinstance(w, (int, float)) and w == 1 else w * loss_of(fn, out, tgt)
