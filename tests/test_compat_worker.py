@@ -1,6 +1,7 @@
 """Horovod-compatible training options, checked on the per-rank loop (LocalLauncher, no Spark)."""
 import io
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -72,3 +73,19 @@ def test_a_loss_made_nan_by_the_data_names_the_column_not_the_learning_rate(stor
     with pytest.raises(RankFailed, match=r"loss is nan at epoch 1, step 3 on rank 0.*holds NaN or infinite values in "
                                          r"'features' \(1 of its rows\): drop or fix those rows"):
         LocalLauncher().run(spec, 1)
+
+
+def test_class_labels_past_the_first_rows_that_are_not_whole_numbers_fail_the_rank_as_bad_rows(store, digits):
+    """The dry run sees the first rows only; each batch a rank reads is looked at on the host (the feed's thread,
+    so that a GPU step never waits for it): a 0.5 among later rows fails the fit as BadRows, not retried, instead
+    of training as class 0."""
+    from estimator.failures import FailureKind
+
+    X, y = digits[0], digits[1].astype(np.float64)
+    y[300] = 0.5
+    model = seeded(MLP)
+    spec = make_spec(store, (X, y), model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=400, val_rows=50,
+                     shuffle=False)
+    with pytest.raises(RankFailed, match=r"BadRows: Label column 'label' holds 0\.5, which is not a class index") as info:
+        LocalLauncher().run(spec, 1)
+    assert info.value.kind is FailureKind.DATA

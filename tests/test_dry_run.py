@@ -10,6 +10,8 @@ from torch import nn
 from estimator.core.pickling import user_objects
 from estimator.core.spec import DataSpec
 from estimator.data.parquet import list_pieces
+from estimator.data.arrays import Tensors
+from estimator.data.row_checks import BadRows
 from estimator.fit.dry_run import dry_run
 from estimator.train.objectives.classic import Objective
 from estimator.train.sums import split
@@ -139,18 +141,22 @@ def test_class_index_targets_are_integers_of_shape_batch():
 
 def test_class_labels_that_are_not_whole_numbers_are_refused_not_truncated(store):
     """A double label of 0.5 (or a regression target) under CrossEntropyLoss: .long() made it class 0 and the fit
-    reported accuracy 1.0 (a wheel trial). Refused by the driver's dry run (its first rows) and by each batch on
-    a CPU rank, naming the column and the value; whole-number doubles (StringIndexer's) still train."""
+    reported accuracy 1.0 (a wheel trial). Refused by the driver's dry run (its first rows) and by each batch a
+    rank reads (on the host, before a GPU copy), naming the column and the value; whole-number doubles
+    (StringIndexer's) still train."""
     with pytest.raises(ValueError, match=r"Label column 'y' holds 0\.5, which is not a class index: "
                                          r"CrossEntropyLoss reads .* 6 of this batch.s 13 labels .* MSELoss"):
         dry_run(_objs(nn.Linear(4, 3), nn.CrossEntropyLoss()), _data(store, np.array([0.0, 0.5] * 20)))
-    objective = Objective([nn.NLLLoss()], [1.0], [], ["grade"], weighted=False)
-    with pytest.raises(ValueError, match=r"Label column 'grade' holds 2\.7, which is not a class index: NLLLoss"):
-        objective((torch.zeros(3, 4),), (torch.tensor([0.0, 2.7, 1.0]),), None)
+    check = Objective([nn.NLLLoss()], [1.0], [], ["grade"], weighted=False).host_check()  # each batch's, as read
+    with pytest.raises(BadRows, match=r"Label column 'grade' holds 2\.7, which is not a class index: NLLLoss"):
+        check(Tensors([torch.zeros(3, 4)], [torch.tensor([[0.0], [2.7], [1.0]])], None))
+    check(Tensors([torch.zeros(3, 4)], [torch.tensor([0.0, 2.0, 1.0])], None))
     probabilities = torch.tensor([[0.3, 0.7], [1.0, 0.0]])  # CrossEntropyLoss's class probabilities stay floats
-    loss, _ = Objective([nn.CrossEntropyLoss()], [1.0], [], ["y"], weighted=False)(
-        (torch.zeros(2, 2),), (probabilities,), None)
+    objective = Objective([nn.CrossEntropyLoss()], [1.0], [], ["y"], weighted=False)
+    objective.host_check()(Tensors([torch.zeros(2, 2)], [probabilities], None))
+    loss, _ = objective((torch.zeros(2, 2),), (probabilities,), None)
     assert torch.isclose(loss, nn.CrossEntropyLoss()(torch.zeros(2, 2), probabilities))
+    assert Objective([nn.MSELoss()], [1.0], [], ["y"], weighted=False).host_check() is None
 
 
 def test_functional_losses_take_sample_weights_with_reduction_none():

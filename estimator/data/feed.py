@@ -67,9 +67,12 @@ class Feed:
     decoders stay open for the next epoch: their owner closes them)."""
 
     def __init__(self, batches: Iterator[Arrays], data: DataSpec, decoders: Optional[Decoders] = None,
-                 depth: int = 4, pin: bool = False, name: str = "feed"):
+                 depth: int = 4, pin: bool = False, name: str = "feed",
+                 check: Optional[Callable[[Tensors], None]] = None):
+        """`check`: called with each batch's tensors on the host (the objective's host_check), raising on rows
+        that cannot be trained on; the error reaches the loop as the batch."""
         self._decoders = decoders if decoders is not None else Decoders(None)
-        self._finish: Callable[[Arrays], Tensors] = lambda arrays: to_tensors(arrays, data, pin=pin)
+        self._finish: Callable[[Arrays], Tensors] = lambda arrays: checked(to_tensors(arrays, data, pin=pin), check)
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=max(depth, self._decoders.workers + 1))
         self._stop = threading.Event()
         self.waited = 0.0  # seconds the consumer spent waiting for a batch
@@ -118,6 +121,12 @@ class Feed:
             except queue.Empty:
                 break
         self._thread.join(timeout=30)
+
+
+def checked(tensors: Tensors, check: Optional[Callable[[Tensors], None]]) -> Tensors:
+    if check is not None:
+        check(tensors)
+    return tensors
 
 
 def _done(value: Any) -> "Future[Any]":

@@ -57,8 +57,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     labels = tensors[1]
     check_binary_labels(losses, labels, data)
     for fn, label, column in zip(losses, labels, data.label_cols):  # the first rows' (the ranks look at each batch)
-        if loss_kind(fn) == "class_index" and label.is_floating_point() and label[0].numel() == 1:
-            check_class_indices(fn, label.reshape(-1), column)
+        check_class_indices(fn, label, column)
     try:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")

@@ -227,8 +227,9 @@ class Run:
                         tokenize=tokenize)
 
     def feed(self, batches: Iterator[Any], training: bool) -> Feed:
+        check = self.objective.host_check() if self.objective is not None else None
         return Feed(batches, self.spec.data, self.decoders[training], pin=self.device.type == "cuda",
-                    name=f"feed-rank-{self.ctx.rank}")
+                    name=f"feed-rank-{self.ctx.rank}", check=check)
 
     def checkpoint_inside(self, epoch: int, step: int, sums: torch.Tensor) -> None:
         """Every rank calls this at the same optimizer step: the sums so far are reduced (a collective), and

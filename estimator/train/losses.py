@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from estimator.data.row_checks import BadRows
+
 
 # What a loss says about its outputs and labels. Class-index losses take (batch, classes) scores and integer
 # targets of shape (batch,); a float label column (e.g. StringIndexer output) is cast.
@@ -111,11 +113,9 @@ def metric_name(metric: Any) -> str:
     return getattr(metric, "__name__", None) or type(metric).__name__
 
 
-def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor, column: str = "") -> torch.Tensor:
+def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Fit the label tensor to what the loss expects, as plain PyTorch would be given it. Class labels stored as
-    doubles (StringIndexer's) become class indices; one that is not a whole number is refused (`column`: its name),
-    where the labels are on the host (on a GPU that look would make the host wait each step: the driver's dry run
-    looks at the first rows there)."""
+    doubles (StringIndexer's) become class indices (whole numbers: `check_class_indices`, on the host)."""
     if loss_kind(loss_fn) == "class_index":
         if output.dim() < 2 or output.shape[1] < 2:
             raise ValueError(f"{loss_name(loss_fn)} needs one output per class, but the model's output has shape "
@@ -123,11 +123,7 @@ def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor, colum
                              "with one output for two classes.")
         if target.dim() == 2 and target.shape[1] == 1:
             target = target.reshape(-1)  # (B, 1) class indices
-        if target.dim() != 1:
-            return target  # class probabilities (CrossEntropyLoss takes them as floats)
-        if target.is_floating_point() and target.device.type == "cpu":
-            check_class_indices(loss_fn, target, column)
-        return target.long()
+        return target.long() if target.dim() == 1 else target
     if target.dim() == 1 and output.dim() == 2 and output.shape[1] == 1:
         return target.reshape(-1, 1).to(output.dtype)  # (B, 1) outputs against (B,) labels
     if target.is_floating_point() and output.is_floating_point() and target.dtype != output.dtype:
@@ -138,12 +134,16 @@ def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor, colum
 
 
 def check_class_indices(loss_fn: Any, target: torch.Tensor, column: str) -> None:
-    """Float labels of a class-index loss are whole numbers: .long() would make 0.5 class 0 and 2.7 class 2, and
-    train on, silently (plain PyTorch refuses float targets of one dimension)."""
+    """Float labels of a class-index loss (one a row) are whole numbers: .long() would make 0.5 class 0 and 2.7
+    class 2, and train on, silently (plain PyTorch refuses float targets of one dimension). A host tensor's."""
+    if loss_kind(loss_fn) != "class_index" or not target.is_floating_point() or target.dim() == 0 or (
+            target[0].numel() != 1):
+        return  # integer classes, or class probabilities (CrossEntropyLoss takes those as floats)
+    target = target.reshape(-1)
     fractional = target != target.trunc()
     if bool(fractional.any()):
         value = float(target[fractional][0])
-        raise ValueError(f"Label column {column or '(the label)'!r} holds {value:g}, which is not a class index: "
+        raise BadRows(f"Label column {column or '(the label)'!r} holds {value:g}, which is not a class index: "
                          f"{loss_name(loss_fn)} reads each label as the index of a class (0, 1, 2, ...), and "
                          f"{int(fractional.sum())} of this batch's {target.shape[0]} labels are not whole numbers. "
                          "For a regression target use MSELoss (or L1Loss) with one output; for classes, index them "

@@ -99,6 +99,11 @@ class BuiltIn:
         completions here; by default the batch as read."""
         return batch
 
+    def host_check(self) -> Optional[Callable[[Any], None]]:
+        """A check of each batch's tensors as read, on the host (the feed's thread, before a GPU copy, so it makes
+        no step wait), raising on rows that cannot be trained on; None (the default): none."""
+        return None
+
     def summarize(self, train: Mapping[str, float], val: Optional[Mapping[str, float]]) -> Dict[str, float]:
         """The epoch's history row: the means of the sums reduced over the ranks, then validation's as val_."""
         return summarize_means(self.layout, train, val)

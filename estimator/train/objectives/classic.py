@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from estimator.core.outputs import forward, outputs_of
-from estimator.train.losses import (Accuracy, ModelsOwnLoss, accuracy_applies, adapt_target, check_metrics,
-                                    metric_name, own_loss_of, per_row_loss)
+from estimator.train.losses import (Accuracy, ModelsOwnLoss, accuracy_applies, adapt_target, check_class_indices,
+                                    check_metrics, loss_kind, metric_name, own_loss_of, per_row_loss)
 from estimator.train.objectives.base import BuiltIn
 from estimator.train.sums import Sums, metric_slot
 
@@ -53,14 +53,24 @@ class Objective(BuiltIn):
         self.own = any(isinstance(fn, ModelsOwnLoss) for fn in self.losses)
         self._counts: Dict[int, torch.Tensor] = {}  # batch_sums' (rows, rows, 0...) by batch size
 
+    def host_check(self) -> Optional[Callable[[Any], None]]:
+        """Class labels (a class-index loss's) that are whole numbers, in every batch as read."""
+        if not any(loss_kind(fn) == "class_index" for fn in self.losses):
+            return None
+
+        def check(batch: Any) -> None:
+            for fn, label, column in zip(self.losses, batch.labels, self.label_cols):
+                check_class_indices(fn, label, column)
+
+        return check
+
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         if len(outputs) != len(labels):
             raise ValueError(f"The model returned {len(outputs)} outputs but there are {len(labels)} label "
                              "columns; return one output per label column (a tuple for several).")
         rows = labels[0].shape[0]
-        targets = [adapt_target(fn, out, lab, column)
-                   for fn, out, lab, column in zip(self.losses, outputs, labels, self.label_cols)]
+        targets = [adapt_target(fn, out, lab) for fn, out, lab in zip(self.losses, outputs, labels)]
         loss_of = per_row_loss if self.weighted else (lambda fn, out, tgt: fn(out, tgt))
         # a weight of 1 multiplies nothing, and one loss is not added to 0: each op is a kernel launch per step
         parts = [loss_of(fn, out, tgt) if isinstance(w, (int, float)) and w == 1 else w * loss_of(fn, out, tgt)
