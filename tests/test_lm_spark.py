@@ -266,6 +266,10 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     with pytest.raises(ValueError, match=r"Column 'chat' holds chats written as JSON text \('\[\{\"role\".*"
                                          r"F\.from_json\('chat', 'array<struct<role:string,content:string>>'\)"):
         sft(llama, store, feature_cols=["chat"], label_cols=None).fit(spark.createDataFrame(as_json, "chat string"))
+    json_prompts = spark.createDataFrame(as_json, "prompt string")  # transform sees rows in its tasks only (score's:
+    with pytest.raises(Exception, match=r"Column 'prompt' holds chats written as JSON text .*given the JSON itself "
+                                        r"as its prompt.*F\.from_json\('prompt'"):  # tests/test_scoring.py)
+        writer.transform(json_prompts).collect()
     monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed
     with pytest.raises(ImportError, match="needs the peft package.*pip install peft"):
         sft(llama, store).fit(texts)

@@ -3,6 +3,7 @@ each row's summed log-probability of the tokens a fit's loss counts, equal to a 
 one row at a time, for a prompt and its response, a whole text, a chat's assistant turns, a preference pair's two
 answers (and their log-ratios to the adapters off), with LoRA adapters and through the model's own logits; rows longer than max_length cut as a fit cuts them and flagged."""
 import functools
+import json
 import math
 
 import numpy as np
@@ -151,3 +152,8 @@ def test_what_score_cannot_read_is_refused_by_name(llama, tokenizer):  # noqa: F
                          feature_cols=["prompt"], output_kind="score")
     with pytest.raises(ValueError, match=r"output_kind='score' needs a causal LM"):
         encoder._predictor(encoder.validated())
+    as_json = np.array([json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Red."}])],
+                       dtype=object)  # a chat kept as JSON text: its JSON would be scored (a task's refusal)
+    with pytest.raises(ValueError, match=r"holds chats written as JSON text .* its JSON would be scored as the text\. "
+                                         r"Parse it .*F\.from_json\('prompt'"):
+        predictor(llama, tokenizer).predict(None, [as_json], "cpu")  # refused before the model is read

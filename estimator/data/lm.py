@@ -15,6 +15,7 @@ labelled tokens, summed and divided by their count over the accumulation window 
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,6 +26,8 @@ from estimator.data.text import SEP, Tokenize, length_limit
 Arrays = Dict[str, np.ndarray]
 IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, Hugging Face's convention)
 REFERENCE = "__reference_logps"  # preference pairs: each row's answer log-probability under the reference model
+
+CHAT_TYPE = "array<struct<role:string,content:string>>"  # a chat column's messages, as Spark writes the type
 
 
 def token_ids(encoded: Any) -> List[int]:
@@ -214,3 +217,32 @@ def batch_tokenizer(tokenizer: Any, data: Any, reference: Any = None) -> Any:
     if data.lm is not None:
         return CausalLMTokenize(tokenizer, data.lm, data.max_length, reference)
     return Tokenize(tokenizer, data.text_cols, data.max_length) if data.text_cols else None
+
+
+def json_chats(values: Any, first: int = 8) -> bool:
+    """Whether the first strings of a column are chats written as JSON text: lists of objects with a role and a
+    content each, as json.dumps writes a chat's messages."""
+    found = [v for v in list(values[:first]) if isinstance(v, str)]
+    for value in found:
+        text = value.strip()
+        if not (text.startswith("[") and text.endswith("]")):
+            return False
+        try:
+            messages = json.loads(text)
+        except ValueError:
+            return False
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+            return False
+    return bool(found)
+
+
+def json_chats_refusal(column: str, values: Any, what: str) -> Optional[str]:
+    """The refusal of a string column whose first values are chats written as JSON text (`json_chats`), saying
+    `what` would be done with the JSON; None for any other column."""
+    if not json_chats(values):
+        return None
+    start = str(values[0])[:40]
+    return (f"Column {column!r} holds chats written as JSON text ({start!r}...): a string column is read as text, "
+            f"and {what}. Parse it into a chat column first: df.withColumn({column!r}, F.from_json({column!r}, "
+            f"'{CHAT_TYPE}')).")

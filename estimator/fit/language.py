@@ -7,7 +7,6 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -15,7 +14,7 @@ from pyspark.sql.types import StringType, StructType
 
 from estimator.core.adapters import can_generate, model_positions
 from estimator.core.spec import DataSpec, LMSpec
-from estimator.data.lm import response_starts
+from estimator.data.lm import json_chats_refusal, response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts, RowFormat, Text
 from estimator.data.text import length_limit
@@ -203,12 +202,10 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
     empty = dict.fromkeys(answers, 0)
     for piece in pieces:
         for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [lm.column, *answers], CHUNK_ROWS):
-            if not rows and json_chats(batch[lm.column]):
-                start = str(batch[lm.column][0])[:40]
-                raise ValueError(f"Column {lm.column!r} holds chats written as JSON text ({start!r}...): a string "
-                                 "column is read as text, and the model would learn the JSON. Parse "
-                                 f"it into a chat column first: df.withColumn({lm.column!r}, F.from_json("
-                                 f"{lm.column!r}, '{CHAT_TYPE}')).")
+            refusal = None if rows else json_chats_refusal(lm.column, batch[lm.column], "the model would learn "
+                                                                                        "the JSON")
+            if refusal:
+                raise ValueError(refusal)
             starts = response_starts(tokenizer, lm, batch)
             rows, unanswered = rows + len(starts), unanswered + int((starts < 0).sum())
             short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
@@ -216,24 +213,6 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
             for column in answers:
                 empty[column] += sum(1 for v in batch[column] if lm.rows.blank(v))
     return rows, short, unanswered, longest, empty
-
-
-def json_chats(values: Any, first: int = 8) -> bool:
-    """Whether the first strings of a column are chats written as JSON text: lists of objects with a role and a
-    content each, as json.dumps writes a chat's messages."""
-    found = [v for v in list(values[:first]) if isinstance(v, str)]
-    for value in found:
-        text = value.strip()
-        if not (text.startswith("[") and text.endswith("]")):
-            return False
-        try:
-            messages = json.loads(text)
-        except ValueError:
-            return False
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-            return False
-    return bool(found)
 
 
 def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: int = 0) -> None:

@@ -10,9 +10,9 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
+from estimator.data.lm import CHAT_TYPE  # noqa: F401 - this module's name for the driver's users
 from estimator.predict.predictor import Predictor
 
-CHAT_TYPE = "array<struct<role:string,content:string>>"  # a chat column's messages
 
 
 def is_chat(dtype: DataType) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from estimator.core.adapters import can_generate
+from estimator.data.lm import json_chats_refusal
 from estimator.data.text import Tokenize
 from estimator.lm.generation import generate_texts
 from estimator.predict.language_checks import (check_generate_kwargs, check_generation_batching, check_max_length,
@@ -63,6 +64,10 @@ class Generate(Predictor):
         return pa.struct([pa.field(n, pa.string()) for n in (*self.outputs, PREDICTION_FIELD)])
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
+        refusal = None if self.chat else json_chats_refusal(self.feature_cols[0], columns[0], "the model would be "
+                                                            "given the JSON itself as its prompt")
+        if refusal:
+            raise ValueError(refusal)
         texts = generate_texts(model, self.tokenize.tokenizer, columns[0], self.chat, self.feature_cols[0],
                                self.batch_size, device, self.max_new_tokens, self.generate_kwargs, self.chat_tools,
                                self.batching)
