@@ -110,7 +110,7 @@ def seeded(model_cls, *args, seed: int = 0):
 
 
 def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64, epochs=2, run="r", losses=None,
-              model_factory=None, weights_folder=None, metrics=("accuracy",), **spec_fields):
+              model_factory=None, weights_folder=None, metrics=("accuracy",), train_fn=None, **spec_fields):
     """A TrainSpec over digits written as Parquet into `store` (for LocalLauncher tests, no Spark)."""
     from torch import nn
 
@@ -126,8 +126,9 @@ def make_spec(store, digits, model, optimizer, *, train_rows, val_rows, batch=64
     write_parquet(store.path("val", "part.parquet"), X[-val_rows:], y[-val_rows:], rows_per_group=40)
     data = DataSpec(store, list_pieces(store, store.path("train")), list_pieces(store, store.path("val")),
                     ("features",), ("label",))
+    chosen = dict(objective=Objective) if train_fn is None else dict(objective=None, train_fn=train_fn)
     objs = user_objects(model, optimizer, losses or [nn.CrossEntropyLoss()], [1.0], list(metrics),
-                        model_factory=model_factory, weights_folder=weights_folder, objective=Objective)
+                        model_factory=model_factory, weights_folder=weights_folder, **chosen)
     return TrainSpec(data, dumps(objs, "model", roots=[model_factory or model]), store.run(run), batch, 50, epochs,
                      seed=3, **spec_fields)
 

@@ -89,3 +89,49 @@ def test_class_labels_past_the_first_rows_that_are_not_whole_numbers_fail_the_ra
     with pytest.raises(RankFailed, match=r"BadRows: Label column 'label' holds 0\.5, which is not a class index") as info:
         LocalLauncher().run(spec, 1)
     assert info.value.kind is FailureKind.DATA
+
+
+def own_loop_reporting(ctx):  # a TorchDistributor port's loop: range(epochs) with a report each
+    for _ in range(3):
+        for batch in ctx.train_batches():
+            ctx.optimizer.zero_grad()
+            nn.functional.cross_entropy(ctx.model(*batch.features), batch["label"]).backward()
+            ctx.optimizer.step()
+        ctx.report({"lr": 0.005})
+
+
+def ends_its_process_group(ctx):
+    import torch.distributed as dist
+
+    for _ in ctx.epochs_to_run():
+        ctx.report({"loss": 1.0}, rows=1)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fn, message", [
+    (own_loop_reporting, r"ctx.report was called outside `for epoch in ctx.epochs_to_run\(\):`.*range\(2\)\) would "
+                         r"report epochs the run does not train"),
+    (ends_its_process_group, r"train_fn called torch.distributed.destroy_process_group.*remove the call")])
+def test_a_train_fn_reporting_epochs_of_its_own_or_ending_the_group_is_refused_by_name(store, digits, fn, message):
+    """A wheel trial's port looped range(5) with epochs=2: five history rows, and after a retry six epochs trained
+    of four, silently; ending the process group failed in the estimator's teardown as a retried AssertionError."""
+    from estimator.failures import FailureKind
+
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+                     train_fn=fn)
+    with pytest.raises(RankFailed, match=message) as failed:
+        LocalLauncher().run(spec, 2)
+    assert failed.value.kind is FailureKind.USAGE and "TrainFnMisuse" in failed.value.summary
+
+
+def test_a_train_fns_reported_numbers_keep_their_float64_value(store, digits):
+    def fn(ctx):
+        for _ in ctx.epochs_to_run():
+            ctx.report({"lr": 0.005, "loss": torch.tensor(0.25, dtype=torch.float64)}, rows=1)
+
+    model = seeded(MLP)
+    spec = make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1), train_rows=200, val_rows=50,
+                     train_fn=fn, epochs=1)
+    row = LocalLauncher().run(spec, 1)[0].history[0]
+    assert row["lr"] == 0.005 and row["loss"] == 0.25  # not float32's 0.004999999888

@@ -83,6 +83,19 @@ def test_list_slices_with_offsets_are_correct():
     np.testing.assert_array_equal(column_to_numpy(pa.chunked_array([arr]), "f"), [[3, 4], [5, 6]])
 
 
+def test_arrays_of_arrays_are_blocks_of_their_shape_and_reshape_as_their_values():
+    """array<array<float>> (an image's rows, `.tolist()` of an 8x8 array): (rows, 8, 8), every level checked for
+    one length; a wheel trial was told its column held bytes."""
+    images = np.arange(3 * 8 * 8, dtype=np.float32).reshape(3, 8, 8)
+    column = pa.array(images.tolist(), pa.list_(pa.list_(pa.float32())))
+    np.testing.assert_array_equal(column_to_numpy(pa.chunked_array([column]), "image"), images)
+    np.testing.assert_array_equal(column_to_numpy(pa.chunked_array([column.slice(1, 2)]), "image"), images[1:])
+    assert reshape(column_to_numpy(pa.chunked_array([column]), "image"), [-1, 1, 8, 8], "image").shape == (3, 1, 8, 8)
+    ragged = pa.chunked_array([pa.array([[[1.0], [2.0, 3.0]]], pa.list_(pa.list_(pa.float32())))])
+    with pytest.raises(ValueError, match="Column 'image' holds arrays of different lengths"):
+        column_to_numpy(ragged, "image")
+
+
 def test_reshape_to_input_shapes_and_clear_mismatch():
     values = np.zeros((4, 64), dtype=np.float32)
     assert reshape(values, [-1, 1, 8, 8], "f").shape == (4, 1, 8, 8)

@@ -92,6 +92,26 @@ def test_loss_none_is_refused_by_name_unless_the_forward_takes_labels():
     check({**base, "model": OwnLoss()})
 
 
+def test_a_train_fn_that_cannot_take_the_context_is_refused_before_any_job():
+    """A TorchDistributor function (its own arguments, or none) failed on every rank after the table was written
+    (a wheel trial: 35 s, then retried as the user's error)."""
+    from estimator.fit.checks import check_params
+    from estimator.train.objectives.registry import choose_objective
+
+    def train(learning_rate, use_gpu):
+        pass
+
+    base = dict(estimator_params())
+    for fn, shown in [(train, r"train\(learning_rate, use_gpu\) cannot take it"), (lambda: None, r"\(\) cannot")]:
+        p = {**base, "train_fn": fn}
+        with pytest.raises(ValueError, match=r"'train_fn' parameter of TorchEstimator is called train_fn\(ctx\).*"
+                                             + shown + r".*functools.partial"):
+            check_params(p, choose_objective(p))
+    for fn in (lambda ctx: None, lambda ctx, lr=0.1: None, lambda *args: None):
+        p = {**base, "train_fn": fn}
+        check_params(p, choose_objective(p))
+
+
 def estimator_params():
     from estimator import TorchEstimator
 

@@ -73,6 +73,9 @@ def column_to_numpy(column: pa.ChunkedArray, name: str) -> np.ndarray:
         if values.null_count:
             raise ValueError(f"Column {name!r} has {values.null_count} null elements inside its arrays.")
         width = int(lengths[0]) if len(lengths) else 0
+        if is_list(values.type):  # arrays of arrays (array<array<float>>, an image's rows): (rows, width, ...)
+            inner = column_to_numpy(pa.chunked_array([values.slice(offsets[0], len(arr) * width)], values.type), name)
+            return inner.reshape(len(arr), width, *inner.shape[1:])
         flat = values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[0] + len(arr) * width]
         return flat.reshape(len(arr), width)
     if is_binary(arr.type):
@@ -80,6 +83,10 @@ def column_to_numpy(column: pa.ChunkedArray, name: str) -> np.ndarray:
         out[:] = arr.to_pylist()
         return out
     return arr.to_numpy(zero_copy_only=False)
+
+
+def is_list(dtype: pa.DataType) -> bool:
+    return pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype)
 
 
 def is_binary(dtype: pa.DataType) -> bool:

@@ -74,6 +74,12 @@ def check_params(p: Mapping[str, Any], objective: Any) -> None:
     if p["train_fn"] is not None and p["train_step"] is not None:
         raise ValueError(f"{OWNER} takes train_fn or train_step, not both: a train_fn is the whole loop, so it calls "
                          "its own step.")
+    if p["train_fn"] is not None and not takes_one_argument(p["train_fn"]):
+        raise ValueError(f"The 'train_fn' parameter of {OWNER} is called train_fn(ctx) on every rank, with one "
+                         f"argument, the TrainContext; {getattr(p['train_fn'], '__name__', 'it')}"
+                         f"{signature_text(p['train_fn'])} cannot take it. A TorchDistributor function's own "
+                         "arguments (learning_rate, use_gpu, ...) go into a closure or functools.partial, leaving ctx "
+                         "(docs/training.md 'Your own training loop').")
     if not p["label_cols"] and own is None and not is_lightning_module(p["model"]) and not lm:
         raise ValueError(param_error(OWNER, "label_cols", "a non-empty list of distinct column names with the built-in "
                                      "loop (loss=...); only a LightningModule, train_step or train_fn, which compute "
@@ -377,4 +383,25 @@ def ignored_params(p: Dict[str, Any]) -> List[Tuple[str, str]]:
     if not arrow and p["shuffle_buffer_size"] is not None:
         ignored.append(("shuffle_buffer_size", "it sizes the arrow reader's shuffle buffer; petastorm shuffles row "
                                                "groups and rows its own way."))
+    if p["train_fn"] is not None and p["checkpoint_steps"]:
+        ignored.append(("checkpoint_steps", "a train_fn's run is checkpointed at each ctx.report (each epoch's end) "
+                                            "and resumes there; checkpoints inside an epoch are the built-in loop's."))
     return ignored
+
+
+def takes_one_argument(fn: Any) -> bool:
+    """Whether fn(x) binds (True where the signature cannot be read: the call will tell)."""
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def signature_text(fn: Any) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"

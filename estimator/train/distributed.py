@@ -128,7 +128,8 @@ def run_rank(ctx: RankContext, store: dist.Store, work: Callable[[RankContext], 
     # The traceback (and the frames holding DDP) is released once the except block ends.
     try:
         gc.collect()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a train_fn that ended it itself is refused by name (TrainFnMisuse)
+            dist.destroy_process_group()
     finally:
         gc.unfreeze()
     forget_sharding_specs()

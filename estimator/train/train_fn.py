@@ -16,10 +16,12 @@ learning-rate schedule and rank 0's checkpoint of the epoch. Resuming inside an 
 built-in loop's: a train_fn resumes at its last reported epoch. torch only, no pyspark."""
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from estimator.core.faults import inject
 from estimator.data.shards import Shard
@@ -36,6 +38,14 @@ class TrainFnMisuse(RuntimeError):
     a process group of its own). Another launch would meet it again: not retried."""
 
     failure_kind = FailureKind.USAGE
+
+
+def number(value: Any) -> float:
+    """A reported number as float64: a Python or numpy number as it is (torch.as_tensor(0.005) is float32's
+    0.004999999888), a tensor's value."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return float(torch.as_tensor(value).detach().double().cpu())
 
 
 class TrainContext(Named):
@@ -67,6 +77,7 @@ class TrainContext(Named):
         self.epoch = self.start_epoch  # the epoch being trained (0-based), or the next one
         self._rows = 0  # training rows this rank took this epoch
         self._began = time.perf_counter()
+        self._running: Optional[int] = None  # the epoch epochs_to_run() has given and not yet taken back
 
     @property
     def history(self) -> list:
@@ -89,7 +100,11 @@ class TrainContext(Named):
             epoch = len(self._run.history)
             self.epoch, self._rows, self._began = epoch, 0, time.perf_counter()
             inject(self._run.faults, "epoch", self.rank, self._run.attempt, epoch + 1)
-            yield epoch
+            self._running = epoch
+            try:
+                yield epoch
+            finally:
+                self._running = None
             if len(self._run.history) == epoch:
                 raise TrainFnMisuse(f"train_fn finished epoch {epoch + 1} without ctx.report(metrics): report "
                                     "once per epoch (the history, early stopping and the checkpoint come from it).")
@@ -145,6 +160,13 @@ class TrainContext(Named):
         training rows it took this epoch (or over `rows`); a (mean, rows) pair is a mean over other rows (say,
         this rank's validation rows), weighted by those."""
         run = self._run
+        if self._running is None or len(run.history) > self._running:
+            raise TrainFnMisuse(
+                "ctx.report was called " + ("outside `for epoch in ctx.epochs_to_run():`" if self._running is None
+                                            else f"twice in epoch {self._running + 1}")
+                + f": report once per epoch the loop gives. A loop of its own (range({self.epochs})) would report "
+                "epochs the run does not train, and after a retry train more than `epochs` (the history, early "
+                "stopping and the checkpoint come from the reports; docs/training.md 'Your own training loop').")
         keys = sorted(metrics)
         if any(k in ("epoch", "data_wait") for k in keys):
             raise ValueError("ctx.report: 'epoch' and 'data_wait' are the estimator's own history keys.")
@@ -153,7 +175,7 @@ class TrainContext(Named):
         seconds = time.perf_counter() - self._began
         layout = Sums((*(metric_slot(k) for k in keys), *(weight_slot(k) for k in keys), ROWS, SECONDS),
                       tuple(Mean(k, metric_slot(k), weight_slot(k)) for k in keys))
-        values = [(float(torch.as_tensor(v).detach().double().cpu()), float(w)) for v, w in pairs]
+        values = [(number(v), float(w)) for v, w in pairs]
         named = {**{metric_slot(k): v * w for k, (v, w) in zip(keys, values)},
                  **{weight_slot(k): w for k, (_, w) in zip(keys, values)}, ROWS: trained, SECONDS: seconds}
         reduced = layout.named(reduce_sums(layout.vector(named, self.device)))
@@ -168,6 +190,7 @@ class TrainContext(Named):
     def run(self, fn: Callable[["TrainContext"], Any]) -> None:
         """`fn(self)`, refused by name where it breaks the contract (a TorchDistributor script's habits: its own
         epoch loop, its own process group)."""
+        grouped = dist.is_available() and dist.is_initialized()
         try:
             fn(self)
         except ValueError as exc:
@@ -176,6 +199,10 @@ class TrainContext(Named):
             raise TrainFnMisuse("train_fn called torch.distributed.init_process_group, but every rank's process "
                                 "group is set up before train_fn runs (ctx.rank, ctx.world_size): remove the call, "
                                 "and train ctx.model, which is already DistributedDataParallel.") from exc
+        if grouped and not dist.is_initialized():
+            raise TrainFnMisuse("train_fn called torch.distributed.destroy_process_group, but the estimator ends "
+                                "every rank's process group itself after train_fn returns (it still needs it for the "
+                                "checkpoint and the results): remove the call.")
         left = self.epochs - self.start_epoch
         if left > 0 and len(self._run.history) == self.start_epoch and self._run.stop_reason(self.start_epoch) is None:
             raise TrainFnMisuse(f"train_fn returned without reporting an epoch ({left} to train): loop over `for "
