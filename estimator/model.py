@@ -194,8 +194,9 @@ class TorchModel(DeclaredParams, Model, Persistable):
             if isinstance(dtype, BinaryType):
                 raise ValueError(f"Column {column!r} (from feature_cols) holds bytes: TorchModel.transform feeds "
                                  "numbers to the model and does not run transformation_fn. Decode the column into an "
-                                 "array column first (e.g. a pandas_udf around your decoding function, as in "
-                                 "notebooks/png_digits_example.py) and pass that with setFeatureCols([...]).")
+                                 "array column first, e.g. F.pandas_udf(lambda s: s.map(decode), 'array<float>')"
+                                 f"({column!r}) with your decoding function (bytes -> a flat list of floats), and "
+                                 "pass that column with setFeatureCols([...]).")
             if is_chat(df.schema[column].dataType) and predictor.accepts_chat:  # every message field rendered
                 check_chat_fields(p["tokenizer"], column, df.schema[column].dataType.elementType.names,
                                   p["chat_tools"])

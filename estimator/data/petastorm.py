@@ -19,20 +19,23 @@ from estimator.data.cached import ShardBatches
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
 from estimator.data.streaming import in_order, rows_in
 
-PINS = "pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install '.[petastorm]')"
+PINS = ("pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install "
+        "pyspark==3.5.9 pyarrow==14.0.2 numpy==1.26.4 pandas==2.2.3 petastorm==0.12.1)")
 
 
 def check_petastorm() -> None:
     """A clear error, on the driver, when petastorm cannot run in this environment."""
+    import pyarrow
+
+    if int(pyarrow.__version__.split(".")[0]) >= 15:  # first: petastorm 0.12 installs beside pyarrow 26, then fails
+        raise ValueError(f"reader='petastorm' needs pyarrow < 15 (found {pyarrow.__version__}), which pyspark 4 does "
+                         f"not run on: petastorm runs on the Spark 3.5 stack, {PINS}. Use the default "
+                         "reader='arrow' on this stack.")
     try:
-        import pyarrow
         import petastorm  # noqa: F401
     except ImportError as exc:
         raise ValueError(f"reader='petastorm' needs petastorm, which is not importable here ({exc}). It runs on "
                          f"{PINS}; or use the default reader='arrow'.") from None
-    if int(pyarrow.__version__.split(".")[0]) >= 15:
-        raise ValueError(f"reader='petastorm' needs pyarrow < 15 (found {pyarrow.__version__}); petastorm runs on "
-                         f"{PINS}. Use the default reader='arrow' on this stack.")
 
 
 class PetastormShard:
