@@ -34,7 +34,9 @@ def _est(store, **kw):
     (dict(label_cols=["name"], loss=nn.MSELoss()), "holds strings, and the loss regresses numbers: cast the column "
                                                    "first (F.col('name').cast('double'))"),
     (dict(sample_weight_col="nope"), "Column 'nope' (from sample_weight_col) is not in the DataFrame"),
-    (dict(validation="features"), "Column 'features' (from validation) has type array<float>"),
+    (dict(validation="features"), "Column 'features' (from validation) has type array<float>; it must be boolean "
+                                  "(true: a validation row) or a number (non-zero"),
+    (dict(validation="name"), "Column 'name' (from validation) has type string; it must be boolean"),
     (dict(input_shapes=[[-1, 64], [-1, 1]]), "The 'input_shapes' parameter of TorchEstimator must be a list of 1 shapes"),
     (dict(loss_weights=[1.0, 2.0]), "The 'loss_weights' parameter of TorchEstimator must be a list of 1 numbers"),
     (dict(batch_size=0), "The 'batch_size' parameter of TorchEstimator must be an int >= 1. Got 0 instead."),

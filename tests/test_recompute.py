@@ -36,6 +36,21 @@ def test_a_module_without_units_is_refused_with_the_way_out():
         checkpoint_activations(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), None, "selective")
 
 
+def test_a_module_without_units_is_refused_by_the_fits_checks_before_any_job():
+    """A wheel trial's MLP with gradient_checkpointing=True was refused on the ranks, after the table was written;
+    the driver has the model, and refuses it with the same words."""
+    from estimator.fit.checks import check_params
+    from estimator.train.objectives.registry import choose_objective
+    from test_outputs import estimator_params
+
+    p = {**dict(estimator_params()), "model": nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "loss": nn.MSELoss(),
+         "gradient_checkpointing": True}
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True recomputes .* Sequential has no unit"):
+        check_params(p, choose_objective(p))
+    p["model"] = BlockMLP(4, 8, 2, 2)
+    check_params(p, choose_objective(p))
+
+
 def test_selective_units_compiled_give_the_gradients_of_the_eager_module():
     """Under torch.compile the checkpoint takes the selective policy's two modes as they are (compile refuses any
     other context), and the compiled module's gradients are the eager one's."""

@@ -43,6 +43,10 @@ def test_any_callable_returning_a_dict_of_arrays_tokenizes():
         Tokenize(lambda texts: [1, 2], ["t"])({"t": np.array(["a"], dtype=object)})
     with pytest.raises(ValueError, match=r"'ids' has shape \(1,\) for 2 texts.*pad the texts of a batch"):
         Tokenize(lambda texts: {"ids": [1]}, ["t"])({"t": np.array(["a", "b"], dtype=object)})
+    unpadded = lambda texts: {"ids": [[ord(c) for c in t] for t in texts]}  # noqa: E731 - a trial's wrapper
+    with pytest.raises(ValueError, match=r"'ids' holds rows of different lengths \(a callable tokenizer is called "
+                                         r"with the batch's texts alone.*padding='longest'"):
+        Tokenize(unpadded, ["t"])({"t": np.array(["ab", "c"], dtype=object)})
 
 
 SCHEMA = StructType([StructField("text", StringType()), StructField("title", StringType()),

@@ -95,7 +95,8 @@ ESTIMATOR_PARAMS = [
               "a list of shapes like [[-1, 3]] or None"),
     ParamSpec("sample_weight_col", "column of per-row loss weights", None, optional(is_instance(str)),
               "a column name or None"),
-    ParamSpec("validation", "fraction of rows held out (0 <= v < 1), or a column that is true for validation rows. "
+    ParamSpec("validation", "fraction of rows held out (0 <= v < 1), or a column that is true (or non-zero) for "
+              "validation rows, false, 0 or null for training rows. "
               "A fraction holds out each row by a hash of its values and random_seed: about v of the rows (200 "
               "rows at 0.2: 40, give or take 6), the same rows at every fit, identical rows on the same side",
               None, is_validation, "a float in [0, 1), a column name, or None"),

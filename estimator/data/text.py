@@ -51,7 +51,13 @@ class Tokenize:
                             "(input_ids, attention_mask, ...) for a list of strings.")
         out = {}
         for key, values in encoded.items():
-            values = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
+            values = values.cpu() if hasattr(values, "cpu") else values
+            if isinstance(values, (list, tuple)) and len({len(v) for v in values if hasattr(v, "__len__")}) > 1:
+                raise ValueError(f"The tokenizer's {key!r} holds rows of different lengths (a callable tokenizer "
+                                 "is called with the batch's texts alone: it pads and cuts them itself): return "
+                                 "them padded to one length, e.g. tokenizer(texts, padding='longest', "
+                                 "truncation=True, max_length=...), as a Hugging Face tokenizer is called here.")
+            values = np.asarray(values)
             if values.ndim != 2 or values.shape[0] != len(texts):
                 raise ValueError(f"The tokenizer's {key!r} has shape {values.shape} for {len(texts)} texts; it must "
                                  "be (texts, tokens): pad the texts of a batch to one length.")

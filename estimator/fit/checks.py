@@ -12,6 +12,7 @@ from torch import nn
 
 from estimator.core.params import param_error
 from estimator.core.spec import compile_options
+from estimator.train.memory import no_units
 from estimator.core.stopping import Monitor, default_mode, default_monitor
 from estimator.fit.language import check_lm_params, string_label_error
 from estimator.fit.strategy import check_strategy, strategy_class
@@ -122,6 +123,10 @@ def check_params(p: Mapping[str, Any], objective: Any) -> None:
         if p[name] is not None and len(p[name]) != count:
             raise ValueError(param_error(OWNER, name, f"a list of {count} shapes, one per entry of {what}", p[name]))
     check_compile(p["compile"], p["model"])
+    if p["gradient_checkpointing"] and isinstance(p["model"], nn.Module) and not is_lightning_module(p["model"]):
+        refusal = no_units(p["model"], p["shard_units"], p["gradient_checkpointing"])
+        if refusal:  # (the rank would refuse it after the table is written)
+            raise ValueError(refusal)
     check_strategy(p)
     if objective is not None:  # what the objective itself refuses (DPO: where its reference comes from)
         objective.check_fit(p, strategy_class(p).shards_checkpoints)
@@ -229,6 +234,10 @@ def check_schema(p: Mapping[str, Any], objective: Any, schema: StructType) -> No
         if language_model(objective):
             continue  # a prompt, a chat, an answer: their format's reader checks their types (language.lm_spec)
         scalar_only = param in ("sample_weight_col", "validation")
+        if param == "validation" and not _trainable(dtype, True):
+            raise ValueError(f"Column {column!r} (from validation) has type {dtype.simpleString()}; it must be "
+                             "boolean (true: a validation row) or a number (non-zero: a validation row), a null "
+                             f"being a training row. Make one first, e.g. F.col({column!r}) == 'val'.")
         if not _trainable(dtype, scalar_only):
             allowed = ("a number or boolean" if scalar_only
                        else "numeric, boolean, an array of numbers, or an ml Vector")

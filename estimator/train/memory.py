@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.utils.checkpoint
 from torch import nn
@@ -38,14 +38,27 @@ def checkpoint_activations(model: nn.Module, units: Any = None, mode: Any = True
         if hasattr(inner, "config"):
             inner.config.use_cache = False  # a KV cache is of no use in training, and HF warns when both are on
         return "hugging face" + (", selective" if mode == SELECTIVE else "")
+    refusal = no_units(model, units, mode)
+    if refusal:
+        raise ValueError(refusal)
     chosen = unit_modules(model, units)
-    if not chosen:
-        raise ValueError(f"gradient_checkpointing={mode!r} recomputes activations unit by unit, and "
-                         f"{type(model).__name__} has no unit: no nn.ModuleList items with parameters, and "
-                         "shard_units names none. Put its blocks in an nn.ModuleList, or name them with shard_units.")
     for unit in chosen:  # an instance attribute: state_dict unchanged
         unit.forward = functools.partial(_recomputed, unit.forward, options)
     return f"{len(chosen)} units" + (", selective" if mode == SELECTIVE else "")
+
+
+def no_units(model: nn.Module, units: Any, mode: Any) -> Optional[str]:
+    """Why gradient_checkpointing=`mode` cannot recompute `model`, or None: a Hugging Face model recomputes its
+    own way; another needs units (the items of its nn.ModuleLists, or shard_units). Checked on the driver's model
+    before any job (estimator.fit.checks), and where the rank turns it on."""
+    inner = model.get_base_model() if is_adapted(model) else model
+    if getattr(inner, "supports_gradient_checkpointing", False) and hasattr(inner, "gradient_checkpointing_enable"):
+        return None
+    if unit_modules(model, units):
+        return None
+    return (f"gradient_checkpointing={mode!r} recomputes activations unit by unit, and {type(model).__name__} has "
+            "no unit: no nn.ModuleList items with parameters, and shard_units names none. Put its blocks in an "
+            "nn.ModuleList, or name them with shard_units.")
 
 
 def _recomputed(forward: Callable[..., Any], options: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
