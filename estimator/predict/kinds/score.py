@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from estimator.core.adapters import can_generate, is_adapted
 from estimator.data.lm import json_chats_refusal, pad_id
-from estimator.data.rows import Chat, scored
+from estimator.data.rows import scored
 from estimator.data.text import Tokenize
 from estimator.lm.scoring import score_rows
 from estimator.predict.language_checks import (check_max_length, check_text_column, check_vocabulary,
@@ -84,7 +84,7 @@ class Score(Predictor):
         return pa.struct([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable in columns_of(self.rows)])
 
     def predict(self, model: Any, columns: Sequence[np.ndarray], device: str) -> List[pa.Array]:
-        if not isinstance(self.rows, Chat) and not getattr(self.rows, "as_messages", False):
+        if not self.rows.messages:  # a string column: chats kept as JSON text in it are refused
             refusal = json_chats_refusal(self.rows.column, columns[0], "its JSON would be scored as the text")
             if refusal:
                 raise ValueError(refusal)
