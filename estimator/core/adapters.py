@@ -102,9 +102,14 @@ def merged(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).merge_and_unload() if is_adapted(model) else model
 
 
+def base_model(model: Any) -> Any:
+    """The model under peft's adapters (an adapted model's base), or the model itself."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
 def can_generate(model: Any) -> bool:
     """A transformers model with generate() that is a decoder (GenerationMixin's can_generate())."""
-    inner = model.get_base_model() if is_adapted(model) else model
+    inner = base_model(model)
     check = getattr(inner, "can_generate", None)
     try:
         return bool(check()) if callable(check) else False
@@ -114,7 +119,7 @@ def can_generate(model: Any) -> bool:
 
 def base_config(model: Any) -> Optional[Any]:
     """The transformers config of the (adapted) model, or None."""
-    inner = model.get_base_model() if is_adapted(model) else model
+    inner = base_model(model)
     return getattr(inner, "config", None)
 
 

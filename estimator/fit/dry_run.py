@@ -22,7 +22,7 @@ from estimator.data.frames import transform_batch
 from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_max, column_range, read_head
 from estimator.train import steps
-from estimator.train.losses import check_class_indices, loss_kind, loss_name
+from estimator.train.losses import loss_kind, loss_name
 from estimator.train.objectives.classic import Objective
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
@@ -56,8 +56,9 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     tensors = to_tensors(arrays, data)
     labels = tensors[1]
     check_binary_labels(losses, labels, data)
-    for fn, label, column in zip(losses, labels, data.label_cols):  # the first rows' (the ranks look at each batch)
-        check_class_indices(fn, label, column)
+    check = objective.host_check()  # what the ranks check of each batch, on the first rows
+    if check is not None:
+        check(tensors)
     try:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")

@@ -9,7 +9,7 @@ import difflib
 import inspect
 from typing import Any, Dict, Optional, Sequence, Set
 
-from estimator.core.adapters import base_config, can_generate, is_adapted, model_positions
+from estimator.core.adapters import base_config, base_model, can_generate, model_positions
 from estimator.data.text import length_limit
 from estimator.lm.continuous import continuous_refusal, unsupported
 
@@ -117,7 +117,7 @@ def check_generate_kwargs(p: Dict[str, Any], owner: str = OWNER) -> None:
     'seed'. transformers refuses a misspelled one ('temprature') only when generating, on the executors; here it
     is refused before any job, with the nearest name."""
     kwargs = p.get("generate_kwargs") or {}
-    inner = p["model"].get_base_model() if is_adapted(p["model"]) else p["model"]
+    inner = base_model(p["model"])
     config = getattr(inner, "config", None)
     if not kwargs or not can_generate(p["model"]) or getattr(config, "is_encoder_decoder", False):
         return

@@ -144,10 +144,10 @@ def check_class_indices(loss_fn: Any, target: torch.Tensor, column: str) -> None
     if bool(fractional.any()):
         value = float(target[fractional][0])
         raise BadRows(f"Label column {column or '(the label)'!r} holds {value:g}, which is not a class index: "
-                         f"{loss_name(loss_fn)} reads each label as the index of a class (0, 1, 2, ...), and "
-                         f"{int(fractional.sum())} of this batch's {target.shape[0]} labels are not whole numbers. "
-                         "For a regression target use MSELoss (or L1Loss) with one output; for classes, index them "
-                         "first (StringIndexer, or a cast to int of labels that are whole numbers).")
+                      f"{loss_name(loss_fn)} reads each label as the index of a class (0, 1, 2, ...), and "
+                      f"{int(fractional.sum())} of this batch's {target.shape[0]} labels are not whole numbers. "
+                      "For a regression target use MSELoss (or L1Loss) with one output; for classes, index them "
+                      "first (StringIndexer, or a cast to int of labels that are whole numbers).")
 
 
 def per_row_loss(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

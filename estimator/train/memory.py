@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch.utils.checkpoint
 from torch import nn
 
-from estimator.core.adapters import is_adapted
+from estimator.core.adapters import base_model
 from estimator.train.sharding import unit_modules
 
 SELECTIVE = "selective"  # the gradient_checkpointing value that keeps the matrix products' outputs
@@ -30,7 +30,7 @@ def checkpoint_activations(model: nn.Module, units: Any = None, mode: Any = True
     options: Dict[str, Any] = {"use_reentrant": False}
     if mode == SELECTIVE:
         options["context_fn"] = selective_contexts
-    inner = model.get_base_model() if is_adapted(model) else model
+    inner = base_model(model)
     if getattr(inner, "supports_gradient_checkpointing", False) and hasattr(inner, "gradient_checkpointing_enable"):
         with warnings.catch_warnings():  # transformers 5 renames it (activation_checkpointing_enable), warning
             warnings.simplefilter("ignore", FutureWarning)
@@ -51,7 +51,7 @@ def no_units(model: nn.Module, units: Any, mode: Any) -> Optional[str]:
     """Why gradient_checkpointing=`mode` cannot recompute `model`, or None: a Hugging Face model recomputes its
     own way; another needs units (the items of its nn.ModuleLists, or shard_units). Checked on the driver's model
     before any job (estimator.fit.checks), and where the rank turns it on."""
-    inner = model.get_base_model() if is_adapted(model) else model
+    inner = base_model(model)
     if getattr(inner, "supports_gradient_checkpointing", False) and hasattr(inner, "gradient_checkpointing_enable"):
         return None
     if unit_modules(model, units):
