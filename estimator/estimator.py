@@ -40,6 +40,7 @@ from estimator.fit.materialize import finish, materialize
 from estimator.fit.language import check_room, lm_spec
 from estimator.fit.recipes import check_optimizer, check_quantized, model_of, with_peft
 from estimator.fit.report import log_fit, report_stop, tensorboard_on
+from estimator.fit.run_identity import began, check_same_run, params_identity, pieces_identity
 from estimator.fit.tracking import MlflowLog, check_mlflow, model_facts
 from estimator.fit.strategy import check_shared_gpus, strategy_class
 from estimator.launch.session import check_slots, default_num_proc, ranks_per_task, task_gpus, task_slots
@@ -74,6 +75,7 @@ class RunPlan:
     run_id: str
     monitor: Optional[Monitor]  # None until train_step's dry run names the history's keys
     per_task: int = 1  # ranks per Spark task: one per GPU the task is given
+    trains: Dict[str, Any] = dataclasses.field(default_factory=dict)  # what decides what it trains (run_identity)
 
 
 class TorchEstimator(DeclaredParams, Estimator, Persistable):
@@ -155,7 +157,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         data = data_spec(p, text, run.store, m.train, m.val,
                          materialize_seconds=time.perf_counter() - materialize_started)
         try:
-            return self._train(p, run, data, df.sparkSession)
+            return self._train(p, run, data, df.sparkSession, rows=m.key.rsplit("/", 1)[-1])  # content, not files
         finally:
             finish(run.store, m)
 
@@ -190,8 +192,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                              f"Available columns: {', '.join(available)}.")
         schema = from_arrow_schema(parquet_schema(store, train[0]))
         text = TextColumns.of(p, objective, schema)
-        return self._train(p, run, data_spec(p, text, store, train, list_pieces(store, val_dir) if val_dir else ()),
-                           spark)
+        val = list_pieces(store, val_dir) if val_dir else []
+        return self._train(p, run, data_spec(p, text, store, train, val), spark, rows=pieces_identity(train, val))
 
     # -- steps ---------------------------------------------------------------------------------
     def _checked(self) -> Tuple[Mapping[str, Any], Any]:
@@ -288,6 +290,9 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run_id = point.run_id(p["run_id"] or new_run_id()) if point is not None else p["run_id"] or new_run_id()
         if point is not None:
             point.grid.check_slots(num_proc // per_task, task_slots(spark))
+        trains = params_identity(p, objective, num_proc)
+        if p["run_id"]:  # a named run resumes only its own fit (before the data's job: its params)
+            check_same_run(store, store.run(run_id), run_id, trains)
         seed, split_seed = p["random_seed"], p["random_seed"]
         if seed is None and p["run_id"]:  # a refit of a named run keeps its split and shuffles
             known = run_metadata(store, run_id)
@@ -297,11 +302,12 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         # Without random_seed the split does not follow the drawn training seed: refits of the same data with a
         # validation fraction reuse one materialized copy instead of writing a new one each time.
         return RunPlan(objs, payload, num_proc, seed, SPLIT_SEED if split_seed is None else split_seed, store, run_id,
-                       monitor, per_task)
+                       monitor, per_task, trains)
 
     def _train(self, p: Mapping[str, Any], run: RunPlan, data: DataSpec, spark: SparkSession, source: Any = None,
-               first_rows: Optional[Dict[str, Any]] = None) -> TorchModel:
-        """`source` and `first_rows`: the direct mode's input DataFrame (estimator.fit.direct) and its first rows."""
+               first_rows: Optional[Dict[str, Any]] = None, rows: Optional[str] = None) -> TorchModel:
+        """`source` and `first_rows`: the direct mode's input DataFrame (estimator.fit.direct) and its first rows.
+        `rows`: the data's identity (estimator.fit.run_identity; None in the direct mode, where no pass made it)."""
         started = time.perf_counter()
         num_proc, store, run_id = run.num_proc, run.store, run.run_id
         if source is None:
@@ -339,9 +345,11 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
                        rendezvous_timeout=float(p["rendezvous_timeout"]),
                        collective_timeout=float(p["collective_timeout"]))
         spec = TrainSpec(**{**{f.name: p[f.name] for f in dataclasses.fields(TrainSpec) if f.name in p}, **derived})
-        if not store.exists(spec.run.metadata):
+        check_same_run(store, spec.run, run_id, run.trains, rows)  # its rows too, now known
+        if not store.exists(spec.run.metadata) or not store.exists(spec.run.checkpoint):  # its first launch's
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
-                                                                    "run_id": run_id}).encode())
+                                                                    "run_id": run_id,
+                                                                    **began(run.trains, rows)}).encode())
         facts = model_facts(p["model"], p["optimizer"], run.objs.build_losses(), num_proc,
                             data.train_rows if source is None else None, data.val_rows if source is None else None)
         facts["optimizer_lr"] = p["lr"] or facts["optimizer_lr"]

@@ -127,6 +127,11 @@ class RunInUse(RuntimeError):
     checkpoint that another launch is writing."""
 
 
+class RunMismatch(ValueError):
+    """A fit under the run_id of a run that trained other rows or with other params (estimator.fit.run_identity):
+    it would continue that run, or return its model. Raised before anything trains."""
+
+
 class RendezvousFailed(RankFailed):
     """The ranks did not all meet (a rank did not arrive in time, or could not reach rank 0)."""
 

@@ -159,6 +159,26 @@ def test_class_labels_that_are_not_whole_numbers_are_refused_not_truncated(store
     assert Objective([nn.MSELoss()], [1.0], [], ["y"], weighted=False).host_check() is None
 
 
+def test_negative_class_labels_are_refused_except_the_loss_s_ignore_index(store):
+    """A -1 among class indices (a wheel trial's) passed the driver's checks and failed on a rank after the data
+    job, as the loss's IndexError. Refused from the Parquet footers of the whole data (a -1 in the last row group,
+    not among the dry run's rows) and by each batch a rank reads; CrossEntropyLoss's ignore_index (-100) still
+    marks rows to leave out."""
+    labels = np.array([0, 1, 2] * 10 + [-1], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"Label column 'y' holds -1, which is not a class index: CrossEntropyLoss "
+                                         r"reads each label as the index of a class, from 0 \(only its ignore_index, "
+                                         r"-100, marks a row to leave out\)\. Re-index"):
+        dry_run(_objs(nn.Linear(4, 3), nn.CrossEntropyLoss()), _data(store, labels))
+    dry_run(_objs(nn.Linear(4, 3), nn.CrossEntropyLoss()), _data(store, np.array([0, 1, 2] * 10 + [-100])))
+    check = Objective([nn.NLLLoss(ignore_index=-1)], [1.0], [], ["grade"], weighted=False).host_check()
+    check(Tensors([torch.zeros(3, 4)], [torch.tensor([0, -1, 1])], None))  # its ignore_index
+    with pytest.raises(BadRows, match=r"Label column 'grade' holds -2, which is not a class index: NLLLoss"):
+        check(Tensors([torch.zeros(3, 4)], [torch.tensor([0, -2, 1])], None))
+    with pytest.raises(BadRows, match=r"holds -1, which is not a class index"):
+        Objective([nn.CrossEntropyLoss()], [1.0], [], ["y"], weighted=False).host_check()(
+            Tensors([torch.zeros(2, 3)], [torch.tensor([[1.0], [-1.0]])], None))
+
+
 def test_functional_losses_take_sample_weights_with_reduction_none():
     objective = Objective([nn.functional.binary_cross_entropy], [1.0], [], ["y"], weighted=True)
     p = torch.tensor([[0.9], [0.2]])

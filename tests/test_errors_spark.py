@@ -251,3 +251,35 @@ def test_transform_of_rows_unlike_the_training_rows_names_the_column_and_both_le
     assert ("TransformFailed: TorchModel.transform: ValueError: Column 'features' has 60 values per row, but the "
             "model was trained on 64") in text
     assert len(text.splitlines()) <= 10, text
+
+
+def test_a_run_id_resumes_only_its_own_fit(spark, store, df, capsys):
+    """A refit under a run_id (a wheel trial's): with lr 0.5 it returned the lr 1e-5 run's model, saying nothing;
+    a CrossValidator with a run_id scored fold 2 with fold 1's model. Other params are refused before any job,
+    other rows after the data's job, both before anything trains; the same fit resumes with more epochs and,
+    with nothing left to train, says so."""
+    from estimator.failures import RunMismatch
+
+    half = df.limit(600)
+    first = _est(store, run_id="same", lr=1e-5, verbose=1).fit(half)
+    errors = []
+
+    def refit():
+        with pytest.raises(RunMismatch) as info:
+            _est(store, run_id="same", lr=0.5).fit(half)
+        errors.append(str(info.value))
+
+    assert jobs_run_by(spark, refit) == []
+    assert re.search(r"run_id 'same' names a run in the store \(.*runs/same\) that trained something else: lr: "
+                     r"1e-05 \(the run\) and 0.5 \(this fit\)\. A run_id resumes its one fit .* Use a new run_id "
+                     r"\(or leave run_id unset: each fit a run of its own, as in a CrossValidator", errors[0]), errors[0]
+    with pytest.raises(RunMismatch, match=r"the rows: this fit's data is not the data the run trained on"):
+        _est(store, run_id="same", lr=1e-5).fit(df)
+    capsys.readouterr()
+    again = _est(store, run_id="same", lr=1e-5, epochs=2, verbose=1).fit(half)
+    assert [row["epoch"] for row in again.getHistory()] == [1, 2]
+    assert again.getHistory()[0] == first.getHistory()[0]
+    assert "resuming run same at epoch 2 of 2" in capsys.readouterr().err
+    _est(store, run_id="same", lr=1e-5, epochs=2, verbose=1, max_retries=3).fit(half)  # how it runs may change
+    assert ("run same already has 2 finished epochs (epochs=2): nothing to train; its model is returned"
+            in capsys.readouterr().err)

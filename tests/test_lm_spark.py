@@ -222,6 +222,10 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
          r"'generation_batching' .* 'continuous', and generate_kwargs \['num_beams'\] are model.generate's only"),
         (dict(generate_kwargs={"max_new_tokens": 2}), texts,
          "'max_new_tokens' is set by the transform \\(its own param: set max_new_tokens\\)"),
+        (dict(generate_kwargs={"max_length": 5}), texts,  # generate() let max_new_tokens overrule it, silently
+         r"'max_length' is set by the transform \(the length generated is the max_new_tokens param"),
+        (dict(generate_kwargs={"do_sample": True, "num_return_sequences": 2}), texts,  # an IndexError, on executors
+         r"num_return_sequences=2: transform writes one text a row\. For several samples .*crossJoin"),
         (dict(generate_kwargs={"do_sample": True, "temprature": 0.5}), texts,  # transformers: on the executors
          r"'generate_kwargs' .* holds 'temprature', which LlamaForCausalLM.generate does not take.*'temperature'\?"),
         (dict(feature_cols=["chat"], label_cols=None), tool_chat,

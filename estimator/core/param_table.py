@@ -29,7 +29,14 @@ def _optimizer_list_hint(v: Any) -> str:
 
 
 GENERATE_OWN = {"input_ids": "the prompts' tokens", "attention_mask": "the prompts' padding",
-                "max_new_tokens": "its own param: set max_new_tokens"}  # generate() keywords the transform sets
+                "max_new_tokens": "its own param: set max_new_tokens",
+                "max_length": "the length generated is the max_new_tokens param, which generate() lets overrule "
+                              "max_length: set max_new_tokens"}  # generate() keywords the transform sets
+
+
+def _one_text_a_row(v: Any) -> bool:
+    """transform writes one text a row: generate() returning several a prompt failed on the executors."""
+    return not isinstance(v, dict) or v.get("num_return_sequences") in (None, 1)
 
 
 def _clip_ok(v: Any) -> bool:
@@ -40,13 +47,18 @@ _clip_ok.number = float  # type: ignore[attr-defined]  # a number set is a float
 
 
 def _generate_kwargs_ok(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and k not in GENERATE_OWN for k in v))
+    return v is None or (isinstance(v, dict) and all(isinstance(k, str) and k not in GENERATE_OWN for k in v)
+                         and _one_text_a_row(v))
 
 
 def _generate_kwargs_hint(v: Any) -> str:
     taken = [k for k in (v if isinstance(v, dict) else ()) if k in GENERATE_OWN]
-    return (f"{taken[0]!r} is set by the transform ({GENERATE_OWN[taken[0]]}): leave it out of generate_kwargs."
-            if taken else "")
+    if taken:
+        return f"{taken[0]!r} is set by the transform ({GENERATE_OWN[taken[0]]}): leave it out of generate_kwargs."
+    if not _one_text_a_row(v):
+        return (f"num_return_sequences={v['num_return_sequences']!r}: transform writes one text a row. For several "
+                "samples of a prompt, repeat its row (df.crossJoin(spark.range(k))) with do_sample=True.")
+    return ""
 
 
 TOKENIZER = ParamSpec("tokenizer", "a Hugging Face tokenizer, or a callable(list of str) -> dict of arrays: string "
@@ -250,9 +262,10 @@ ESTIMATOR_PARAMS = [
               "the most tokens generated per row (generation also stops at eos)", 64, is_int(1), "an int >= 1"),
     ParamSpec("generate_kwargs", "transform of a causal LM: keyword arguments of model.generate, e.g. "
               "{'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'seed': 0} ('seed' seeds the sampling of each "
-              "batch of prompts: the same prompts give the same text); default greedy decoding", None,
-              _generate_kwargs_ok, "a dict of model.generate keyword arguments (not input_ids, attention_mask "
-              "or max_new_tokens), or None", hint=_generate_kwargs_hint),
+              "batch of prompts: the same prompts in the same batches give the same text, and another "
+              "inference_batch_size or partitioning other text); default greedy decoding", None,
+              _generate_kwargs_ok, "a dict of model.generate keyword arguments (not input_ids, attention_mask, "
+              "max_new_tokens or max_length; num_return_sequences 1), or None", hint=_generate_kwargs_hint),
     ParamSpec("generation_batching", "transform of a causal LM: how each Arrow batch's prompts are generated. "
               "'continuous': transformers' continuous batching (a paged KV cache; a row leaves the running batch the "
               "step it ends and a waiting prompt takes its place; CUDA graphs on a GPU); 'padded': model.generate "
@@ -353,7 +366,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("collective_timeout", "seconds a rank waits for its peers in one collective (gloo/nccl process "
               "group timeout)", 1800.0, is_seconds, "a number of seconds > 0"),
     ParamSpec("callbacks", "objects whose on_train_begin(logs) / on_epoch_end(epoch, logs) / on_train_end(logs) "
-              "run on rank 0", [], lambda v: isinstance(v, (list, tuple)), "a list of callback objects", json=False),
+              "run on rank 0 (epoch counts from 0, as Keras' and Horovod's: the history's epoch 1 is "
+              "on_epoch_end(0, ...))", [], lambda v: isinstance(v, (list, tuple)), "a list of callback objects", json=False),
 ]
 
 MODEL_PARAMS = [

@@ -45,14 +45,18 @@ def launch_with_retries(p: Dict[str, Any], run: Any, spec: TrainSpec, spark: Any
             world = retry_world(spark, run.run_id, run.num_proc, p["min_num_proc"] or run.num_proc, run.per_task,
                                 spec.batch_size, spec.rendezvous_timeout)
         done, history = resume_point(run.store, spec.run, p["model"], run.run_id, spec.strategy)
-        if done.epochs >= spec.epochs:
+        if done.epochs >= spec.epochs:  # said at verbose=1 too: the model returned was trained before
             log.info("Run %s already has %d finished epochs (epochs=%d): nothing to train", run.run_id,
                      done.epochs, spec.epochs)
+            say(p, f"run {run.run_id} already has {done.epochs} finished epochs (epochs={spec.epochs}): nothing to "
+                   "train; its model is returned (a larger epochs trains on)")
             return []
         stopped = run.monitor.stop_reason(history)
         if stopped is not None:
             log.info("Run %s stopped early after epoch %d: nothing to train (%s)", run.run_id, done.epochs,
                      stopped)
+            say(p, f"run {run.run_id} stopped early after epoch {done.epochs} ({stopped}): nothing to train; its "
+                   "model is returned")
             return []
         if done.epochs or done.step:
             log.info("Run %s continues from its checkpoint after %s", run.run_id, describe(done))

@@ -20,9 +20,9 @@ from estimator.core.outputs import forward as call_forward, outputs_of
 from estimator.data.arrays import Arrays, prepare_arrays, to_tensors
 from estimator.data.frames import transform_batch
 from estimator.data.lm import batch_tokenizer
-from estimator.data.parquet import column_max, column_range, read_head
+from estimator.data.parquet import column_range, read_head
 from estimator.train import steps
-from estimator.train.losses import loss_kind, loss_name
+from estimator.train.losses import loss_kind, loss_name, negative_class
 from estimator.train.objectives.classic import Objective
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
@@ -254,9 +254,14 @@ def check_classes(losses: Sequence[Any], outputs: Sequence[torch.Tensor], data: 
                              f"{label!r} has {classes} unit (shape {tuple(out.shape)}); plain PyTorch would refuse "
                              "it too. Return (batch, classes) scores, or use BCEWithLogitsLoss with one output for "
                              "two classes.")
-        largest = [column_max(data.source, pieces, label) for pieces in (data.train, data.val) if pieces]
-        largest = [v for v in largest if v is not None]
-        if largest and max(largest) >= classes:
-            raise ValueError(f"Label column {label!r} holds class {max(largest):g}, but the model's output has "
+        ranges = [column_range(data.source, pieces, label) for pieces in (data.train, data.val) if pieces]
+        ranges = [r for r in ranges if r is not None]
+        if not ranges:
+            continue
+        low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        if high >= classes:
+            raise ValueError(f"Label column {label!r} holds class {high:g}, but the model's output has "
                              f"{classes} classes (0-{classes - 1}) for {loss_name(fn)}: give the last layer at "
-                             f"least {int(max(largest)) + 1} outputs, or re-index the labels (StringIndexer).")
+                             f"least {int(high) + 1} outputs, or re-index the labels (StringIndexer).")
+        if low < 0 and low != getattr(fn, "ignore_index", None):
+            raise ValueError(negative_class(fn, label, low))

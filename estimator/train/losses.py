@@ -133,12 +133,28 @@ def adapt_target(loss_fn: Any, output: torch.Tensor, target: torch.Tensor) -> to
     return target
 
 
+def negative_class(loss_fn: Any, column: str, value: float) -> str:
+    """The refusal of a negative class index (the loss's ignore_index, CrossEntropyLoss's -100, is not one)."""
+    ignored = getattr(loss_fn, "ignore_index", None)
+    return (f"Label column {column or '(the label)'!r} holds {value:g}, which is not a class index: {loss_name(loss_fn)} "
+            "reads each label as the index of a class, from 0" + (f" (only its ignore_index, {ignored}, marks a "
+            "row to leave out)" if ignored is not None else "") + ". Re-index the labels from 0 (StringIndexer), "
+            "or drop the rows without a class.")
+
+
 def check_class_indices(loss_fn: Any, target: torch.Tensor, column: str) -> None:
-    """Float labels of a class-index loss (one a row) are whole numbers: .long() would make 0.5 class 0 and 2.7
-    class 2, and train on, silently (plain PyTorch refuses float targets of one dimension). A host tensor's."""
-    if loss_kind(loss_fn) != "class_index" or not target.is_floating_point() or target.dim() == 0 or (
-            target[0].numel() != 1):
-        return  # integer classes, or class probabilities (CrossEntropyLoss takes those as floats)
+    """Labels of a class-index loss (one a row) are class indices: whole numbers (.long() would make 0.5 class 0
+    and 2.7 class 2, and train on, silently; plain PyTorch refuses float targets of one dimension), from 0 (a -1
+    failed on the rank as an IndexError of the loss, after the fit's data job), the loss's ignore_index aside.
+    A host tensor's."""
+    if loss_kind(loss_fn) != "class_index" or target.is_complex() or target.dim() == 0 or target[0].numel() != 1:
+        return
+    ignored = getattr(loss_fn, "ignore_index", None)
+    negative = (target < 0) & (target != ignored) if ignored is not None else target < 0
+    if bool(negative.any()):
+        raise BadRows(negative_class(loss_fn, column, float(target[negative].reshape(-1)[0])))
+    if not target.is_floating_point():
+        return  # integer classes (class probabilities, 2-D floats, returned above: CrossEntropyLoss takes them)
     target = target.reshape(-1)
     fractional = target != target.trunc()
     if bool(fractional.any()):
