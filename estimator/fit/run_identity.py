@@ -6,9 +6,8 @@ run_id scored each fold after the first with the first fold's model, trained on 
 
 What a launch of the same run may change is how it runs: epochs (to train more), num_proc and batch_size (a run
 goes on at another rank count: docs/failures.md), readers, retries and timeouts, logging, early stopping,
-checkpoint cadence, compile, memory settings. The
-run's metadata keeps the rest when its first launch begins; a run of an earlier release, without it, is not
-checked. No pyspark."""
+checkpoint cadence, compile, memory settings. The run's metadata keeps the rest when its first launch begins; a
+run of an earlier release, without it, is not checked. No pyspark."""
 from __future__ import annotations
 
 import hashlib
@@ -43,11 +42,11 @@ def check_same_run(store: Store, run: Any, run_id: str, params: Dict[str, Any], 
     other rows (`rows`: the data's identity, None where it is not known: the direct mode). `run`: its RunLayout."""
     if not store.exists(run.checkpoint) or not store.exists(run.metadata):
         return
-    began = json.loads(store.read_bytes(run.metadata))
-    changed = [f"{name}: {_text(began['params'][name])} (the run) and {_text(value)} (this fit)"
-               for name, value in params.items() if "params" in began and name in began["params"]
-               and began["params"][name] != value]
-    if rows is not None and began.get("rows") not in (None, rows):
+    first = json.loads(store.read_bytes(run.metadata))  # its first launch's
+    kept = first.get("params", {})
+    changed = [f"{name}: {_text(kept[name])} (the run) and {_text(value)} (this fit)"
+               for name, value in params.items() if name in kept and kept[name] != value]
+    if rows is not None and first.get("rows") not in (None, rows):
         changed.append("the rows: this fit's data is not the data the run trained on")
     if changed:
         raise RunMismatch(
