@@ -290,7 +290,7 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
         run_id = point.run_id(p["run_id"] or new_run_id()) if point is not None else p["run_id"] or new_run_id()
         if point is not None:
             point.grid.check_slots(num_proc // per_task, task_slots(spark))
-        trains = params_identity(p, objective, num_proc)
+        trains = params_identity(p, objective)
         if p["run_id"]:  # a named run resumes only its own fit (before the data's job: its params)
             check_same_run(store, store.run(run_id), run_id, trains)
         seed, split_seed = p["random_seed"], p["random_seed"]
@@ -350,9 +350,8 @@ class TorchEstimator(DeclaredParams, Estimator, Persistable):
             store.write_bytes_atomic(spec.run.metadata, json.dumps({"seed": run.seed, "split_seed": run.split_seed,
                                                                     "run_id": run_id,
                                                                     **began(run.trains, rows)}).encode())
-        facts = model_facts(p["model"], p["optimizer"], run.objs.build_losses(), num_proc,
+        facts = model_facts(p["model"], p["optimizer"], p["lr"], run.objs.build_losses(), num_proc,
                             data.train_rows if source is None else None, data.val_rows if source is None else None)
-        facts["optimizer_lr"] = p["lr"] or facts["optimizer_lr"]
         grid = self._grid_point.grid if self._grid_point is not None else Grid()
         tracked = MlflowLog.open(p["mlflow"], {s.name: p[s.name] for s in ESTIMATOR_PARAMS if s.json}, facts,
                                  run_id, grid.parent_run, grid.experiment)

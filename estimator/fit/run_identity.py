@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, Mapping, Optional
 
 from estimator.failures import RunMismatch
-from estimator.fit.tracking import model_facts
+from estimator.fit.tracking import optimizer_facts
 from store import Store
 
 # The params that decide what a run trains (each compared as given; lr as the optimizer's, when lr is None)
@@ -25,13 +25,13 @@ TRAINS = ("loss_weights", "feature_cols", "label_cols", "input_shapes", "label_s
           "completion_only_loss", "chat_tools", "drop_nulls")
 
 
-def params_identity(p: Mapping[str, Any], objective: Any, num_proc: int) -> Dict[str, Any]:
+def params_identity(p: Mapping[str, Any], objective: Any) -> Dict[str, Any]:
     """The params (and what the objects say: the optimizer, the objective, LoRA's config) that decide what is
     trained, as JSON values."""
-    facts = model_facts(p["model"], p["optimizer"], [], num_proc, None, None)
+    facts = optimizer_facts(p["optimizer"], p["lr"])
     peft = p["peft_config"]
     made = {name: p[name] for name in TRAINS if name in p}
-    made.update({"lr": p["lr"] or facts["optimizer_lr"], "optimizer": facts["optimizer_class"],
+    made.update({"lr": facts["optimizer_lr"], "optimizer": facts["optimizer_class"],
                  "objective": type(objective).__name__ if objective is not None else None,
                  "peft_config": peft.to_dict() if hasattr(peft, "to_dict") else peft})
     return _json(made)

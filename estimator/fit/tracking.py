@@ -170,20 +170,24 @@ class MlflowLog:
                           "(getHistory()).", RuntimeWarning, stacklevel=2)
 
 
-def model_facts(model: Any, optimizer: Any, losses: Any, ranks: int, train_rows: int, val_rows: int
-                ) -> Dict[str, Any]:
-    """What people look for in a tracked run besides the params. An optimizer given as a callable is named by
-    what it calls (a partial's function or class, with its lr)."""
-    recipe = optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer)
-    made = getattr(optimizer, "func", optimizer)
+def model_facts(model: Any, optimizer: Any, lr: Optional[float], losses: Any, ranks: int, train_rows: int,
+                val_rows: int) -> Dict[str, Any]:
+    """What people look for in a tracked run besides the params."""
     return {"model_class": type(model).__name__,
-            "model_parameters": sum(int(t.numel()) for t in model.parameters()),
-            "optimizer_class": getattr(made, "__name__", type(made).__name__) if recipe else
-            type(optimizer).__name__ if optimizer is not None else None,
-            "optimizer_lr": getattr(optimizer, "keywords", {}).get("lr") if recipe else
-            optimizer.param_groups[0].get("lr") if optimizer is not None else None,
+            "model_parameters": sum(int(t.numel()) for t in model.parameters()), **optimizer_facts(optimizer, lr),
             "loss_class": ", ".join(type(fn).__name__ for fn in losses) or None,
             "ranks": ranks, "train_rows": train_rows, "val_rows": val_rows}
+
+
+def optimizer_facts(optimizer: Any, lr: Optional[float]) -> Dict[str, Any]:
+    """The optimizer's class and the lr it trains with: the lr param, else the optimizer's own. An optimizer given
+    as a callable is named by what it calls (a partial's function or class, with its lr)."""
+    recipe = optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer)
+    made = getattr(optimizer, "func", optimizer)
+    return {"optimizer_class": getattr(made, "__name__", type(made).__name__) if recipe else
+            type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_lr": lr or (getattr(optimizer, "keywords", {}).get("lr") if recipe else
+                                   optimizer.param_groups[0].get("lr") if optimizer is not None else None)}
 
 
 def _param_text(value: Any) -> str:
