@@ -38,14 +38,21 @@ def spark_kind(request):
 def spark(spark_kind):
     from pyspark.sql import SparkSession
 
-    conf = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"}
+    # a Python worker that crashes shows its Python stack in Spark's error (a test that fails on one says where)
+    conf = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
+            "spark.python.worker.faulthandler.enabled": "true"}
     if spark_kind == "connect":
         from estimator.cluster import LocalConnectServer, free_port
 
         ui_port = free_port()  # its REST API counts the server's jobs (spark_helpers.jobs_run_by)
         conf.update({"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)})
         os.environ["SPARK_TEST_CONNECT_UI"] = f"http://127.0.0.1:{ui_port}"
-        with LocalConnectServer(master="local[2]", conf=conf) as server:
+        keep = os.environ.get("STE_CONNECT_LOG_DIR")  # keep the server's log (CI prints it when a test fails)
+        base = None
+        if keep:
+            base = os.path.join(keep, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+            os.makedirs(base, exist_ok=True)
+        with LocalConnectServer(master="local[2]", conf=conf, base_dir=base) as server:
             session = SparkSession.builder.remote(server.url).getOrCreate()
             yield session
             session.stop()

@@ -228,6 +228,11 @@ def test_the_driver_takes_the_failing_ranks_record_not_a_peers_echo(store):
     assert echo.kind is FailureKind.PEER and "PeerFailed: rank 1 failed" in str(echo)
     store.rm(run.failure(launch, 1))  # only the echo left: it is what there is
     assert launch_failure(store, run, launch, 2, "").rank == 0
+    died = ("Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. Most recent "
+            "failure reason: Stage failed because barrier task ResultTask(5, 1) finished unsuccessfully.\n"
+            "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)\n\tat x.y")
+    killed = launch_failure(store, run, launch, 2, died)  # rank 1's worker died without a record; rank 0 echoed
+    assert killed.rank == 1 and killed.kind is FailureKind.WORKER_DEATH and "exited unexpectedly" in str(killed)
     store.rm(run.failure(launch, 0))
     store.write_bytes_atomic(run.failure(launch, 1), json.dumps(RendezvousFailed(1, "late").record()).encode())
     late = launch_failure(store, run, launch, 2, "")

@@ -164,7 +164,9 @@ def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: st
                    python: str = "") -> Optional[RankFailed]:
     """The cause of a failed launch: the failure records the ranks left in the store (the first that is not
     a peer's echo of another rank's failure), else what Spark's error text tells (a rank's worker died, or
-    a record could not be written); None when the failure is not a rank's (e.g. Spark refused the job)."""
+    a record could not be written); None when the failure is not a rank's (e.g. Spark refused the job). When
+    the records are all echoes and the text names a rank whose Python worker died (killed, out of memory, a
+    native crash: it left no record), that death is the cause, not the connection its peers lost."""
     records = []
     for rank in range(num_proc):
         try:
@@ -173,10 +175,13 @@ def launch_failure(store: Any, run: Any, launch_id: str, num_proc: int, text: st
             continue
         except Exception:  # noqa: BLE001 - the text below still names the failure
             log.debug("could not read rank %d's failure record", rank, exc_info=True)
-    if records:
-        records.sort(key=lambda r: (r["kind"] == FailureKind.PEER.value, r["time"]))
+    records.sort(key=lambda r: (r["kind"] == FailureKind.PEER.value, r["time"]))
+    if records and records[0]["kind"] != FailureKind.PEER.value:
         return RankFailed.from_record(records[0])
-    return rank_failure(text, per_task, python)
+    from_text = rank_failure(text, per_task, python)
+    if records and (from_text is None or from_text.kind is not FailureKind.WORKER_DEATH):
+        return RankFailed.from_record(records[0])  # only echoes: the first is what there is
+    return from_text
 
 
 _RANK_FAILED = re.compile(r"(RankFailed|RendezvousFailed): rank (\d+): ([^\n]*)(.*?)(?:\n\s*SQLSTATE|\n\tat |\Z)",
