@@ -183,9 +183,9 @@ def test_functional_losses_take_sample_weights_with_reduction_none():
     objective = Objective([nn.functional.binary_cross_entropy], [1.0], [], ["y"], weighted=True)
     p = torch.tensor([[0.9], [0.2]])
     y = torch.tensor([1.0, 1.0])
-    loss, _ = objective((p,), (y,), torch.tensor([1.0, 3.0]))
-    expected = (-np.log(0.9) * 1 - np.log(0.2) * 3) / 4
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss, sums = objective((p,), (y,), torch.tensor([1.0, 3.0]))
+    expected = -np.log(0.9) * 1 - np.log(0.2) * 3  # the weighted sum, over the weight 4 (PerWeight)
+    assert loss.item() == pytest.approx(expected, rel=1e-6) and sums[1].item() == 4.0
 
 
 def test_binary_losses_refuse_labels_outside_zero_one_from_the_whole_data(store):

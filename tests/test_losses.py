@@ -22,12 +22,21 @@ def test_unweighted_sums_are_row_weighted():
 
 
 def test_weighted_loss_is_weighted_mean_of_row_losses():
+    """The batch's loss is the weighted sum of its row losses; what it is divided by (the weight of the window's
+    batches on every rank) is the PerWeight weighting's: one rank of one batch divides by the batch's weight."""
+    from estimator.train.sums import Sums
+    from estimator.train.weighting import PerWeight
+
     objective = Objective([nn.MSELoss()], [1.0], [], ["y"], weighted=True)
     out = torch.tensor([[1.0], [3.0]])
     target = torch.tensor([0.0, 0.0])
     weights = torch.tensor([3.0, 1.0])
     loss, sums = objective((out,), (target,), weights)
-    assert torch.isclose(loss, torch.tensor((3 * 1 + 1 * 9) / 4.0))
+    assert torch.isclose(loss, torch.tensor(3 * 1 + 1 * 9.0))
+    assert objective.weighting is PerWeight and objective.weight_of(((out,), (target,), weights)).item() == 4.0
+    weighting = objective.weighting(1, 1, Sums.of_loss())
+    weighting.begin(objective, ((out,), (target,), weights))
+    assert torch.isclose(weighting.scale(loss), torch.tensor((3 * 1 + 1 * 9) / 4.0))
     assert sums[0].item() == 12.0 and sums[1].item() == 4.0
     summary = objective.summarize(*split(objective.layout, sums.tolist() * 2, with_val=True))
     assert summary == {"loss": 3.0, "val_loss": 3.0}

@@ -1,13 +1,12 @@
 """What the loss of a step is divided by, so that k ranks of batch b compute the gradients one process computes
 at batch k*b over the same rows. An objective says which by its `weighting` (estimator.train.objectives):
 
-- `PerBatch`: the loss is already a mean over its batch (its rows, or its sample weights); with gradient
-  accumulation each batch's loss is divided by the batches of the window, and DistributedDataParallel (or FSDP)
-  averages over the ranks.
-- `PerWeight`: the loss is a sum over its batch's weight (a causal LM's labelled tokens), which the objective
-  tells before the forward (`weight_of`): the gradients are those of the summed losses over the weight of the
-  whole window on all ranks, a mean of the ranks' means would weight a rank's short responses as much as another's
-  long ones. With one batch a step, the batch's weight is summed over the ranks (an all_reduce issued before the
+- `PerBatch`: the loss is already a mean over its batch's rows; with gradient accumulation each batch's loss is
+  divided by the batches of the window, and DistributedDataParallel (or FSDP) averages over the ranks.
+- `PerWeight`: the loss is a sum over its batch's weight (a causal LM's labelled tokens, a classic fit's sample
+  weights), which the objective tells before the forward (`weight_of`): the gradients are those of the summed
+  losses over the weight of the whole window on all ranks, a mean of the ranks' means would weight a rank's
+  short responses (or light rows) as much as another's long ones. With one batch a step, the batch's weight is summed over the ranks (an all_reduce issued before the
   forward, waited for on the device) and multiplies the loss; with accumulation the window's weight is known at
   its last batch only, so the gradients are multiplied once before the optimizer step.
 
@@ -89,6 +88,8 @@ class WindowWeight:
         self.work = dist.all_reduce(self.total, op=dist.ReduceOp.SUM, async_op=True) if world_size > 1 else None
 
     def factor(self) -> torch.Tensor:
+        """0 for a window of no weight (its summed loss is 0 too): sample weights may sum below 1."""
         if self.work is not None:
             self.work.wait()
-        return (self.world_size / self.total.clamp_min(1.0)).float()
+        total = self.total
+        return torch.where(total > 0, self.world_size / total.where(total > 0, 1.0), 0.0).float()

@@ -25,7 +25,7 @@ class BuiltIn:
     """The defaults of an objective class; `layout` (its sums) is set by each."""
 
     layout: Sums
-    weighting: Any = PerBatch  # the loss is a mean over the batch's rows (or sample weights)
+    weighting: Any = PerBatch  # the loss is a mean over the batch's rows (PerWeight: a sum over its weight)
     transform_output: Optional[str] = None  # the fitted TorchModel's output_kind: the model's outputs
     # a causal LM's objective: the rows it reads, by the name of their reader (estimator.fit.language.ROWS: 'sft'
     # a prompt and its response, a chat or a text; 'preference' pairs of answers), which gives their format

@@ -16,6 +16,7 @@ from estimator.train.losses import (Accuracy, ModelsOwnLoss, accuracy_applies, a
                                     check_metrics, loss_kind, metric_name, own_loss_of, per_row_loss)
 from estimator.train.objectives.base import BuiltIn
 from estimator.train.sums import Sums, metric_slot
+from estimator.train.weighting import PerWeight
 
 
 class Objective(BuiltIn):
@@ -37,6 +38,10 @@ class Objective(BuiltIn):
         self.label_cols = tuple(label_cols)
         self.weighted = weighted
         if weighted:  # per-row losses, weighted by the sample weight column
+            # the loss a sum over the batch's weight, divided by the weight of the window's batches on all ranks:
+            # one process's weighted mean over them (a mean of the ranks' weighted means weighs a light batch as
+            # much as a heavy one)
+            self.weighting = PerWeight
             for fn in self.losses:
                 if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
                     fn.reduction = "none"
@@ -79,13 +84,17 @@ class Objective(BuiltIn):
             per_row = functools.reduce(operator.add, (p.reshape(rows, -1).mean(dim=1) for p in parts))
             weighted_sum = (per_row * weights).sum()
             denominator = weights.sum()
-            loss = weighted_sum / denominator.clamp_min(1e-12)
+            loss = weighted_sum  # over the window's weight on all ranks (PerWeight, from weight_of)
             sums = self.layout.zeros(labels[0].device)
             sums[0], sums[1], sums[2] = weighted_sum.detach(), denominator.detach(), rows
         else:
             loss = functools.reduce(operator.add, parts)
             sums = self.batch_sums(loss, rows)
         return loss, self.metric_sums(sums, outputs, targets)
+
+    def weight_of(self, tensors: Any) -> torch.Tensor:
+        """A weighted fit's batch weight (PerWeight): its sample weights summed."""
+        return tensors[2].sum()
 
     def batch_sums(self, loss: torch.Tensor, rows: int) -> torch.Tensor:
         """(loss x rows, rows, rows, a 0 for each metric) in float64 on the loss's device: the loss's product and
