@@ -10,7 +10,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from pyspark.ml import Model
-from pyspark.ml.functions import array_to_vector, vector_to_array
+from pyspark.ml.functions import array_to_vector
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -32,7 +32,7 @@ from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
-from estimator.predict.schema import CHAT_TYPE, added_fields, chat_of_maps, is_chat, spark_type
+from estimator.predict.schema import CHAT_TYPE, added_fields, as_read, chat_of_maps, is_chat, spark_type
 from estimator.predict.weights import save_pretrained_to
 from estimator.core.lightning_module import for_inference
 
@@ -231,8 +231,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                 warnings.simplefilter("ignore", UserWarning)  # "PandasUDFType will be deprecated"
                 predict = F.pandas_udf(make_predict_pandas(key, source, sent), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
-        inputs = [vector_to_array(F.col(c), "float32") if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
-                  for c in predictor.input_cols()]
+        inputs = [as_read(df, c) for c in predictor.input_cols()]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"
         with_struct = df.withColumn(tmp, predict(*inputs))
         columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)

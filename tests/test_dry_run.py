@@ -179,6 +179,38 @@ def test_negative_class_labels_are_refused_except_the_loss_s_ignore_index(store)
             Tensors([torch.zeros(2, 3)], [torch.tensor([[1.0], [-1.0]])], None))
 
 
+def _weighted(store, weights):
+    """_data's rows with a sample weight column `w` (the last row group holds the last weights)."""
+    rows = len(weights)
+    x = np.random.default_rng(0).standard_normal((rows, 4)).astype(np.float32)
+    store.makedirs(store.path("weighted"))
+    pq.write_table(pa.table({"x": pa.array(list(x)), "y": pa.array([0, 1, 2] * (rows // 3)), "w": pa.array(weights)}),
+                   store.path("weighted", "part.parquet"), row_group_size=rows // 3)
+    return DataSpec(store, list_pieces(store, store.path("weighted")), (), ("x",), ("y",), sample_weight_col="w")
+
+
+def test_negative_sample_weights_and_weights_all_zero_are_refused_from_the_whole_data(store):
+    """A wheel trial's -1.0 weight trained silently (the row's loss raised, not lowered), and weights all 0
+    failed after a whole epoch as a non-finite loss with advice about the lr. Both refused by the driver from the
+    Parquet footers (the -1 is in the last row group only, past the dry run's rows); each batch a rank reads is
+    checked for negative weights too (the direct mode has no footers). Zero weights leave rows out: allowed."""
+    model = nn.Linear(4, 3)
+    weights = np.array([1.0, 0.5, 2.0] * 10, dtype=np.float32)
+    dry_run(_objs(model, nn.CrossEntropyLoss()), _weighted(store, np.where(np.arange(30) < 5, 0.0, weights)))
+    with pytest.raises(ValueError, match=r"Column 'w' \(sample_weight_col\) holds the weight -1 \(weights from -1 to "
+                                         r"2\): a weight scales its row's loss, and a negative one would make "
+                                         r"training raise that row's loss"):
+        dry_run(_objs(model, nn.CrossEntropyLoss()), _weighted(store, np.append(weights[:-1], -1.0)))
+    with pytest.raises(ValueError, match=r"Column 'w' \(sample_weight_col\) holds only 0: every row's loss is "
+                                         r"weighted 0, so nothing would train"):
+        dry_run(_objs(model, nn.CrossEntropyLoss()), _weighted(store, np.zeros(30, dtype=np.float32)))
+    check = Objective([nn.MSELoss()], [1.0], [], ["y"], weighted=True, weight_col="w").host_check()
+    check(Tensors([torch.zeros(3, 4)], [torch.zeros(3)], torch.tensor([0.0, 1.0, 2.0])))
+    with pytest.raises(BadRows, match=r"Column 'w' \(sample_weight_col\) holds the weight -0.5 \(1 of this batch's 3 "
+                                      r"rows are negative\)"):
+        check(Tensors([torch.zeros(3, 4)], [torch.zeros(3)], torch.tensor([0.0, -0.5, 2.0])))
+
+
 def test_functional_losses_take_sample_weights_with_reduction_none():
     objective = Objective([nn.functional.binary_cross_entropy], [1.0], [], ["y"], weighted=True)
     p = torch.tensor([[0.9], [0.2]])

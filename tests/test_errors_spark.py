@@ -158,6 +158,26 @@ def test_null_features_and_labels_are_named_with_their_count(spark, store):
     assert not list(store.find(store.path("data"), suffix=".parquet"))  # nothing committed or left behind
 
 
+def test_a_null_ml_vector_is_named_as_a_null_and_drop_nulls_skips_its_row(spark, store):
+    """A VectorAssembler's column with a null row: named with its count as any null (it failed inside the write as
+    Spark's FAILED_EXECUTE_UDF of vector_to_array, with or without drop_nulls); transform names it too."""
+    import json
+
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    schema = StructType([StructField("features", VectorUDT()), StructField("label", LongType())])
+    rows = [(Vectors.dense([0.1 * (i % 7)] * 64), i % 10) for i in range(40)] + [(None, 1)]
+    frame = spark.createDataFrame(rows, schema)
+    with pytest.raises(ValueError, match=r"Column 'features' has 1 rows with null values \(of 41 rows\)"):
+        _est(store).fit(frame)
+    fitted = _est(store, drop_nulls=True).fit(frame)
+    marker = next(store.find(store.path("data"), suffix="_COMMITTED.json"))
+    assert json.loads(store.read_bytes(marker))["train_rows"] == 40
+    with pytest.raises(Exception, match=r"Column 'features' has 1 null values"):
+        fitted.transform(frame).collect()
+
+
 @pytest.mark.connect
 def test_drop_nulls_skips_those_rows(spark, store):
     import json

@@ -22,7 +22,7 @@ from estimator.data.frames import transform_batch
 from estimator.data.lm import batch_tokenizer
 from estimator.data.parquet import column_range, read_head
 from estimator.train import steps
-from estimator.train.losses import loss_kind, loss_name, negative_class
+from estimator.train.losses import loss_kind, loss_name, negative_class, negative_weight
 from estimator.train.objectives.classic import Objective
 
 HEAD_ROWS = 16  # read from the first row group; the checks use at least 3 of them
@@ -52,10 +52,11 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     losses = copy.deepcopy(objs.build_losses())
     check_classes(losses, outputs, data)
     objective = Objective(losses, objs.loss_weights, objs.metrics, data.label_cols,
-                          weighted=data.sample_weight_col is not None)
+                          weighted=data.sample_weight_col is not None, weight_col=data.sample_weight_col)
     tensors = to_tensors(arrays, data)
     labels = tensors[1]
     check_binary_labels(losses, labels, data)
+    check_sample_weights(tensors[2], data)
     check = objective.host_check()  # what the ranks check of each batch, on the first rows
     if check is not None:
         check(tensors)
@@ -240,6 +241,26 @@ def check_binary_labels(losses: Sequence[Any], head: Sequence[torch.Tensor], dat
                              f"{high:g}), but {loss_name(fn)} needs labels in [0, 1]: 0 or 1 for two classes, or a "
                              "probability. Map them first (for -1/+1 labels: (label + 1) / 2), or use a loss of your "
                              "own.")
+
+
+def check_sample_weights(head: Optional[torch.Tensor], data: DataSpec) -> None:
+    """Sample weights scale their rows' losses: a negative one makes training raise its row's loss, and weights
+    all 0 train nothing (the loss of every step is 0 over 0). From the Parquet footers of the whole data (no
+    pass over the rows); in the direct mode, negative weights of the first rows (`head`; each batch a rank
+    reads is checked too: Objective.host_check)."""
+    column = data.sample_weight_col
+    if column is None or head is None:
+        return
+    found = [column_range(data.source, pieces, column) for pieces in (data.train, data.val) if pieces]
+    ranges = [r for r in found if r is not None] or [(float(head.min()), float(head.max()))]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    if low < 0:
+        raise ValueError(negative_weight(column, low, f" (weights from {low:g} to {high:g})"))
+    train = found[0] if found and data.train else None  # the whole training data's (not known in the direct mode)
+    if train is not None and train[1] == 0:
+        raise ValueError(f"Column {column!r} (sample_weight_col) holds only 0: every row's loss is weighted 0, so "
+                         "nothing would train (each step's loss is 0 over a weight of 0). Give the rows to train "
+                         "on weights above 0.")
 
 
 def check_classes(losses: Sequence[Any], outputs: Sequence[torch.Tensor], data: DataSpec) -> None:

@@ -22,7 +22,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
@@ -35,6 +34,7 @@ from estimator.fit.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, con
                                    reusable_plan, shape_key, tagged)
 from estimator.fit.parquet_writer import write_with_executors
 from estimator.launch.session import job_tag
+from estimator.predict.schema import as_read
 from store import Store
 from store.budget import enforce, fingerprints, release, remove, take_lease
 from store.layout import DataLayout
@@ -242,6 +242,4 @@ def _null_elements(plain: DataFrame, column: str) -> bool:
 
 
 def _as_array(df: DataFrame, name: str):
-    if isinstance(df.schema[name].dataType, VectorUDT):
-        return vector_to_array(F.col(name), "float32").alias(name)
-    return F.col(name)
+    return as_read(df, name).alias(name) if isinstance(df.schema[name].dataType, VectorUDT) else F.col(name)

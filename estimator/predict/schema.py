@@ -6,13 +6,26 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import pyarrow as pa
+from pyspark.ml.functions import vector_to_array
 from pyspark.ml.linalg import VectorUDT
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import ArrayType, DataType, MapType, StructField, StructType
 
 from estimator.data.lm import CHAT_TYPE  # noqa: F401 - this module's name for the driver's users
 from estimator.predict.predictor import Predictor
 
+
+
+def as_read(df: DataFrame, name: str) -> Column:
+    """Column `name` as the ranks and transform read it: an ml Vector (VectorAssembler's) as array<float>, a
+    null vector as a null array, which is then named as any null is (vector_to_array fails on a null: Spark's
+    FAILED_EXECUTE_UDF, inside the job); any other column as it is."""
+    column = F.col(name)
+    if not isinstance(df.schema[name].dataType, VectorUDT):
+        return column
+    return F.when(column.isNull(), F.lit(None)).otherwise(vector_to_array(column, "float32"))
 
 
 def is_chat(dtype: DataType) -> bool:

@@ -142,6 +142,21 @@ def negative_class(loss_fn: Any, column: str, value: float) -> str:
             "or drop the rows without a class.")
 
 
+def negative_weight(column: str, value: float, where: str = "") -> str:
+    """The refusal of a negative sample weight."""
+    return (f"Column {column!r} (sample_weight_col) holds the weight {value:g}{where}: a weight scales its row's "
+            "loss, and a negative one would make training raise that row's loss instead of lowering it. Give "
+            "weights of 0 or more (0 leaves a row out of training).")
+
+
+def check_sample_weights(weights: torch.Tensor, column: str) -> None:
+    """A batch's sample weights (a host tensor's), as the driver checks the whole data's: none negative."""
+    negative = weights < 0
+    if bool(negative.any()):
+        raise BadRows(negative_weight(column, float(weights[negative].reshape(-1)[0]),
+                                      f" ({int(negative.sum())} of this batch's {weights.shape[0]} rows are negative)"))
+
+
 def check_class_indices(loss_fn: Any, target: torch.Tensor, column: str) -> None:
     """Labels of a class-index loss (one a row) are class indices: whole numbers (.long() would make 0.5 class 0
     and 2.7 class 2, and train on, silently; plain PyTorch refuses float targets of one dimension), from 0 (a -1

@@ -13,7 +13,8 @@ from torch import nn
 
 from estimator.core.outputs import forward, outputs_of
 from estimator.train.losses import (Accuracy, ModelsOwnLoss, accuracy_applies, adapt_target, check_class_indices,
-                                    check_metrics, loss_kind, metric_name, own_loss_of, per_row_loss)
+                                    check_metrics, check_sample_weights, loss_kind, metric_name, own_loss_of,
+                                    per_row_loss)
 from estimator.train.objectives.base import BuiltIn
 from estimator.train.sums import Sums, metric_slot
 from estimator.train.weighting import PerWeight
@@ -29,11 +30,12 @@ class Objective(BuiltIn):
     @classmethod
     def for_rank(cls, spec: Any, objs: Any, model: Any, trainer: Any) -> "Objective":
         return cls(objs.build_losses(), objs.loss_weights, objs.metrics, spec.data.label_cols,
-                   weighted=spec.data.sample_weight_col is not None)
+                   weighted=spec.data.sample_weight_col is not None, weight_col=spec.data.sample_weight_col)
 
     def __init__(self, losses: Sequence[Any], loss_weights: Sequence[float], metrics: Sequence[Any],
-                 label_cols: Sequence[str], weighted: bool):
+                 label_cols: Sequence[str], weighted: bool, weight_col: Optional[str] = None):
         self.losses = list(losses)
+        self.weight_col = weight_col if weighted else None  # its batches' weights are checked (host_check)
         self.loss_weights = list(loss_weights)
         self.label_cols = tuple(label_cols)
         self.weighted = weighted
@@ -59,13 +61,17 @@ class Objective(BuiltIn):
         self._counts: Dict[int, torch.Tensor] = {}  # batch_sums' (rows, rows, 0...) by batch size
 
     def host_check(self) -> Optional[Callable[[Any], None]]:
-        """Class labels (a class-index loss's) that are whole numbers, in every batch as read."""
-        if not any(loss_kind(fn) == "class_index" for fn in self.losses):
+        """Class labels (a class-index loss's) that are whole numbers, and sample weights of 0 or more, in every
+        batch as read."""
+        classes = any(loss_kind(fn) == "class_index" for fn in self.losses)
+        if not classes and self.weight_col is None:
             return None
 
         def check(batch: Any) -> None:
             for fn, label, column in zip(self.losses, batch.labels, self.label_cols):
                 check_class_indices(fn, label, column)
+            if self.weight_col is not None and batch.weights is not None:
+                check_sample_weights(batch.weights, self.weight_col)
 
         return check
 
