@@ -56,7 +56,7 @@ def dry_run(objs: UserObjects, data: DataSpec, head: Optional[Arrays] = None) ->
     tensors = to_tensors(arrays, data)
     labels = tensors[1]
     check_binary_labels(losses, labels, data)
-    check_sample_weights(tensors[2], data)
+    check_weight_range(data)
     check = objective.host_check()  # what the ranks check of each batch, on the first rows
     if check is not None:
         check(tensors)
@@ -243,20 +243,22 @@ def check_binary_labels(losses: Sequence[Any], head: Sequence[torch.Tensor], dat
                              "own.")
 
 
-def check_sample_weights(head: Optional[torch.Tensor], data: DataSpec) -> None:
+def check_weight_range(data: DataSpec) -> None:
     """Sample weights scale their rows' losses: a negative one makes training raise its row's loss, and weights
     all 0 train nothing (the loss of every step is 0 over 0). From the Parquet footers of the whole data (no
-    pass over the rows); in the direct mode, negative weights of the first rows (`head`; each batch a rank
-    reads is checked too: Objective.host_check)."""
+    pass over the rows); the first rows, and each batch a rank reads, are checked for negative weights by
+    Objective.host_check (the direct mode has no footers)."""
     column = data.sample_weight_col
-    if column is None or head is None:
+    if column is None:
         return
     found = [column_range(data.source, pieces, column) for pieces in (data.train, data.val) if pieces]
-    ranges = [r for r in found if r is not None] or [(float(head.min()), float(head.max()))]
+    ranges = [r for r in found if r is not None]
+    if not ranges:
+        return
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
     if low < 0:
         raise ValueError(negative_weight(column, low, f" (weights from {low:g} to {high:g})"))
-    train = found[0] if found and data.train else None  # the whole training data's (not known in the direct mode)
+    train = found[0] if data.train else None  # the whole training data's
     if train is not None and train[1] == 0:
         raise ValueError(f"Column {column!r} (sample_weight_col) holds only 0: every row's loss is weighted 0, so "
                          "nothing would train (each step's loss is 0 over a weight of 0). Give the rows to train "
