@@ -9,6 +9,7 @@ import pytest
 
 from estimator.data.cached import CachedShard
 from estimator.data.remainder import Remainder, left_rows
+from estimator.data.repeats import without_repeats
 from estimator.data.shards import open_shards
 from estimator.data.streaming import StreamingShard
 from test_streaming import _spec
@@ -45,7 +46,8 @@ def test_the_rest_of_an_epoch_on_another_layout_trains_each_row_left_once(store,
                                                                          old_batch, new_world, new_batch):
     """Old ranks read 5 batches (by the real reader of their layout); the new ranks' rest of the epoch (by the
     real reader of theirs) holds every other row once, plus, on a rank whose part is one row short, one row
-    drawn again; every new rank takes the same steps."""
+    drawn again, marked as a repeat (left out, each row left is trained once); every new rank takes the same
+    steps."""
     steps = 5
     old = _reader(_spec(store, rows=ROWS, batch=old_batch, buffer=60), old_cache)
     done = Counter()
@@ -58,7 +60,7 @@ def test_the_rest_of_an_epoch_on_another_layout_trains_each_row_left_once(store,
     assert set(done.values()) == {1}
 
     new = _reader(dataclasses.replace(old, batch_size=new_batch), new_cache)
-    rest, counts = Counter(), set()
+    rest, counts, trained = Counter(), set(), Counter()
     for rank in range(new_world):
         train = open_shards(new, rank, new_world)[0]
         part = Remainder.plan(new, ROWS, 2, layout, steps, rank, new_world)
@@ -72,10 +74,14 @@ def test_the_rest_of_an_epoch_on_another_layout_trains_each_row_left_once(store,
             assert labels != sorted(labels)  # streamed through the shuffle
         rest.update(set(labels))
         assert len(labels) - len(set(labels)) <= 1  # a short part draws one row again
+        for b in batches:
+            kept, void = without_repeats(b, drop=True)
+            trained.update([] if void else _labels([kept]))
     left = ROWS - sum(done.values())
     assert counts == {math.ceil(math.ceil(left / new_world) / new_batch)}
     assert not set(rest) & set(done)
     assert sorted(set(rest) | set(done)) == list(range(ROWS)) and set(rest.values()) == {1}
+    assert trained == rest  # without the repeats: each row left once
 
 
 def test_the_rest_of_an_epoch_keeps_only_its_rows_of_the_row_groups(store):

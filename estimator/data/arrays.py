@@ -14,6 +14,7 @@ import torch
 from estimator.core.spec import DataSpec
 from estimator.data.frames import torch_dtype_array, transform_batch  # noqa: F401 - re-exported
 from estimator.data.lm import REFERENCE
+from estimator.data.repeats import REPEAT
 from estimator.data.text import encoded_keys
 
 Arrays = Dict[str, np.ndarray]
@@ -42,8 +43,15 @@ class Tensors(NamedTuple):
         def one(item: Any) -> Any:
             return {k: fn(v) for k, v in item.items()} if isinstance(item, dict) else fn(item)
 
-        return Tensors([one(f) for f in self.features], [fn(t) for t in self.labels],
-                       fn(self.weights) if self.weights is not None else None)
+        return type(self)([one(f) for f in self.features], [fn(t) for t in self.labels],
+                          fn(self.weights) if self.weights is not None else None)
+
+
+class Void(Tensors):
+    """A batch that stands for no rows: one row a rank drew again (estimator.data.repeats), forwarded so that its
+    peers' collectives meet it, and counted as none (its loss scaled by 0, its sums 0)."""
+
+    __slots__ = ()
 
 
 def table_to_arrays(table: Optional[pa.Table], columns: Sequence[str]) -> Arrays:
@@ -121,6 +129,8 @@ def prepare_arrays(data: DataSpec, arrays: Arrays) -> Arrays:
     out = {c: torch_dtype_array(arrays[c]) for c in data.feature_cols + data.label_cols}
     if data.sample_weight_col:
         out[data.sample_weight_col] = arrays[data.sample_weight_col].astype(np.float32)
+    if REPEAT in arrays:
+        out[REPEAT] = arrays[REPEAT]
     return {k: np.require(v, requirements=["C", "W"]) for k, v in out.items()}
 
 

@@ -10,6 +10,7 @@ from estimator.core.spec import total_rows
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import read_rows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+from estimator.data.repeats import marked
 
 
 class ShardBatches:
@@ -19,17 +20,21 @@ class ShardBatches:
         self.arrays = arrays
         self.rows = rows
 
-    def epoch(self, batch_size: int, steps: int, items: int, shuffle: bool, seed, skip: int = 0) -> Iterator[Arrays]:
-        """Batches `skip`..`steps` of an epoch of `items` row draws; the shard is cycled when items > rows."""
+    def epoch(self, batch_size: int, steps: int, items: int, shuffle: bool, seed, skip: int = 0,
+              passes: bool = False) -> Iterator[Arrays]:
+        """Batches `skip`..`steps` of an epoch of `items` row draws; the shard is cycled when items > rows. With
+        `passes` (an epoch of passes) the draws past the first pass are marked (estimator.data.repeats)."""
         order = self._order(items, shuffle, seed)
+        real = self.rows if passes and items > self.rows else None
         for step in range(skip, steps):
             idx = order[step * batch_size:(step + 1) * batch_size]
             if len(idx) == 0:
                 return
             if not shuffle and idx[-1] - idx[0] == len(idx) - 1:  # contiguous: views, no copies
-                yield {k: v[idx[0]:idx[-1] + 1] for k, v in self.arrays.items()}
+                batch = {k: v[idx[0]:idx[-1] + 1] for k, v in self.arrays.items()}
             else:
-                yield {k: v[idx] for k, v in self.arrays.items()}
+                batch = {k: v[idx] for k, v in self.arrays.items()}
+            yield marked(batch, step * batch_size, real)
 
     def _order(self, items: int, shuffle: bool, seed) -> np.ndarray:
         return draw_order(self.rows, items, shuffle, seed)
@@ -64,7 +69,8 @@ class CachedShard:
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[Arrays]:
         plan = self.plan()
         seed = epoch_seed(self.spec.seed, epoch, self.rank).entropy if self.training else 0
-        return self.shard.epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed, skip)
+        return self.shard.epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed, skip,
+                                passes=self.training and self.spec.train_steps_per_epoch is None)
 
     def describe(self) -> str:
         return f"arrow in memory ({self.reason})" if self.reason else "arrow in memory"

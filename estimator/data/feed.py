@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 
 
 from estimator.core.spec import DataSpec
-from estimator.data.arrays import Arrays, Tensors, to_tensors
+from estimator.data.arrays import Arrays, Tensors, Void, to_tensors
 from estimator.data.frames import cloudpickle_module, load_transformation, prepare_batch, run_loaded
+from estimator.data.repeats import without_repeats
 
 _END = object()
 
@@ -68,11 +69,15 @@ class Feed:
 
     def __init__(self, batches: Iterator[Arrays], data: DataSpec, decoders: Optional[Decoders] = None,
                  depth: int = 4, pin: bool = False, name: str = "feed",
-                 check: Optional[Callable[[Tensors], None]] = None):
+                 check: Optional[Callable[[Tensors], None]] = None, drop_repeats: bool = False):
         """`check`: called with each batch's tensors on the host (the objective's host_check), raising on rows
-        that cannot be trained on; the error reaches the loop as the batch."""
+        that cannot be trained on; the error reaches the loop as the batch. `drop_repeats`: the rows a reader
+        marked as drawn again are left out, a batch of nothing else comes as a Void (estimator.data.repeats);
+        otherwise they are kept."""
         self._decoders = decoders if decoders is not None else Decoders(None)
         self._finish: Callable[[Arrays], Tensors] = lambda arrays: checked(to_tensors(arrays, data, pin=pin), check)
+        self._void: Callable[[Arrays], Tensors] = lambda arrays: Void(*self._finish(arrays))
+        self._drop = drop_repeats
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=max(depth, self._decoders.workers + 1))
         self._stop = threading.Event()
         self.waited = 0.0  # seconds the consumer spent waiting for a batch
@@ -82,7 +87,8 @@ class Feed:
     def _produce(self, batches: Iterator[Arrays]) -> None:
         try:
             for raw in batches:
-                item = self._decoders.submit(raw, self._finish)
+                raw, void = without_repeats(raw, self._drop)
+                item = self._decoders.submit(raw, self._void if void else self._finish)
                 if not self._put(item):
                     return
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by __next__

@@ -85,7 +85,8 @@ class PetastormShard:
         spec, plan = self.spec, self.plan()
         if self.options.inmemory_cache_all:
             seed = epoch_seed(spec.seed, epoch, self.rank).entropy if self.training else 0
-            return self._cached().epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed)
+            return self._cached().epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed,
+                                        passes=self.training and spec.train_steps_per_epoch is None)
         if not self.training:
             return rebatch(self._row_groups(1, 0), plan.batch_size, plan.steps, False, None)
         if self.stream is None:  # one endless reader for the whole run

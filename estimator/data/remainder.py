@@ -12,8 +12,8 @@ batch_size x ranks = new), the rest trains the old ranks' own global batches, ea
 equal parts: the steps of the uninterrupted run, so its weights (`kept_batches`). Otherwise the rows left are dealt
 in balanced contiguous slices of their global order, each rank's slice shuffled by (seed, epoch, rank, ranks);
 ranks whose slices are one row shorter draw one row again so that every rank takes the same steps (the rule of
-every epoch). A streaming rank streams its slice (memory stays bounded); an in-memory one reads its rows into
-memory. torch only."""
+every epoch), marked as a repeat that the built-in loop does not train (estimator.data.repeats). A streaming
+rank streams its slice (memory stays bounded); an in-memory one reads its rows into memory. torch only."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +27,7 @@ from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.cached import draw_order
 from estimator.data.parquet import read_rows, shard_range, spans
 from estimator.data.plan import epoch_seed, plan_steps
+from estimator.data.repeats import marked
 from estimator.data.shards import Shard, streaming_train_shard
 from estimator.data.streaming import StreamingShard
 
@@ -86,14 +87,18 @@ def kept_batches(spec, total: int, epoch: int, layout: List[int], steps: int, ra
     """This rank's part of each global batch the old ranks had left after `steps`, in training order: old rank
     r's batch t is rows [t*b, (t+1)*b) of its draw order, the global batch t is theirs together, and new rank q
     takes the q-th of world_size equal parts of it. None when that cannot hold the uninterrupted run's steps: the
-    old ranks streamed (their orders are replayed batch by batch elsewhere), the global batch changed, or a
-    partial last batch does not divide into equal parts."""
+    old ranks streamed (their orders are replayed batch by batch elsewhere), the global batch changed, an old rank
+    drew a row again in an epoch of passes (a repeat, which is not trained), or a partial last batch does not
+    divide into equal parts."""
     batch_size, old_world, in_memory, _, per_epoch = (int(v) for v in layout[:5])
     if not in_memory or batch_size * old_world != spec.batch_size * world_size:
         return None
     old = dataclasses.replace(spec, batch_size=batch_size, train_steps_per_epoch=per_epoch or None)
     orders = [np.concatenate(list(drawn(old, total, epoch, r, old_world, True, None))) for r in range(old_world)]
     if len({len(order) for order in orders}) != 1:
+        return None
+    if not per_epoch and any(len(order) > len(range(*shard_range(total, r, old_world)))
+                             for r, order in enumerate(orders)):
         return None
     mine = []
     for begin in range(steps * batch_size, len(orders[0]), batch_size):
@@ -130,6 +135,7 @@ class Remainder:
     seed: List[int]  # of the order they are trained in
     batch_size: int
     kept: bool = False  # `rows` is in training order, the old global batches' parts (kept_batches)
+    own: int = -1  # of `rows`, those dealt to this rank (fewer left rows than ranks: 0); the draws past them repeat
 
     @property
     def steps(self) -> int:  # the same on every rank
@@ -148,7 +154,13 @@ class Remainder:
         if spec.drop_last:  # full batches only: the rest's last partial batch is not trained
             draws -= draws % spec.batch_size
         mine = left_slice(counts, start, stop) if stop > start else left_slice(counts, 0, draws)  # fewer than ranks
-        return Remainder(mine, draws, [*epoch_seed(spec.seed, epoch, rank).entropy, world_size], spec.batch_size)
+        return Remainder(mine, draws, [*epoch_seed(spec.seed, epoch, rank).entropy, world_size], spec.batch_size,
+                         own=stop - start)
+
+    @property
+    def real(self) -> Optional[int]:
+        """The draws before the first repeat (estimator.data.repeats), or None without one."""
+        return self.own if 0 <= self.own < self.draws else None
 
     def batches(self, spec, train: Shard) -> Iterator[Arrays]:
         """Streamed when `train` streams (only these rows kept from the row groups that hold them), else read
@@ -166,14 +178,14 @@ class Remainder:
             stream = StreamingShard(spec, spans(data.train, lo, hi), train.total, train.rank, train.world_size, True,
                                     train.buffer_rows, first=lo, keep=self.rows)
             rng = np.random.default_rng(self.seed) if spec.shuffle else None
-            for batch in stream.batches(self.draws, self.batch_size, spec.shuffle, rng):
+            for batch in stream.batches(self.draws, self.batch_size, spec.shuffle, rng, real=self.real):
                 yield prepare_arrays(data, batch)
             return
         arrays = prepare_arrays(data, read_rows(data.source, data.train, lo, hi, data.columns))
         order = self.rows[draw_order(len(self.rows), self.draws, spec.shuffle, self.seed)] - lo
         for step in range(self.steps):
             idx = order[step * self.batch_size:(step + 1) * self.batch_size]
-            yield {k: v[idx] for k, v in arrays.items()}
+            yield marked({k: v[idx] for k, v in arrays.items()}, step * self.batch_size, self.real)
 
 
 def known_order(spec) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import Span, read_span, span_windows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+from estimator.data.repeats import marked
 
 CHUNK_BYTES = 1 << 20  # decoded at a time from one span: 4,096 rows of 64 floats, 32 rows of 32 KB images
 CHUNK_ROWS = (32, 4096)  # ...within these bounds (more, smaller reads cost more per row; 1,024: +20%)
@@ -47,7 +48,10 @@ class StreamingShard:
         """The epoch's batches from batch `skip` on (a resumed epoch reads and drops the batches before it,
         so that it continues with the rows and the order an uninterrupted epoch had)."""
         plan = self.plan()
-        for step, batch in enumerate(self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch))):
+        passes = self.training and self.spec.train_steps_per_epoch is None
+        real = self.rows if passes and plan.items > self.rows else None
+        for step, batch in enumerate(self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch),
+                                                  real=real)):
             if step >= skip:
                 yield prepare_arrays(self.spec.data, batch)
 
@@ -61,15 +65,17 @@ class StreamingShard:
             yield batch[ROW_ID]
 
     def batches(self, items: int, batch_size: int, shuffle: bool, rng: Optional[np.random.Generator],
-                ids: bool = False) -> Iterator[Arrays]:
-        """`items` rows in batches of `batch_size`, undecoded (with `ids`, only their global row ids)."""
-        chunks = self._chunks(items, shuffle, rng, ids)
+                ids: bool = False, real: Optional[int] = None) -> Iterator[Arrays]:
+        """`items` rows in batches of `batch_size`, undecoded (with `ids`, only their global row ids); with `real`,
+        the draws past the first `real` marked as repeats (estimator.data.repeats) before the shuffle buffer."""
+        chunks = self._chunks(items, shuffle, rng, ids, real)
         return shuffled(chunks, batch_size, self.buffer_rows, rng) if shuffle else in_order(chunks, batch_size)
 
     def _rng(self, epoch: int) -> Optional[np.random.Generator]:
         return np.random.default_rng(epoch_seed(self.spec.seed, epoch, self.rank)) if self.training else None
 
-    def _chunks(self, items: int, shuffle: bool, rng: Optional[np.random.Generator], ids: bool) -> Iterator[Arrays]:
+    def _chunks(self, items: int, shuffle: bool, rng: Optional[np.random.Generator], ids: bool,
+                real: Optional[int] = None) -> Iterator[Arrays]:
         """Exactly `items` rows, in chunks: passes over the spans (a new order each pass) until enough."""
         left = items
         while left > 0 and self.rows > 0:
@@ -82,7 +88,7 @@ class StreamingShard:
                 n = rows_in(chunk)
                 if n > left:
                     chunk, n = {k: v[:left] for k, v in chunk.items()}, left
-                yield chunk
+                yield marked(chunk, items - left, real)
                 left -= n
                 if left == 0:
                     return

@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from estimator.core.faults import Fault, inject
 from estimator.core.spec import WorkerResult
@@ -147,10 +148,10 @@ class Run:
             layout = self.objective.layout
             self.loop.steps_report.begin(remainder.steps if remainder else train.plan().steps,
                                          layout.restore(inside.sums)[ROWS] if inside.sums else 0.0)
-        feed = self.feed(self.training_batches(epoch, train, remainder, inside.step), True)
+        feed = self.feed(self.training_batches(epoch, train, remainder, inside.step), True, drop_repeats=True)
         self.in_remainder = remainder is not None
         try:
-            sums = self.loop.train_epoch(epoch, iter(feed), inside)
+            sums = self.loop.train_epoch(epoch, iter(feed), inside, uneven=self.uneven(train, remainder))
         finally:
             feed.close()
             self.in_remainder = False
@@ -226,10 +227,23 @@ class Run:
         return Decoders(fn, workers, pool, reader.mp_start_method, name=f"decode-rank-{self.ctx.rank}",
                         tokenize=tokenize)
 
-    def feed(self, batches: Iterator[Any], training: bool) -> Feed:
+    def feed(self, batches: Iterator[Any], training: bool, drop_repeats: bool = False) -> Feed:
         check = self.objective.host_check() if self.objective is not None else None
         return Feed(batches, self.spec.data, self.decoders[training], pin=self.device.type == "cuda",
-                    name=f"feed-rank-{self.ctx.rank}", check=check)
+                    name=f"feed-rank-{self.ctx.rank}", check=check, drop_repeats=drop_repeats)
+
+    def uneven(self, train: Shard, remainder: Optional[Remainder]) -> bool:
+        """Whether any rank's batches this epoch leave out a row drawn again (estimator.data.repeats), so that
+        the ranks' batches may differ in rows: one all_reduce an epoch, the same answer on every rank."""
+        if self.ctx.world_size == 1:
+            return False
+        if remainder is not None:
+            mine = remainder.real is not None
+        else:
+            mine = self.spec.train_steps_per_epoch is None and train.plan().items > train.rows
+        flag = torch.tensor([float(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def checkpoint_inside(self, epoch: int, step: int, sums: torch.Tensor) -> None:
         """Every rank calls this at the same optimizer step: the sums so far are reduced (a collective), and

@@ -18,7 +18,7 @@ from torch import nn
 
 from estimator.core.faults import Fault, inject
 from estimator.core.spec import TrainSpec
-from estimator.data.arrays import Tensors
+from estimator.data.arrays import Tensors, Void
 from estimator.data.plan import epoch_seed
 from estimator.train.checkpoint import Position
 from estimator.train.copy_ahead import copied_ahead
@@ -56,8 +56,11 @@ class TrainLoop:
                  data.sample_weight_col)  # a causal LM's batch holds token ids and labels, which are never NaN
         self.finite = FiniteCheck(spec.terminate_on_nan, ctx.rank, self.device, named)
 
-    def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None) -> torch.Tensor:
-        """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before)."""
+    def train_epoch(self, epoch: int, batches: Iterable[Tensors], inside: Optional[Position] = None,
+                    uneven: bool = False) -> torch.Tensor:
+        """`inside`: where a resumed epoch starts (its batch index, and rank 0's sums of the batches before);
+        `uneven`: some rank's batches leave out rows drawn again, so the ranks' batches may differ in rows (a Void
+        batch counts none; estimator.data.repeats)."""
         self.ddp.train()
         every, start = self.spec.backward_passes_per_step, inside.step if inside else 0
         layout = self.objective.layout
@@ -65,7 +68,7 @@ class TrainLoop:
         if inside is not None and inside.sums and self.ctx.rank == 0:
             sums += layout.vector(layout.restore(inside.sums), self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        weighting = self.objective.weighting(every, self.ctx.world_size, layout)  # what the loss is divided by
+        weighting = self.objective.weighting(every, self.ctx.world_size, layout, uneven)  # what the loss is divided by
         gradients = functools.partial(self.strategy.gradients, self.ddp)  # read only where the weighting scales them
         # Each batch's randomness (dropout) depends only on (seed, epoch, rank, step): a resumed run draws
         # what an uninterrupted one did, wherever it resumed.
@@ -75,8 +78,9 @@ class TrainLoop:
         # all prepared first (sampled from the same policy), then each step accumulates over all of them (TRL's
         # generation batch)
         windowed = self.objective.iterations > 1 and every > 1
-        window: List[Tuple[int, Any, StepContext]] = []
+        window: List[Tuple[int, Any, StepContext, int]] = []
         for step, (batch, last) in enumerate(self.on_device(batches), start=start):
+            rows = 0 if isinstance(batch, Void) else batch_rows(batch)  # before prepare: the rows it stands for
             self.strategy.remember(batch)
             inject(self.faults, "step", self.ctx.rank, self.attempt, epoch + 1, self.global_step + 1)
             self.seed(base + step)
@@ -85,16 +89,16 @@ class TrainLoop:
             batch = self.objective.prepare(self.generation, batch, this_ctx)  # before the weighting counts it
             before = self.global_step
             if windowed:
-                window.append((step, batch, this_ctx))
+                window.append((step, batch, this_ctx, rows))
                 if stepping:
                     for _ in range(self.objective.iterations):
-                        for i, (at, ready, ready_ctx) in enumerate(window):
+                        for i, (at, ready, ready_ctx, its_rows) in enumerate(window):
                             sums += self.backward(ready, ready_ctx, i == len(window) - 1, weighting, gradients,
-                                                  epoch, at)
+                                                  epoch, at, its_rows)
                     window = []
             else:
                 for _ in range(self.objective.iterations):  # steps on the same prepared batch (accumulation: one)
-                    sums += self.backward(batch, this_ctx, stepping, weighting, gradients, epoch, step)
+                    sums += self.backward(batch, this_ctx, stepping, weighting, gradients, epoch, step, rows)
             if self.steps_report is not None:
                 self.steps_report.batch(epoch, step + 1, layout.named(sums) if self.steps_report.due(step + 1)
                                         else None)
@@ -105,13 +109,16 @@ class TrainLoop:
         return sums
 
     def backward(self, batch: Any, ctx: StepContext, stepping: bool, weighting: Any, gradients: Callable[[], Any],
-                 epoch: int, step: int) -> torch.Tensor:
-        """One forward and backward of a prepared batch (its gradients accumulated, not synced, unless
-        `stepping`), then with `stepping` the optimizer step; returns the batch's sums."""
-        weighting.begin(self.objective, batch)
+                 epoch: int, step: int, rows: int) -> torch.Tensor:
+        """One forward and backward of a prepared batch of `rows` rows (0: a Void, forwarded and counted as none;
+        its gradients accumulated, not synced, unless `stepping`), then with `stepping` the optimizer step;
+        returns the batch's sums."""
+        weighting.begin(self.objective, batch, rows)
         with contextlib.nullcontext() if stepping else self.strategy.no_sync(self.ddp):  # none accumulating
             with self.autocast():
                 loss, batch_sums = self.objective.on_batch(self.ddp, batch, ctx)
+                if not rows:
+                    batch_sums = torch.zeros_like(batch_sums)
             self.finite.loss(loss, epoch, step, batch)
             self.precision.backward(weighting.scale(loss))
         weighting.add(batch_sums)
@@ -216,6 +223,11 @@ class StepReport:
             self.spec.data.store.write_bytes_atomic(self.spec.run.steps, json.dumps(state).encode())
         except Exception:  # noqa: BLE001 - progress only
             log.debug("could not write the step progress", exc_info=True)
+
+
+def batch_rows(batch: Tensors) -> int:
+    """The rows of a batch as the reader gave it (the first tensor's first dimension)."""
+    return int(next(batch.each()).shape[0])
 
 
 def reduce_sums(sums: torch.Tensor) -> List[float]:

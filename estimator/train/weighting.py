@@ -2,7 +2,10 @@
 at batch k*b over the same rows. An objective says which by its `weighting` (estimator.train.objectives):
 
 - `PerBatch`: the loss is already a mean over its batch's rows; with gradient accumulation each batch's loss is
-  divided by the batches of the window, and DistributedDataParallel (or FSDP) averages over the ranks.
+  divided by the batches of the window, and DistributedDataParallel (or FSDP) averages over the ranks. In an
+  epoch where a rank's batches leave out rows it drew again (`uneven`: estimator.data.repeats) the ranks' batches
+  may differ in rows, and a mean of their means is not the mean over their rows: each rank's loss is multiplied
+  by its rows times the ranks over the rows of every rank's batch (an all_reduce issued before the forward).
 - `PerWeight`: the loss is a sum over its batch's weight (a causal LM's labelled tokens, a classic fit's sample
   weights), which the objective tells before the forward (`weight_of`): the gradients are those of the summed
   losses over the weight of the whole window on all ranks, a mean of the ranks' means would weight a rank's
@@ -10,9 +13,12 @@ at batch k*b over the same rows. An objective says which by its `weighting` (est
   forward, waited for on the device) and multiplies the loss; with accumulation the window's weight is known at
   its last batch only, so the gradients are multiplied once before the optimizer step.
 
-The loop calls the same methods either way: `begin` before a batch's forward, `scale` on its loss, `add` with
-its sums, `before_step` with what gives this rank's gradients, and `step_loss` for the number TensorBoard shows.
-torch only."""
+A Void batch (a repeat forwarded for the ranks' collectives, `rows` 0) weighs nothing either way: its loss is
+scaled by 0 and its weight is 0.
+
+The loop calls the same methods either way: `begin` before a batch's forward (with the rows it stands for),
+`scale` on its loss, `add` with its sums, `before_step` with what gives this rank's gradients, and `step_loss`
+for the number TensorBoard shows. torch only."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -24,15 +30,25 @@ from estimator.train.sums import WEIGHT, Sums
 
 
 class PerBatch:
-    """Each batch's loss is its mean: divided by the batches of an accumulation window."""
+    """Each batch's loss is its mean: divided by the batches of an accumulation window (and, `uneven`, weighed
+    by the batch's share of the rows of every rank's batch)."""
 
-    def __init__(self, every: int, world_size: int, sums: Sums):
-        self.every = every
+    def __init__(self, every: int, world_size: int, sums: Sums, uneven: bool = False):
+        self.every, self.world_size, self.uneven = every, world_size, uneven
+        self.rows, self.counted = 1, None
 
-    def begin(self, objective: Any, batch: Any) -> None:
-        pass
+    def begin(self, objective: Any, batch: Any, rows: int = 1) -> None:
+        self.rows = rows
+        if self.uneven:  # every rank's rows summed while the forward runs (a fill on the device: no copy)
+            device = next(batch.each()).device
+            self.counted = WindowWeight(torch.full((), float(rows), dtype=torch.float64, device=device),
+                                        self.world_size)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.counted is not None:
+            loss = loss * self.counted.share(self.rows)
+        elif not self.rows:
+            loss = loss * 0.0
         return loss / self.every if self.every > 1 else loss
 
     def add(self, sums: torch.Tensor) -> None:
@@ -49,16 +65,21 @@ class PerWeight:
     """Each batch's loss is a sum over its weight: the window's gradients divided by the window's weight on all
     ranks (times the ranks, which DDP and FSDP divide by when they average)."""
 
-    def __init__(self, every: int, world_size: int, sums: Sums):
+    def __init__(self, every: int, world_size: int, sums: Sums, uneven: bool = False):
         self.every, self.world_size, self.slot = every, world_size, sums.index(WEIGHT)
         self.counted: Optional[WindowWeight] = None
         self.window: Optional[torch.Tensor] = None  # with accumulation: this rank's weight of the window so far
+        self.rows = 1
 
-    def begin(self, objective: Any, batch: Any) -> None:
+    def begin(self, objective: Any, batch: Any, rows: int = 1) -> None:
+        self.rows = rows
         if self.every == 1:  # the batch's weight on all ranks summed while its forward runs
-            self.counted = WindowWeight(objective.weight_of(batch), self.world_size)
+            weight = objective.weight_of(batch)
+            self.counted = WindowWeight(weight if rows else torch.zeros_like(weight), self.world_size)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            loss = loss * 0.0
         return loss * self.counted.factor() if self.counted is not None else loss
 
     def add(self, sums: torch.Tensor) -> None:
@@ -89,7 +110,11 @@ class WindowWeight:
 
     def factor(self) -> torch.Tensor:
         """0 for a window of no weight (its summed loss is 0 too): sample weights may sum below 1."""
+        return self.share(1.0)
+
+    def share(self, weight: float) -> torch.Tensor:
+        """`weight` times the ranks over the total (in float64, then float32: b * ranks / (b * ranks) is 1)."""
         if self.work is not None:
             self.work.wait()
         total = self.total
-        return torch.where(total > 0, self.world_size / total.where(total > 0, 1.0), 0.0).float()
+        return torch.where(total > 0, weight * self.world_size / total.where(total > 0, 1.0), 0.0).float()
