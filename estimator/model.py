@@ -32,7 +32,8 @@ from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
-from estimator.predict.schema import CHAT_TYPE, added_fields, as_read, chat_of_maps, is_chat, spark_type
+from estimator.predict.schema import (CHAT_TYPE, added_fields, as_read, chat_of_maps, is_chat, spark_type,
+                                      without_nulls)
 from estimator.predict.weights import save_pretrained_to
 from estimator.core.lightning_module import for_inference
 
@@ -224,17 +225,20 @@ class TorchModel(DeclaredParams, Model, Persistable):
         internal = spark_type(predictor.arrow_type())  # the UDF's struct, as inference builds it
         # the predictor travels as a model does: a kind of the user's own, defined only on the driver, by value
         sent = sent_predictor(predictor, p)
+        keep = p["handle_invalid"] == "keep"  # a null struct for a row with a null, in the UDF
         if hasattr(F, "arrow_udf"):
-            predict = F.arrow_udf(make_predict(key, source, sent), internal).asNondeterministic()
+            predict = F.arrow_udf(make_predict(key, source, sent, keep), internal).asNondeterministic()
         else:  # pyspark 3.5: a scalar pandas UDF; its varargs signature needs the explicit type
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "PandasUDFType will be deprecated"
-                predict = F.pandas_udf(make_predict_pandas(key, source, sent), internal,
+                predict = F.pandas_udf(make_predict_pandas(key, source, sent, keep), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
+        if p["handle_invalid"] == "skip":
+            df = df.filter(without_nulls(df, predictor.input_cols()))
         inputs = [as_read(df, c) for c in predictor.input_cols()]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"
         with_struct = df.withColumn(tmp, predict(*inputs))
-        columns = [(array_to_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
+        columns = [(as_vector(F.col(tmp).getField(n)) if isinstance(f.dataType, VectorUDT)
                     else F.col(tmp).getField(n)).alias(f.name) for f, n in added]
         return with_struct.select(*[F.col(f"`{c}`") for c in df.columns], *columns)
 
@@ -295,6 +299,11 @@ class TorchModel(DeclaredParams, Model, Persistable):
         model = self.getModel()
         return dumps(for_inference(model.cpu().eval()), "model", roots=[model])
 
+
+
+def as_vector(column: Any) -> Any:
+    """An array column as ml Vectors, a null as a null (array_to_vector fails on one: handle_invalid='keep')."""
+    return F.when(column.isNull(), F.lit(None)).otherwise(array_to_vector(column))
 
 
 def sent_predictor(predictor: Predictor, p: Dict[str, Any]) -> SentPredictor:

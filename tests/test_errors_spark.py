@@ -174,8 +174,22 @@ def test_a_null_ml_vector_is_named_as_a_null_and_drop_nulls_skips_its_row(spark,
     fitted = _est(store, drop_nulls=True).fit(frame)
     marker = next(store.find(store.path("data"), suffix="_COMMITTED.json"))
     assert json.loads(store.read_bytes(marker))["train_rows"] == 40
-    with pytest.raises(Exception, match=r"Column 'features' has 1 null values"):
+    with pytest.raises(Exception, match=r"Column 'features' has 1 null values .* set handle_invalid='keep'"):
         fitted.transform(frame).collect()
+    # handle_invalid: a null output for the null row, in its place, or the row left out; an array holding a null
+    # (its elements) is such a row too
+    arrays = spark.createDataFrame([([0.1 * (i % 7)] * 64, i) for i in range(6)] + [([0.5] * 63 + [None], 6)],
+                                   "features array<float>, label long")
+    for source, bad in ((frame, 40), (arrays, 6)):
+        kept = fitted.copy({fitted.handle_invalid: "keep"}).transform(source).orderBy("label").collect()
+        skipped = fitted.copy({fitted.handle_invalid: "skip"}).transform(source).collect()
+        assert len(kept) == source.count() and len(skipped) == source.count() - 1
+        nulls = [r for r in kept if r["label__output"] is None]
+        assert [r["features"] is None or None in r["features"] for r in nulls] == [True]
+        assert nulls[0]["prediction"] is None and nulls[0]["probability"] is None
+        good = {tuple(r["features"]): r["prediction"] for r in skipped}
+        assert {tuple(r["features"]): r["prediction"] for r in kept if r["label__output"] is not None} == good
+        assert all(p is not None for p in good.values())
 
 
 @pytest.mark.connect

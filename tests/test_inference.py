@@ -168,3 +168,33 @@ def test_a_pandas_udf_reads_text_and_chat_columns_as_the_arrow_udf_does():
     expected = column_to_numpy(pa.chunked_array([pa.array(chats, chat_type)]), "chat")
     got = inference.series_values(as_pandas)
     assert got.dtype == object and [list(r) for r in got] == [list(r) for r in expected] == chats
+
+
+def test_handle_invalid_keep_gives_a_row_with_a_null_null_outputs_in_its_place_in_both_udfs():
+    """A null row and an array holding a null: null structs in their places (all of them null in a
+    batch of nothing else), the other rows' outputs as without them; without keep, the error names the column and
+    the param. The pandas UDF (pyspark 3.5) the same, its null fields as pandas gives them."""
+    import pandas as pd
+    import pytest
+
+    model = seeded(MLP).eval()
+    blob = cloudpickle.dumps(model)
+    x = np.random.default_rng(1).random((5, 64), dtype=np.float32)
+    rows = [list(x[0]), None, list(x[2]), list(x[3][:63]) + [None], list(x[4])]
+    column = pa.array(rows, pa.list_(pa.float32()))
+    got = inference.make_predict("k-keep", blob, _layout(), keep=True)(column)
+    assert got.is_null().to_pylist() == [False, True, False, True, False]
+    clean = predict_arrow("k-keep", blob, _layout(), pa.array([rows[i] for i in (0, 2, 4)], pa.list_(pa.float32())))
+    assert got.filter(pa.array([True, False, True, False, True])).equals(clean)
+    everything = inference.make_predict("k-keep", blob, _layout(), keep=True)(pa.array([None, None],
+                                                                                      pa.list_(pa.float32())))
+    assert everything.null_count == 2 and everything.type == _layout().arrow_type()
+    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 1 null values .*handle_invalid"):
+        inference.make_predict("k-keep", blob, _layout())(column)
+
+    series = pd.Series([None if r is None else np.array(r, dtype=object if None in r else np.float32) for r in rows])
+    frame = inference.make_predict_pandas("k-keep", blob, _layout(), keep=True)(series)
+    assert frame["_prediction"].isna().tolist() == [False, True, False, True, False]
+    np.testing.assert_array_equal(frame["_prediction"].dropna().to_numpy(), clean.field("_prediction").to_numpy())
+    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 1 null values .*handle_invalid"):
+        inference.make_predict_pandas("k-keep", blob, _layout())(series)

@@ -356,6 +356,11 @@ ESTIMATOR_PARAMS = [
     ParamSpec("drop_nulls", "skip rows with a null (or an array holding a null) in any feature, label or weight "
               "column; default False: such rows are an error naming the column and count", False, is_bool,
               "True or False"),
+    ParamSpec("handle_invalid", "transform's rows with a null (or an array holding a null) in a column it reads "
+              "(set on the estimator: its fitted model's), as Spark ML's handleInvalid: 'error' fails the job naming "
+              "the column; 'keep' gives such a row null outputs and keeps it; 'skip' leaves it out of the result. "
+              "Training's are drop_nulls'", "error", lambda v: v in ("error", "keep", "skip"),
+              "'error', 'keep' or 'skip'"),
     ParamSpec("max_retries", "times a failed training launch is retried from the last checkpoint; default: "
               "spark.task.maxFailures - 1 (0 in local[N] mode)", None, optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("min_num_proc", "the fewest ranks a retry may go on with when a lost executor took task slots with it "
@@ -426,10 +431,10 @@ TOPICS = (
      ("num_proc", "store", "model", "optimizer", "lr", "loss", "metrics", "feature_cols", "label_cols",
       "batch_size", "epochs", "validation")),
     ("Data", "Columns, shapes, batches and how the rows are read.",
-     ("input_shapes", "label_shapes", "sample_weight_col", "drop_nulls", "transformation_fn", "tokenizer",
-      "max_length", "val_batch_size", "shuffle", "drop_last", "train_steps_per_epoch", "validation_steps_per_epoch",
-      "data_mode", "partitions_per_process", "reader", "train_reader_num_workers", "val_reader_num_workers",
-      "reader_pool_type", "mp_start_method", "inmemory_cache_all", "shuffle_buffer_size")),
+     ("input_shapes", "label_shapes", "sample_weight_col", "drop_nulls", "handle_invalid", "transformation_fn",
+      "tokenizer", "max_length", "val_batch_size", "shuffle", "drop_last", "train_steps_per_epoch",
+      "validation_steps_per_epoch", "data_mode", "partitions_per_process", "reader", "train_reader_num_workers",
+      "val_reader_num_workers", "reader_pool_type", "mp_start_method", "inmemory_cache_all", "shuffle_buffer_size")),
     ("Training", "The loop, the loss, the learning rate and when to stop.",
      ("loss_weights", "loss_constructors", "train_step", "train_fn", "random_seed", "lr_schedule", "warmup_steps",
       "warmup_ratio", "lr_scheduler_fn", "gradient_clip_val", "backward_passes_per_step", "terminate_on_nan",

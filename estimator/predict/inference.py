@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch import nn
 
@@ -79,8 +80,16 @@ def task_gpu() -> Optional[str]:
 
 
 def predict_arrow(key: str, blob: Pickled, predictor: Predictor, *columns: pa.Array) -> pa.StructArray:
+    for name, column in zip(predictor.input_cols(), columns):
+        if column.null_count:
+            raise ValueError(null_values(name, column.null_count, len(column)))
     values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(predictor.input_cols(), columns)]
     return predict_columns(key, blob, predictor, values)
+
+
+def null_values(name: str, count: int, rows: int) -> str:
+    return (f"Column {name!r} has {count} null values (in a batch of {rows} rows): fill or drop them first, or set "
+            "handle_invalid='keep' (null outputs for such a row) or 'skip' (the row left out of the result).")
 
 
 def predict_columns(key: str, blob: Pickled, predictor: Predictor, columns: Sequence[np.ndarray]) -> pa.StructArray:
@@ -184,16 +193,48 @@ def loaded(predictor: Union[Predictor, SentPredictor]) -> Predictor:
     return _PREDICTORS[predictor.blob]
 
 
-def make_predict(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor]):
-    """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints."""
+def make_predict(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor], keep: bool = False):
+    """The function an Arrow UDF runs (pyspark >= 4.1): typed, since pyspark reads the type hints. `keep`
+    (handle_invalid='keep'): a row holding a null gets a null struct instead of failing the job."""
 
     def predict(*columns: pa.Array) -> pa.Array:
         try:
+            if keep:
+                return kept_nulls(lambda cols: predict_arrow(key, blob, loaded(predictor), *cols), list(columns),
+                                  loaded(predictor).arrow_type())
             return predict_arrow(key, blob, loaded(predictor), *columns)
         except Exception as exc:  # noqa: BLE001 - its cause first, without the frames below
             raise transform_failed(exc) from None
 
     return predict
+
+
+def null_rows(columns: Sequence[pa.Array]) -> np.ndarray:
+    """Which rows hold a null in any column, or an array holding a null (its elements, not deeper)."""
+    bad = np.zeros(len(columns[0]) if columns else 0, dtype=bool)
+    for column in columns:
+        if column.null_count:
+            bad |= column.is_null().to_numpy(zero_copy_only=False)
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or \
+                pa.types.is_fixed_size_list(column.type):
+            values = column.flatten()
+            if values.null_count:
+                parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+                bad[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
+    return bad
+
+
+def kept_nulls(predict: Callable[[List[pa.Array]], pa.StructArray], columns: List[pa.Array],
+               struct: pa.StructType) -> pa.StructArray:
+    """`predict` over the rows without a null (null_rows); the others get a null struct, in their places."""
+    bad = null_rows(columns)
+    if not bad.any():
+        return predict(columns)
+    if bad.all():
+        return pa.nulls(len(bad), type=struct)
+    good = pa.array(~bad)
+    out = predict([column.filter(good) for column in columns])
+    return out.take(pa.array(np.cumsum(~bad) - 1, mask=bad))
 
 
 class TransformFailed(RuntimeError):
@@ -221,15 +262,22 @@ def series_values(column: Any) -> np.ndarray:
     return np.stack(column.to_numpy())
 
 
-def make_predict_pandas(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor]):
+def make_predict_pandas(key: str, blob: Pickled, predictor: Union[Predictor, SentPredictor], keep: bool = False):
     """The same as a pandas UDF, for pyspark 3.5 (no Arrow UDFs): Series in, a DataFrame of outputs out (the
-    struct make_predict returns, as pandas_frame gives it)."""
+    struct make_predict returns, as pandas_frame gives it; `keep`: as make_predict's, null fields)."""
     import pandas as pd
 
     def predict(*columns: pd.Series) -> pd.DataFrame:
-        values = [series_values(c) for c in columns]
         try:
-            struct = predict_columns(key, blob, loaded(predictor), values)
+            if keep:
+                struct = kept_nulls(lambda cols: predict_columns(key, blob, loaded(predictor), [
+                    series_values(c.to_pandas()) for c in cols]), [pa.array(c) for c in columns],
+                    loaded(predictor).arrow_type())
+            else:
+                for name, column in zip(loaded(predictor).input_cols(), columns):
+                    if column.isna().any():
+                        raise ValueError(null_values(name, int(column.isna().sum()), len(column)))
+                struct = predict_columns(key, blob, loaded(predictor), [series_values(c) for c in columns])
         except Exception as exc:  # noqa: BLE001 - as in make_predict
             raise transform_failed(exc) from None
         return pandas_frame(struct)

@@ -28,6 +28,18 @@ def as_read(df: DataFrame, name: str) -> Column:
     return F.when(column.isNull(), F.lit(None)).otherwise(vector_to_array(column, "float32"))
 
 
+def without_nulls(df: DataFrame, names: List[str]) -> Column:
+    """True for the rows with no null in columns `names`, nor an array holding a null (its elements): the rows
+    handle_invalid='skip' keeps, those the UDF's null_rows does not name."""
+    kept = F.lit(True)
+    for name in names:
+        column = F.col(name)
+        kept = kept & column.isNotNull()
+        if isinstance(df.schema[name].dataType, ArrayType):
+            kept = kept & ~F.exists(column, lambda element: element.isNull())
+    return kept
+
+
 def is_chat(dtype: DataType) -> bool:
     return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, StructType)
 
