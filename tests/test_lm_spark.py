@@ -245,6 +245,9 @@ def test_what_cannot_train_is_refused_by_name_before_any_job(spark, store, llama
     with pytest.raises(ValueError, match="'max_new_tokens' parameter of TorchModel is 80.*64 positions"):
         assert jobs_run_by(spark, lambda: writer.transform(texts).collect()) == []
     writer.setMaxNewTokens(8)
+    with_null = spark.createDataFrame([("Tell me",), (None,)], "prompt string")  # handle_invalid='keep': a null
+    kept = writer.copy({writer.handle_invalid: "keep"}).transform(with_null).collect()  # prompt, a null text
+    assert [r.prediction is None for r in kept] == [False, True] and isinstance(kept[0].prediction, str)
     typo = writer.copy({writer.generate_kwargs: {"top_p": 0.9, "do_smaple": True}})
     with pytest.raises(ValueError, match="'generate_kwargs' parameter of TorchModel holds 'do_smaple'.*'do_sample'"):
         typo.transform(texts)
