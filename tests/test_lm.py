@@ -234,7 +234,14 @@ def test_rows_left_without_a_response_token_are_counted_over_the_whole_table(lla
     chats = [[user, {"role": "assistant", "content": "teal"}], [user], [user, {"role": "user", "content": "Well?"}]]
     chat = lm_train_spec(store, llama, chats, batch=4, epochs=1, chat=True, run="c").data
     with pytest.raises(ValueError, match=r"2 of 3 training rows \(2 of them chats with no assistant turn\)\. Such a "
-                                         r"row trains nothing: drop those rows first"):
+                                         r"row trains nothing: drop those rows first\.$"):
+        check_room(chat, tokenizer, None)
+    shared = [[{"role": "human", "content": "What color is the kettle?"}, {"role": "gpt", "content": "teal"}]] * 3
+    chat = lm_train_spec(store, llama, shared, batch=4, epochs=1, chat=True, run="g").data  # ShareGPT's roles
+    with pytest.raises(ValueError, match=r"3 of 3 training rows \(3 of them chats with no assistant turn\).* roles "
+                       r"include 'gpt', 'human'; .*F\.transform\('chat', lambda m: m\.withField\('role', "
+                       r"F\.when\(m\.role == 'gpt', 'assistant'\)\.when\(m\.role == 'human', 'user'\)\."
+                       r"otherwise\(m\.role\)\)\)"):
         check_room(chat, tokenizer, None)
 
 

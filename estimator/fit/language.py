@@ -7,14 +7,14 @@ max_new_tokens, the vocabulary) are in estimator.predict.language_checks, and is
 TorchModel uses them without importing fit."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 import numpy as np
 from pyspark.sql.types import StringType, StructType
 
 from estimator.core.adapters import can_generate, model_positions
 from estimator.core.spec import DataSpec, LMSpec
-from estimator.data.lm import json_chats_refusal, response_starts
+from estimator.data.lm import json_chats_refusal, messages_of, response_starts
 from estimator.data.parquet import Span, read_span
 from estimator.data.rows import Chat, Pairs, PromptResponse, Prompts, RowFormat, Text
 from estimator.data.text import length_limit
@@ -192,14 +192,15 @@ def check_lm_params(p: Dict[str, Any]) -> None:
 
 
 def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Optional[int]
-                      ) -> Tuple[int, int, int, int, Dict[str, int]]:
+                      ) -> Tuple[int, int, int, int, Dict[str, int], Set[str]]:
     """(rows, rows with no response token left, of them chats with no assistant turn, the longest prompt's
-    tokens, preference pairs' empty answers per answer column) over `pieces`: the prompt (or chat) column, and
-    the pairs' answer columns, read from the store a chunk at a time, once."""
+    tokens, preference pairs' empty answers per answer column, the roles of the chats with no assistant turn)
+    over `pieces`: the prompt (or chat) column, and the pairs' answer columns, read from the store a chunk at a
+    time, once."""
     lm = data.lm
     answers = list(lm.rows.answers)
     rows = short = unanswered = longest = 0
-    empty = dict.fromkeys(answers, 0)
+    empty, roles = dict.fromkeys(answers, 0), set()
     for piece in pieces:
         for batch in read_span(data.store, Span(piece, 0, piece.num_rows), [lm.column, *answers], CHUNK_ROWS):
             refusal = None if rows else json_chats_refusal(lm.column, batch[lm.column], "the model would learn "
@@ -208,11 +209,14 @@ def rows_without_room(data: DataSpec, pieces: Any, tokenizer: Any, limit: Option
                 raise ValueError(refusal)
             starts = response_starts(tokenizer, lm, batch)
             rows, unanswered = rows + len(starts), unanswered + int((starts < 0).sum())
+            if lm.rows.messages and (starts < 0).any():
+                roles.update(m["role"] for i in np.flatnonzero(starts < 0)
+                             for m in messages_of(batch[lm.column][i], lm.column))
             short += int(((starts < 0) | (starts >= (limit or np.iinfo(np.int64).max))).sum())
             longest = max(longest, int(starts.max(initial=0)))
             for column in answers:
                 empty[column] += sum(1 for v in batch[column] if lm.rows.blank(v))
-    return rows, short, unanswered, longest, empty
+    return rows, short, unanswered, longest, empty, roles
 
 
 def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: int = 0) -> None:
@@ -222,9 +226,10 @@ def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: in
     driver: 6.6 s for 100,000 prompts of about 40 tokens (one row group; 2 busy cores, the tests' tokenizer).
     `completion_tokens`: what a completion sampled on the ranks may add to a prompt (the objective's), within the
     model's positions with the longest prompt."""
-    limit, found, blanks, longest_of_all = length_limit(tokenizer, data.max_length), [], [], 0
+    limit, found, blanks, longest_of_all, roles = length_limit(tokenizer, data.max_length), [], [], 0, set()
     for name, pieces in (("training", data.train), ("validation", data.val)):
-        rows, short, unanswered, longest, empty = rows_without_room(data, pieces, tokenizer, limit)
+        rows, short, unanswered, longest, empty, unread = rows_without_room(data, pieces, tokenizer, limit)
+        roles |= unread
         longest_of_all = max(longest_of_all, longest)
         if short:
             found.append((name, rows, short, unanswered, longest))
@@ -251,4 +256,21 @@ def check_room(data: DataSpec, tokenizer: Any, model: Any, completion_tokens: in
                      longest < positions else f"shorten the prompts (the longest takes {longest} tokens, and the "
                      f"model has {positions} positions)")
     raise ValueError(f"Rows of column {data.lm.column!r} leave no {data.lm.rows.room} after the cut at "
-                     f"max_length={limit}: {told}. Such a row trains nothing: {' or '.join(fixes)}.")
+                     f"max_length={limit}: {told}. Such a row trains nothing: {' or '.join(fixes)}."
+                     + other_roles(data.lm.column, roles))
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; the 'assistant' turns train
+
+
+def other_roles(column: str, roles: Set[str]) -> str:
+    """The fix for chats whose roles are not a chat template's (ShareGPT's 'human' and 'gpt'), or ''."""
+    other = sorted(roles - set(CHAT_ROLES))
+    if not other:
+        return ""
+    names = {"gpt": "assistant", "human": "user", "bot": "assistant", "model": "assistant"}
+    renamed = [(r, names[r]) for r in other if r in names] or [(other[0], "assistant")]
+    cases = "".join(f".when(m.role == {old!r}, {new!r})" for old, new in renamed)  # F.when(...).when(...)
+    return (f" Those chats' roles include {', '.join(map(repr, other))}; the assistant's turns are those of role "
+            f"'assistant' (chat templates take {', '.join(map(repr, CHAT_ROLES))}): rename the roles first, e.g. "
+            f"F.transform({column!r}, lambda m: m.withField('role', F{cases}.otherwise(m.role))).")
