@@ -10,7 +10,7 @@ from estimator.core.spec import total_rows
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import read_rows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
-from estimator.data.repeats import marked
+from estimator.data.repeats import leaves_out, marked
 
 
 class ShardBatches:
@@ -70,7 +70,7 @@ class CachedShard:
         plan = self.plan()
         seed = epoch_seed(self.spec.seed, epoch, self.rank).entropy if self.training else 0
         return self.shard.epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed, skip,
-                                passes=self.training and self.spec.train_steps_per_epoch is None)
+                                passes=self.training and leaves_out(self.spec))
 
     def describe(self) -> str:
         return f"arrow in memory ({self.reason})" if self.reason else "arrow in memory"

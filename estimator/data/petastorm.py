@@ -17,6 +17,7 @@ from estimator.core.spec import Piece, TrainSpec, total_rows
 from estimator.data.arrays import prepare_arrays
 from estimator.data.cached import ShardBatches
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
+from estimator.data.repeats import leaves_out
 from estimator.data.streaming import in_order, rows_in
 
 PINS = ("pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26.4, pandas 2.2.3 and petastorm 0.12.1 (pip install "
@@ -86,7 +87,7 @@ class PetastormShard:
         if self.options.inmemory_cache_all:
             seed = epoch_seed(spec.seed, epoch, self.rank).entropy if self.training else 0
             return self._cached().epoch(plan.batch_size, plan.steps, plan.items, plan.shuffle, seed,
-                                        passes=self.training and spec.train_steps_per_epoch is None)
+                                        passes=self.training and leaves_out(spec))
         if not self.training:
             return rebatch(self._row_groups(1, 0), plan.batch_size, plan.steps, False, None)
         if self.stream is None:  # one endless reader for the whole run

@@ -27,7 +27,7 @@ from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.cached import draw_order
 from estimator.data.parquet import read_rows, shard_range, spans
 from estimator.data.plan import epoch_seed, plan_steps
-from estimator.data.repeats import marked
+from estimator.data.repeats import leaves_out, marked
 from estimator.data.shards import Shard, streaming_train_shard
 from estimator.data.streaming import StreamingShard
 
@@ -135,7 +135,8 @@ class Remainder:
     seed: List[int]  # of the order they are trained in
     batch_size: int
     kept: bool = False  # `rows` is in training order, the old global batches' parts (kept_batches)
-    own: int = -1  # of `rows`, those dealt to this rank (fewer left rows than ranks: 0); the draws past them repeat
+    own: int = -1  # of `rows`, those dealt to this rank (fewer left rows than ranks: 0), the draws past them repeats
+    # to leave out (estimator.data.repeats.leaves_out); -1: none left out
 
     @property
     def steps(self) -> int:  # the same on every rank
@@ -155,7 +156,7 @@ class Remainder:
             draws -= draws % spec.batch_size
         mine = left_slice(counts, start, stop) if stop > start else left_slice(counts, 0, draws)  # fewer than ranks
         return Remainder(mine, draws, [*epoch_seed(spec.seed, epoch, rank).entropy, world_size], spec.batch_size,
-                         own=stop - start)
+                         own=stop - start if leaves_out(spec) else -1)
 
     @property
     def real(self) -> Optional[int]:

@@ -18,7 +18,7 @@ import numpy as np
 from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.parquet import Span, read_span, span_windows
 from estimator.data.plan import EpochPlan, epoch_seed, plan_epoch
-from estimator.data.repeats import marked
+from estimator.data.repeats import leaves_out, marked
 
 CHUNK_BYTES = 1 << 20  # decoded at a time from one span: 4,096 rows of 64 floats, 32 rows of 32 KB images
 CHUNK_ROWS = (32, 4096)  # ...within these bounds (more, smaller reads cost more per row; 1,024: +20%)
@@ -48,7 +48,7 @@ class StreamingShard:
         """The epoch's batches from batch `skip` on (a resumed epoch reads and drops the batches before it,
         so that it continues with the rows and the order an uninterrupted epoch had)."""
         plan = self.plan()
-        passes = self.training and self.spec.train_steps_per_epoch is None
+        passes = self.training and leaves_out(self.spec)
         real = self.rows if passes and plan.items > self.rows else None
         for step, batch in enumerate(self.batches(plan.items, plan.batch_size, plan.shuffle, self._rng(epoch),
                                                   real=real)):

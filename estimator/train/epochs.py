@@ -19,6 +19,7 @@ from estimator.data.balance import WINDOW, balance
 from estimator.data.cached import CachedShard
 from estimator.data.feed import Decoders, Feed, decoding, rank_cores
 from estimator.data.remainder import Remainder, known_order, remainder_for
+from estimator.data.repeats import leaves_out
 from estimator.data.shards import EarlyRead, Shard, open_shards
 from estimator.data.lm import batch_tokenizer
 from estimator.data.reference import stored_reference
@@ -240,7 +241,7 @@ class Run:
         if remainder is not None:
             mine = remainder.real is not None
         else:
-            mine = self.spec.train_steps_per_epoch is None and train.plan().items > train.rows
+            mine = leaves_out(self.spec) and train.plan().items > train.rows
         flag = torch.tensor([float(mine)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -1,11 +1,12 @@
 """What the loss of a step is divided by, so that k ranks of batch b compute the gradients one process computes
 at batch k*b over the same rows. An objective says which by its `weighting` (estimator.train.objectives):
 
-- `PerBatch`: the loss is already a mean over its batch's rows; with gradient accumulation each batch's loss is
-  divided by the batches of the window, and DistributedDataParallel (or FSDP) averages over the ranks. In an
-  epoch where a rank's batches leave out rows it drew again (`uneven`: estimator.data.repeats) the ranks' batches
-  may differ in rows, and a mean of their means is not the mean over their rows: each rank's loss is multiplied
-  by its rows times the ranks over the rows of every rank's batch (an all_reduce issued before the forward).
+- `PerBatch`: the loss is already a mean over its batch's rows, and DistributedDataParallel (or FSDP) averages
+  over the ranks. In an epoch where a rank's batches leave out rows it drew again (`uneven`:
+  estimator.data.repeats) the ranks' batches may differ in rows, and a mean of their means is not the mean over
+  their rows: each rank's loss is multiplied by its rows times the ranks over the rows of every rank's batch (an
+  all_reduce issued before the forward). With gradient accumulation a window is one batch of its rows: each
+  batch's mean weighed by its rows, the gradients divided by the window's rows on all ranks before the step.
 - `PerWeight`: the loss is a sum over its batch's weight (a causal LM's labelled tokens, a classic fit's sample
   weights), which the objective tells before the forward (`weight_of`): the gradients are those of the summed
   losses over the weight of the whole window on all ranks, a mean of the ranks' means would weight a rank's
@@ -30,32 +31,49 @@ from estimator.train.sums import WEIGHT, Sums
 
 
 class PerBatch:
-    """Each batch's loss is its mean: divided by the batches of an accumulation window (and, `uneven`, weighed
-    by the batch's share of the rows of every rank's batch)."""
+    """Each batch's loss is its mean over its rows. One batch a step: as it is, and in an `uneven` epoch weighed by
+    its share of the rows of every rank's batch. With accumulation, a window is one batch of all its rows: each
+    batch's mean weighed by its rows, and the window's gradients divided by the rows of the window's batches on
+    every rank (a short last batch, or an epoch's last window of fewer batches, counts for the rows it has, as
+    one process's smaller last batch does)."""
 
     def __init__(self, every: int, world_size: int, sums: Sums, uneven: bool = False):
         self.every, self.world_size, self.uneven = every, world_size, uneven
         self.rows, self.counted = 1, None
+        self.window, self.unit, self.device = 0, 0, None  # accumulation: this rank's rows of the window so far
 
     def begin(self, objective: Any, batch: Any, rows: int = 1) -> None:
         self.rows = rows
-        if self.uneven:  # every rank's rows summed while the forward runs (a fill on the device: no copy)
+        if self.every > 1:
+            self.window += rows
+            self.unit = self.unit or rows  # the first batch's rows: the scale stays about what 1/every gives
+            self.device = next(batch.each()).device
+        elif self.uneven:  # every rank's rows summed while the forward runs (a fill on the device: no copy)
             device = next(batch.each()).device
             self.counted = WindowWeight(torch.full((), float(rows), dtype=torch.float64, device=device),
                                         self.world_size)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.every > 1:  # its rows' sum, in units of the first batch's rows (before_step divides)
+            return loss * (self.rows / (max(self.unit, 1) * self.every))
         if self.counted is not None:
-            loss = loss * self.counted.share(self.rows)
-        elif not self.rows:
-            loss = loss * 0.0
-        return loss / self.every if self.every > 1 else loss
+            return loss * self.counted.share(self.rows)
+        return loss * 0.0 if not self.rows else loss
 
     def add(self, sums: torch.Tensor) -> None:
         pass
 
     def before_step(self, gradients: Callable[[], List[torch.Tensor]]) -> None:
-        pass
+        """With accumulation: the window's gradients times ranks x unit x every over the window's rows on all
+        ranks (1 for full windows of full batches), once."""
+        if self.every == 1 or self.device is None:
+            return
+        total = torch.full((), float(self.window), dtype=torch.float64, device=self.device)
+        self.window = 0
+        factor = WindowWeight(total, self.world_size).share(max(self.unit, 1) * self.every)
+        grads = gradients()
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
 
     def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         return loss.detach()
