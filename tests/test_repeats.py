@@ -123,3 +123,39 @@ def test_every_rank_takes_the_same_steps_and_the_rows_left_without_repeats_are_e
     assert len(lengths) == 1 and sorted(seen) == list(range(1003))
     full = dataclasses.replace(spec, drop_last=True)  # batches kept full: the repeat trained, none marked
     assert not any(REPEAT in b for rank in range(world) for b in open_shards(full, rank, world)[0].epoch(1))
+
+
+def test_a_run_cut_inside_an_uneven_epoch_goes_on_at_another_rank_count_to_the_uninterrupted_weights(store, digits):
+    """97 shuffled rows on 3 ranks of batch 8 (33, 32, 32: the epoch's last global batch is rank 0's one row, the
+    others' batches their repeats), cut after the checkpoint of step 2 and continued on 2 ranks of batch 12 (the
+    global batch of 24 kept): the rest of the epoch is the old ranks' global batches without their repeats, dealt
+    in parts that differ by a row at most (a shorter part's repeat left out too), and the run ends with the
+    uninterrupted run's weights and loss."""
+    from estimator.core.faults import Fault
+    from estimator.failures import RankFailed
+    from estimator.train.checkpoint import load_checkpoint
+
+    model = seeded(MLP)
+
+    def make(run):
+        return make_spec(store, digits, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         train_rows=97, val_rows=40, batch=8, epochs=1, run=run, checkpoint_steps=2,
+                         shared_memory_allreduce=False, collective_timeout=8.0)
+
+    whole = LocalLauncher().run(make("whole"), 3)
+    cut = make("cut")
+    with pytest.raises(RankFailed):
+        LocalLauncher(faults=(Fault("step", 0, "raise", step=4),)).run(cut, 3)
+    assert load_checkpoint(store, cut.run.checkpoint)["position"]["step"] == 2
+    again = dataclasses.replace(cut, resume_from=cut.run.checkpoint, batch_size=12, attempt=1, launch_id="again")
+    resumed = LocalLauncher().run(again, 2)
+
+    def weights(run):
+        module = MLP()
+        restore(store, store.run(run), store.run(run).checkpoint, module, None)
+        return module.state_dict()
+
+    expected, got = weights("whole"), weights("cut")
+    for name, value in expected.items():
+        assert torch.allclose(got[name], value, atol=1e-5), (name, (got[name] - value).abs().max())
+    assert resumed[0].history[0]["loss"] == pytest.approx(whole[0].history[0]["loss"], rel=1e-5)

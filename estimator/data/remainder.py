@@ -9,7 +9,8 @@ reader, steps per epoch) says which global rows the old ranks served. The in-mem
 estimator.data.cached's draw_order; the streaming reader's is its own draws replayed over row ids instead of rows
 (no row is read). Where the old ranks read in memory, the new ones too, and the global batch is the same (old
 batch_size x ranks = new), the rest trains the old ranks' own global batches, each dealt to the new ranks in
-equal parts: the steps of the uninterrupted run, so its weights (`kept_batches`). Otherwise the rows left are dealt
+parts that differ by at most a row (a shorter one draws a row again, marked as a repeat): the steps of the
+uninterrupted run, so its weights (`kept_batches`). Otherwise the rows left are dealt
 in balanced contiguous slices of their global order, each rank's slice shuffled by (seed, epoch, rank, ranks);
 ranks whose slices are one row shorter draw one row again so that every rank takes the same steps (the rule of
 every epoch), marked as a repeat that the built-in loop does not train (estimator.data.repeats). A streaming
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from estimator.data.arrays import Arrays, prepare_arrays
 from estimator.data.cached import draw_order
 from estimator.data.parquet import read_rows, shard_range, spans
 from estimator.data.plan import epoch_seed, plan_steps
-from estimator.data.repeats import leaves_out, marked
+from estimator.data.repeats import REPEAT, leaves_out, marked
 from estimator.data.shards import Shard, streaming_train_shard
 from estimator.data.streaming import StreamingShard
 
@@ -83,13 +84,14 @@ def left_slice(left: np.ndarray, start: int, stop: int, block: int = 1 << 20) ->
 
 
 def kept_batches(spec, total: int, epoch: int, layout: List[int], steps: int, rank: int,
-                 world_size: int) -> Optional[np.ndarray]:
-    """This rank's part of each global batch the old ranks had left after `steps`, in training order: old rank
-    r's batch t is rows [t*b, (t+1)*b) of its draw order, the global batch t is theirs together, and new rank q
-    takes the q-th of world_size equal parts of it. None when that cannot hold the uninterrupted run's steps: the
-    old ranks streamed (their orders are replayed batch by batch elsewhere), the global batch changed, an old rank
-    drew a row again in an epoch of passes (a repeat, which is not trained), or a partial last batch does not
-    divide into equal parts."""
+                 world_size: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """This rank's part of each global batch the old ranks had left after `steps`, in training order, and which of
+    its draws are repeats: old rank r's batch t is rows [t*b, (t+1)*b) of its draw order (less the draws it took
+    again, in an epoch that leaves them out: estimator.data.repeats), the global batch t is theirs together, and
+    new rank q takes the q-th of world_size parts of it. Parts differ by at most a row (a short last batch); a
+    shorter one draws one of the batch's rows again, marked as a repeat, so every rank takes the same steps. None
+    when that cannot hold the uninterrupted run's steps: the old ranks streamed (their orders are replayed batch
+    by batch elsewhere) or the global batch changed."""
     batch_size, old_world, in_memory, _, per_epoch = (int(v) for v in layout[:5])
     if not in_memory or batch_size * old_world != spec.batch_size * world_size:
         return None
@@ -97,17 +99,21 @@ def kept_batches(spec, total: int, epoch: int, layout: List[int], steps: int, ra
     orders = [np.concatenate(list(drawn(old, total, epoch, r, old_world, True, None))) for r in range(old_world)]
     if len({len(order) for order in orders}) != 1:
         return None
-    if not per_epoch and any(len(order) > len(range(*shard_range(total, r, old_world)))
-                             for r, order in enumerate(orders)):
-        return None
-    mine = []
+    real = [len(range(*shard_range(total, r, old_world))) if leaves_out(old) else len(orders[r])
+            for r in range(old_world)]  # an old rank's draws from there on were repeats, not trained
+    mine, again = [], []
     for begin in range(steps * batch_size, len(orders[0]), batch_size):
-        batch = np.concatenate([order[begin:begin + batch_size] for order in orders])
-        if len(batch) % world_size:
-            return None
-        part = len(batch) // world_size
-        mine.append(batch[rank * part:(rank + 1) * part])
-    return np.concatenate(mine) if mine else np.empty((0,), dtype=np.int64)
+        batch = np.concatenate([order[begin:min(begin + batch_size, max(real[r], begin))]
+                                for r, order in enumerate(orders)])
+        if len(batch) == 0:
+            break
+        parts = np.array_split(batch, world_size)
+        part, width = parts[rank], len(parts[0])
+        mine.append(np.concatenate([part, np.resize(batch, width - len(part))]))
+        again.append(np.arange(width) >= len(part))
+    if not mine:
+        return np.empty((0,), dtype=np.int64), np.empty((0,), dtype=bool)
+    return np.concatenate(mine), np.concatenate(again)
 
 
 def read_kept(data, ids: np.ndarray, chunk: int = 1 << 16) -> Arrays:
@@ -137,6 +143,7 @@ class Remainder:
     kept: bool = False  # `rows` is in training order, the old global batches' parts (kept_batches)
     own: int = -1  # of `rows`, those dealt to this rank (fewer left rows than ranks: 0), the draws past them repeats
     # to leave out (estimator.data.repeats.leaves_out); -1: none left out
+    again: Optional[np.ndarray] = None  # kept: which of `rows` are a short part's repeats
 
     @property
     def steps(self) -> int:  # the same on every rank
@@ -147,7 +154,7 @@ class Remainder:
              world_size: int, in_memory: bool = False) -> "Remainder":
         kept = kept_batches(spec, total, epoch, layout, old_steps, rank, world_size) if in_memory else None
         if kept is not None:
-            return Remainder(kept, len(kept), [], spec.batch_size, kept=True)
+            return Remainder(kept[0], len(kept[0]), [], spec.batch_size, kept=True, again=kept[1])
         counts = left_rows(spec, total, epoch, layout, old_steps)
         left = int(counts.sum(dtype=np.int64))
         start, stop = shard_range(left, rank, world_size)
@@ -163,6 +170,11 @@ class Remainder:
         """The draws before the first repeat (estimator.data.repeats), or None without one."""
         return self.own if 0 <= self.own < self.draws else None
 
+    @property
+    def repeats(self) -> bool:
+        """Whether this rank draws a repeat that the built-in loop leaves out."""
+        return self.real is not None or (self.again is not None and bool(self.again.any()))
+
     def batches(self, spec, train: Shard) -> Iterator[Arrays]:
         """Streamed when `train` streams (only these rows kept from the row groups that hold them), else read
         into memory (the span of global rows that holds them)."""
@@ -171,6 +183,8 @@ class Remainder:
         data = spec.data
         if self.kept:  # the old global batches' parts, in their order
             arrays = read_kept(data, self.rows)
+            if self.repeats:
+                arrays[REPEAT] = self.again
             for step in range(self.steps):
                 yield {k: v[step * self.batch_size:(step + 1) * self.batch_size] for k, v in arrays.items()}
             return

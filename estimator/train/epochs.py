@@ -239,7 +239,7 @@ class Run:
         if self.ctx.world_size == 1:
             return False
         if remainder is not None:
-            mine = remainder.real is not None
+            mine = remainder.repeats
         else:
             mine = leaves_out(self.spec) and train.plan().items > train.rows
         flag = torch.tensor([float(mine)], device=self.device)
