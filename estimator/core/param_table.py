@@ -110,7 +110,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("validation", "fraction of rows held out (0 <= v < 1), or a column that is true (or non-zero) for "
               "validation rows, false, 0 or null for training rows. "
               "A fraction holds out each row by a hash of its values and random_seed: about v of the rows (200 "
-              "rows at 0.2: 40, give or take 6), the same rows at every fit, identical rows on the same side",
+              "rows at 0.2: 40, give or take 6), the same rows at every fit, identical rows on the same side. A "
+              "validation DataFrame of its own: union it with the training rows, marked by such a column",
               None, is_validation, "a float in [0, 1), a column name, or None"),
     ParamSpec("batch_size", "rows per training batch on each rank", 32, is_int(1), "an int >= 1"),
     ParamSpec("val_batch_size", "rows per validation batch; default batch_size", None, optional(is_int(1)),
