@@ -139,7 +139,9 @@ class RendezvousFailed(RankFailed):
 
 
 def _is_dist_error(exc: BaseException) -> bool:
-    """A torch.distributed error: a peer went away. torch is imported only where a rank failed (it is there)."""
+    """A torch.distributed error: a peer went away. torch is imported only where a rank failed (it is there). gloo's
+    transport raises a plain RuntimeError naming its source ('.../gloo/transport/tcp/pair.cc:537] Read error
+    [127.0.0.1]:57032: Connection reset by peer'): a collective whose peer died, never the cause."""
     import torch.distributed as dist
 
-    return isinstance(exc, dist.DistError)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport/" in str(exc))
