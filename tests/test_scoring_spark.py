@@ -41,7 +41,7 @@ def test_a_fits_held_out_perplexity_is_the_evaluators_over_its_scored_rows(spark
         num_proc=2, store=store, model=factory, tokenizer=tokenizer, random_seed=1, verbose=0,
         peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
         optimizer=functools.partial(torch.optim.AdamW, lr=5e-3), feature_cols=["prompt"], label_cols=["response"],
-        batch_size=4, epochs=4, max_new_tokens=10, validation="held").fit(df)
+        batch_size=4, epochs=6, max_new_tokens=10, validation="held").fit(df)  # 6: tokenF1 0.28, 4: about 0
     held = df.filter("held").drop("held")
     scored = fitted.copy({fitted.output_kind: "score"}).transform(held)
     assert [f.name for f in scored.schema.fields][-4:] == ["logprob", "tokens", "perplexity", "truncated"]
