@@ -264,7 +264,8 @@ class TorchModel(DeclaredParams, Model, Persistable):
         key = handle.key if handle is not None else hashlib.sha256(blob).hexdigest()
         sent = sent_predictor(predictor, p)
         added = [(f.name, n) for f, n in added_fields(predictor)]
-        return TorchModelPyfunc(key, blob, sent, list(predictor.input_cols()), added)
+        return TorchModelPyfunc(key, blob, sent, list(predictor.input_cols()), added,
+                                keep=p["handle_invalid"] != "error")
 
     def save_pretrained(self, path: str, merged: bool = True) -> None:
         """Write a folder that Hugging Face's `from_pretrained` loads (config.json, model.safetensors) with the

@@ -198,3 +198,25 @@ def test_handle_invalid_keep_gives_a_row_with_a_null_null_outputs_in_its_place_i
     np.testing.assert_array_equal(frame["_prediction"].dropna().to_numpy(), clean.field("_prediction").to_numpy())
     with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 1 null values .*handle_invalid"):
         inference.make_predict_pandas("k-keep", blob, _layout())(series)
+
+
+def test_the_mlflow_pyfunc_gives_a_row_with_a_null_null_outputs_under_handle_invalid():
+    """The pyfunc returns a row for each row it is given: with handle_invalid 'keep' (or 'skip') a null feature's
+    row gets null outputs, the others what transform gives them; with 'error', the error names the param."""
+    import pandas as pd
+    import pytest
+
+    pytest.importorskip("mlflow")
+    from estimator.predict.pyfunc import TorchModelPyfunc
+
+    blob = cloudpickle.dumps(seeded(MLP).eval())
+    x = np.random.default_rng(2).random((3, 64), dtype=np.float32)
+    frame = pd.DataFrame({"features": [list(x[0]), None, list(x[2])]})
+    kept = TorchModelPyfunc("k-pyfunc", blob, _layout(), ["features"], [("prediction", "_prediction")], keep=True)
+    got = kept.predict(None, frame)
+    clean = predict_arrow("k-pyfunc", blob, _layout(), pa.array([list(x[0]), list(x[2])], pa.list_(pa.float32())))
+    assert got["prediction"].isna().tolist() == [False, True, False]
+    np.testing.assert_array_equal(got["prediction"].dropna().to_numpy(), clean.field("_prediction").to_numpy())
+    with pytest.raises(ValueError, match=r"Column 'features' has 1 null values .*handle_invalid"):
+        TorchModelPyfunc("k-pyfunc", blob, _layout(), ["features"], [("prediction", "_prediction")]).predict(None,
+                                                                                                           frame)
