@@ -189,14 +189,16 @@ def test_handle_invalid_keep_gives_a_row_with_a_null_null_outputs_in_its_place_i
     everything = inference.make_predict("k-keep", blob, _layout(), keep=True)(pa.array([None, None],
                                                                                       pa.list_(pa.float32())))
     assert everything.null_count == 2 and everything.type == _layout().arrow_type()
-    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 1 null values .*handle_invalid"):
+    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 2 rows with a null value or an "
+                                                        r"array holding a null .*handle_invalid"):
         inference.make_predict("k-keep", blob, _layout())(column)
 
     series = pd.Series([None if r is None else np.array(r, dtype=object if None in r else np.float32) for r in rows])
     frame = inference.make_predict_pandas("k-keep", blob, _layout(), keep=True)(series)
     assert frame["_prediction"].isna().tolist() == [False, True, False, True, False]
     np.testing.assert_array_equal(frame["_prediction"].dropna().to_numpy(), clean.field("_prediction").to_numpy())
-    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 1 null values .*handle_invalid"):
+    with pytest.raises(inference.TransformFailed, match=r"Column 'features' has 2 rows with a null value or an "
+                                                        r"array holding a null .*handle_invalid"):
         inference.make_predict_pandas("k-keep", blob, _layout())(series)
 
 

@@ -360,8 +360,8 @@ ESTIMATOR_PARAMS = [
     ParamSpec("handle_invalid", "transform's rows with a null (or an array holding a null) in a column it reads "
               "(set on the estimator: its fitted model's), as Spark ML's handleInvalid: 'error' fails the job naming "
               "the column; 'keep' gives such a row null outputs and keeps it; 'skip' leaves it out of the result. "
-              "Training's are drop_nulls'", "error", lambda v: v in ("error", "keep", "skip"),
-              "'error', 'keep' or 'skip'"),
+              "A NaN is a value, not a null (its row gets NaN outputs). Training's are drop_nulls'", "error",
+              lambda v: v in ("error", "keep", "skip"), "'error', 'keep' or 'skip'"),
     ParamSpec("max_retries", "times a failed training launch is retried from the last checkpoint; default: "
               "spark.task.maxFailures - 1 (0 in local[N] mode)", None, optional(is_int(0)), "an int >= 0 or None"),
     ParamSpec("min_num_proc", "the fewest ranks a retry may go on with when a lost executor took task slots with it "

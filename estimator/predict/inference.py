@@ -24,7 +24,7 @@ from torch import nn
 from estimator.core.devices import assigned_gpu
 from estimator.core.handle import ModelHandle
 from estimator.core.outputs import forward, outputs_of
-from estimator.data.arrays import column_to_numpy, reshape
+from estimator.data.arrays import column_to_numpy, is_list, reshape
 from estimator.data.frames import torch_dtype_array
 from estimator.lm.continuous import release
 from estimator.predict.predictor import Predictor
@@ -81,14 +81,16 @@ def task_gpu() -> Optional[str]:
 
 def predict_arrow(key: str, blob: Pickled, predictor: Predictor, *columns: pa.Array) -> pa.StructArray:
     for name, column in zip(predictor.input_cols(), columns):
-        if column.null_count:
-            raise ValueError(null_values(name, column.null_count, len(column)))
+        bad = int(null_rows([column]).sum()) if column.null_count or is_list(column.type) else 0
+        if bad:
+            raise ValueError(null_values(name, bad, len(column), column.null_count < bad))
     values = [column_to_numpy(pa.chunked_array([c]), name) for name, c in zip(predictor.input_cols(), columns)]
     return predict_columns(key, blob, predictor, values)
 
 
-def null_values(name: str, count: int, rows: int) -> str:
-    return (f"Column {name!r} has {count} null values (in a batch of {rows} rows): fill or drop them first, or set "
+def null_values(name: str, count: int, rows: int, inside: bool = False) -> str:
+    what = "rows with a null value or an array holding a null" if inside else "null values"
+    return (f"Column {name!r} has {count} {what} (in a batch of {rows} rows): fill or drop them first, or set "
             "handle_invalid='keep' (null outputs for such a row) or 'skip' (the row left out of the result).")
 
 
@@ -275,8 +277,10 @@ def make_predict_pandas(key: str, blob: Pickled, predictor: Union[Predictor, Sen
                     loaded(predictor).arrow_type())
             else:
                 for name, column in zip(loaded(predictor).input_cols(), columns):
-                    if column.isna().any():
-                        raise ValueError(null_values(name, int(column.isna().sum()), len(column)))
+                    nulls = int(column.isna().sum())
+                    bad = int(null_rows([pa.array(column)]).sum()) if column.dtype == object else nulls
+                    if bad:
+                        raise ValueError(null_values(name, bad, len(column), nulls < bad))
                 struct = predict_columns(key, blob, loaded(predictor), [series_values(c) for c in columns])
         except Exception as exc:  # noqa: BLE001 - as in make_predict
             raise transform_failed(exc) from None
