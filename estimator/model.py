@@ -32,8 +32,8 @@ from estimator.predict.language_checks import check_chat_fields
 from estimator.predict.kinds import PREDICTORS
 from estimator.predict.persistence import Persistable
 from estimator.predict.predictor import Predictor
-from estimator.predict.schema import (CHAT_TYPE, added_fields, as_read, chat_of_maps, is_chat, spark_type,
-                                      without_nulls)
+from estimator.predict.schema import (CHAT_TYPE, added_fields, any_null, as_read, chat_of_maps, is_chat,
+                                      null_checks, spark_type)
 from estimator.predict.weights import save_pretrained_to
 from estimator.core.lightning_module import for_inference
 
@@ -234,7 +234,7 @@ class TorchModel(DeclaredParams, Model, Persistable):
                 predict = F.pandas_udf(make_predict_pandas(key, source, sent, keep), internal,
                                        F.PandasUDFType.SCALAR).asNondeterministic()
         if p["handle_invalid"] == "skip":
-            df = df.filter(without_nulls(df, predictor.input_cols()))
+            df = df.filter(~any_null(null_checks(df, predictor.input_cols())))  # as drop_nulls drops in fit
         inputs = [as_read(df, c) for c in predictor.input_cols()]
         tmp = f"__torch_{uuid.uuid4().hex[:8]}"
         with_struct = df.withColumn(tmp, predict(*inputs))

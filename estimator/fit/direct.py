@@ -17,7 +17,8 @@ from pyspark.sql import DataFrame
 from estimator.data.arrays import Arrays
 from estimator.data.arrays import table_to_arrays
 from estimator.fit.fingerprint import ROW_HASH, SPLIT_COLUMN
-from estimator.fit.materialize import any_null, null_checks, selected
+from estimator.fit.materialize import selected
+from estimator.predict.schema import any_null, null_checks
 
 
 def direct_source(df: DataFrame, columns: Sequence[str], validation: Union[None, float, str], seed: int,

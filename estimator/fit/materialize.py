@@ -12,7 +12,6 @@ pass; its copy is used by its fit only and removed when the fit ends.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark.ml.linalg import VectorUDT
-from pyspark.sql import Column, DataFrame, Observation
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType
 
@@ -34,7 +33,7 @@ from estimator.fit.fingerprint import (FORMAT_VERSION, SPLIT_COLUMN as _VAL, con
                                    reusable_plan, shape_key, tagged)
 from estimator.fit.parquet_writer import write_with_executors
 from estimator.launch.session import job_tag
-from estimator.predict.schema import as_read
+from estimator.predict.schema import any_null, as_read, null_checks, null_elements
 from store import Store
 from store.budget import enforce, fingerprints, release, remove, take_lease
 from store.layout import DataLayout
@@ -186,7 +185,7 @@ def _write(plain: DataFrame, store: Store, root: str, columns: Sequence[str], pa
     written when executors wrote them (None: Spark's writer). The same job counts rows with nulls and array
     lengths per column and computes the content fingerprint (`observation`): no extra pass."""
     arrays = [c for c in columns if isinstance(plain.schema[c].dataType, ArrayType)]
-    nullable = [c for c in arrays if _null_elements(plain, c)]
+    nullable = [c for c in arrays if null_elements(plain, c)]
     bad = null_checks(plain, columns)
     checks = [F.count(F.lit(1)).alias("rows")] + [F.sum(bad[c].cast("long")).alias(f"nulls:{c}") for c in columns]
     for c in arrays:
@@ -222,23 +221,6 @@ def _committed(store: Store, layout: DataLayout, fp: str, attempt: str, written:
 
 def _pieces(store: Store, directory: str) -> Tuple[Piece, ...]:
     return list_pieces(store, directory) if store.exists(directory) else ()
-
-
-def null_checks(plain: DataFrame, columns: Sequence[str]) -> Dict[str, Column]:
-    """Per column: the value is null, or holds a null element. Elements are looked at only where the type allows
-    null elements (not vector_to_array's or F.array's of non-null values): a lambda over every element costs 15%
-    of the write (1M rows x 32 floats)."""
-    return {c: F.col(c).isNull() | F.exists(F.col(c), lambda x: x.isNull()) if _null_elements(plain, c)
-            else F.col(c).isNull() for c in columns}
-
-
-def any_null(checks: Dict[str, Column]) -> Column:
-    return functools.reduce(lambda a, b: a | b, checks.values())
-
-
-def _null_elements(plain: DataFrame, column: str) -> bool:
-    kind = plain.schema[column].dataType
-    return isinstance(kind, ArrayType) and kind.containsNull
 
 
 def _as_array(df: DataFrame, name: str):
