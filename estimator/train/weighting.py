@@ -71,9 +71,7 @@ class PerBatch:
         total = torch.full((), float(self.window), dtype=torch.float64, device=self.device)
         self.window = 0
         factor = WindowWeight(total, self.world_size).share(max(self.unit, 1) * self.every)
-        grads = gradients()
-        for dtype in {g.dtype for g in grads}:
-            torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
+        scale_gradients(gradients(), factor)
 
     def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         return loss.detach()
@@ -110,12 +108,16 @@ class PerWeight:
             return
         factor = WindowWeight(self.window, self.world_size).factor()
         self.window = None
-        grads = gradients()
-        for dtype in {g.dtype for g in grads}:
-            torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
+        scale_gradients(gradients(), factor)
 
     def step_loss(self, loss: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         return loss.detach() / sums[self.slot].clamp_min(1)
+
+
+def scale_gradients(grads: List[torch.Tensor], factor: torch.Tensor) -> None:
+    """Every gradient multiplied by `factor` in place (on the device), one foreach call per dtype."""
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
 
 
 class WindowWeight:
